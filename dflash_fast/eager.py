@@ -1,0 +1,221 @@
+"""Eager twins of the three hot ops: SPEC.md §3-5 in plain PyTorch.
+
+These are the oracles the Triton kernels are tested against, and the path that
+runs on CPU. They favour clarity over memory: the attention builds its dense
+mask, the loss materialises `[N, V]` logits. Every function here has the exact
+signature of its kernel in `dflash_fast/kernels/<op>.py`; `dflash_fast.ops`
+chooses between them.
+"""
+from typing import NamedTuple, Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+
+LOSS_KINDS = ("kl", "ce", "ce_data", "kl_topk")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3/Llama RMSNorm: statistics in fp32, scale applied in the input dtype.
+
+    x: [..., H], weight: [H] -> [..., H] (x.dtype). For zero-centred norms
+    (Qwen3-Next, Qwen3.5: `x * (1 + w)`) pass the effective weight `1 + w`.
+    """
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * y.to(x.dtype)
+
+
+def stack_layers(hidden: Union[torch.Tensor, Sequence[torch.Tensor]]) -> torch.Tensor:
+    """[N, K, H_t] tensor, or K tensors [N, H_t] -> [N, K, H_t]."""
+    if isinstance(hidden, torch.Tensor):
+        if hidden.dim() != 3:
+            raise ValueError(f"hidden must be [N, K, H_t], got shape {tuple(hidden.shape)}")
+        return hidden
+    return torch.stack(list(hidden), dim=1)
+
+
+def fc_concat(
+    hidden: Union[torch.Tensor, Sequence[torch.Tensor]],
+    fc_weight: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    noise_std: float = 0.0,
+    seed: int = 0,
+) -> torch.Tensor:
+    """ctx = rms_norm(concat_k(hidden[:, k] + noise) @ fc_weight.T, norm_weight).
+
+    hidden: [N, K, H_t] (any strides) or K tensors [N, H_t]; fc_weight: [H, K*H_t];
+    norm_weight: [H] -> ctx [N, H]. `noise_std > 0` adds uniform noise in
+    [-noise_std, noise_std) to the hidden states (training augmentation; the
+    Triton kernel draws its own numbers from `seed`, so only the distribution is
+    shared). Hidden states are data: no gradient flows into them.
+    """
+    x = stack_layers(hidden).detach()
+    if noise_std > 0:
+        gen = torch.Generator(device=x.device).manual_seed(seed)
+        noise = torch.rand(x.shape, generator=gen, device=x.device, dtype=torch.float32)
+        x = (x.float() + (2 * noise - 1) * noise_std).to(x.dtype)
+    n, k, h_t = x.shape
+    if fc_weight.shape[1] != k * h_t:
+        raise ValueError(f"fc_weight is {tuple(fc_weight.shape)} but K*H_t = {k}*{h_t} = {k * h_t}")
+    return rms_norm(F.linear(x.reshape(n, k * h_t), fc_weight), norm_weight, eps)
+
+
+def document_starts(document_ids: torch.Tensor) -> torch.Tensor:
+    """[R, T] document ids (contiguous runs) -> [R, T] index of each token's document start."""
+    r, t = document_ids.shape
+    pos = torch.arange(t, device=document_ids.device).expand(r, t)
+    new_doc = torch.ones_like(document_ids, dtype=torch.bool)
+    new_doc[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    return torch.where(new_doc, pos, torch.zeros_like(pos)).cummax(dim=1).values
+
+
+def anchored_attention_mask(
+    anchors: torch.Tensor,
+    anchor_valid: torch.Tensor,
+    document_ids: torch.Tensor,
+    block_size: int,
+    window: Optional[int] = None,
+    causal_in_block: bool = False,
+) -> torch.Tensor:
+    """SPEC §4 visibility as a dense boolean mask [R, A*B, T + A*B] (context keys, then block keys).
+
+    Query (i, j) sees context key p iff doc[p] == doc[a_i] and p < a_i (strictly
+    before the anchor) and, with a window W, p >= a_i - W; it sees block key
+    (i', j') iff i' == i and (j' <= j when causal_in_block). Invalid anchors see nothing.
+    """
+    r, a = anchors.shape
+    t = document_ids.shape[1]
+    b = block_size
+    p = torch.arange(t, device=anchors.device)
+    anchor_doc = document_ids.gather(1, anchors.clamp(0, t - 1))  # [R, A]
+    ctx = (document_ids[:, None, :] == anchor_doc[:, :, None]) & (p[None, None, :] < anchors[:, :, None])
+    if window is not None:
+        ctx &= p[None, None, :] >= anchors[:, :, None] - window
+    ctx = ctx[:, :, None, :].expand(r, a, b, t)  # same for every slot of the block
+    j = torch.arange(b, device=anchors.device)
+    in_block = (j[None, :] <= j[:, None]) if causal_in_block else torch.ones(b, b, dtype=torch.bool, device=anchors.device)
+    same_block = torch.eye(a, dtype=torch.bool, device=anchors.device)
+    blk = same_block[:, None, :, None] & in_block[None, :, None, :]  # [A, B, A, B]
+    blk = blk.reshape(1, a, b, a * b).expand(r, a, b, a * b)
+    mask = torch.cat([ctx, blk], dim=-1) & anchor_valid[:, :, None, None]
+    return mask.reshape(r, a * b, t + a * b)
+
+
+def anchored_attention(
+    q: torch.Tensor,
+    k_ctx: torch.Tensor,
+    v_ctx: torch.Tensor,
+    k_blk: torch.Tensor,
+    v_blk: torch.Tensor,
+    anchors: torch.Tensor,
+    anchor_valid: torch.Tensor,
+    document_ids: torch.Tensor,
+    block_size: int,
+    window: Optional[int] = None,
+    causal_in_block: bool = False,
+    scale: Optional[float] = None,
+) -> torch.Tensor:
+    """Anchored block attention of the drafter (SPEC §4), dense-mask reference.
+
+    q: [R, A*B, Hq, D]; k_ctx, v_ctx: [R, T, Hkv, D]; k_blk, v_blk: [R, A*B, Hkv, D];
+    anchors: [R, A] int64, sorted, row positions; anchor_valid: [R, A] bool;
+    document_ids: [R, T] (contiguous runs) -> out [R, A*B, Hq, D] in q.dtype.
+    Rows of invalid anchors are zero. Hq must be a multiple of Hkv (GQA).
+    """
+    r, n_q, hq, d = q.shape
+    hkv = k_ctx.shape[2]
+    scale = d ** -0.5 if scale is None else scale
+    mask = anchored_attention_mask(anchors, anchor_valid, document_ids, block_size, window, causal_in_block)
+    k = torch.cat([k_ctx, k_blk], dim=1).repeat_interleave(hq // hkv, dim=2)  # [R, S, Hq, D]
+    v = torch.cat([v_ctx, v_blk], dim=1).repeat_interleave(hq // hkv, dim=2)
+    scores = torch.einsum("rqhd,rshd->rhqs", q.float(), k.float()) * scale
+    scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked rows -> 0
+    out = torch.einsum("rhqs,rshd->rqhd", probs, v.float())
+    return out.to(q.dtype)
+
+
+class LossOutput(NamedTuple):
+    """loss: scalar (differentiable); kl: scalar KL(p||q) metric for kl kinds, else None;
+    draft_argmax, teacher_argmax: [N] int64 (teacher_argmax is the label the loss used)."""
+
+    loss: torch.Tensor
+    kl: Optional[torch.Tensor]
+    draft_argmax: torch.Tensor
+    teacher_argmax: torch.Tensor
+
+
+def lm_head_loss(
+    h: torch.Tensor,
+    norm_weight: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    weights: torch.Tensor,
+    kind: str,
+    normalizer: Union[float, torch.Tensor],
+    eps: float,
+    last: Optional[torch.Tensor] = None,
+    final_norm_weight: Optional[torch.Tensor] = None,
+    labels: Optional[torch.Tensor] = None,
+    topk_ids: Optional[torch.Tensor] = None,
+    topk_logits: Optional[torch.Tensor] = None,
+    topk_lse: Optional[torch.Tensor] = None,
+) -> LossOutput:
+    """Drafter norm + lm_head + loss against the teacher (SPEC §5), materialised logits.
+
+    h: [N, H] drafter pre-norm states; norm_weight: [H]; lm_head_weight: [V, H] (frozen
+    unless it requires grad); weights: [N] = position weight x mask (0 drops a row);
+    loss = sum_n weights[n] * l[n] / max(normalizer, 1).
+    kind:
+      kl      -- soft CE against softmax(lm_head(final_norm(last))); needs last [N, H],
+                 final_norm_weight [H] (effective weight).
+      ce      -- hard CE against labels [N] (stored teacher argmax) if given, else
+                 against argmax(lm_head(final_norm(last))).
+      ce_data -- hard CE against labels [N] (the dataset tokens).
+      kl_topk -- soft CE against the stored top-k teacher: p_i = exp(topk_logits - topk_lse)
+                 over topk_ids [N, k] plus the rest mass 1 - sum p_i on "every other token".
+    """
+    if kind not in LOSS_KINDS:
+        raise ValueError(f"loss kind {kind!r} is not one of {LOSS_KINDS}")
+    logits = F.linear(rms_norm(h, norm_weight, eps), lm_head_weight).float()  # [N, V]
+    logq = torch.log_softmax(logits, dim=-1)
+    w = weights.float()
+    kl = None
+    if kind == "kl" or (kind == "ce" and labels is None):
+        if last is None or final_norm_weight is None:
+            raise ValueError(f"loss kind {kind!r} without stored labels needs last and final_norm_weight")
+        with torch.no_grad():
+            t = F.linear(rms_norm(last, final_norm_weight, eps), lm_head_weight).float()
+        teacher_argmax = t.argmax(-1)
+        if kind == "kl":
+            logp = torch.log_softmax(t, dim=-1)
+            per_row = -(logp.exp() * logq).sum(-1)
+            kl = ((logp.exp() * (logp - logq.detach())).sum(-1) * w).sum()
+        else:
+            per_row = -logq.gather(1, teacher_argmax[:, None])[:, 0]
+    elif kind in ("ce", "ce_data"):
+        if labels is None:
+            raise ValueError(f"loss kind {kind!r} needs labels")
+        teacher_argmax = labels.long()
+        per_row = -logq.gather(1, teacher_argmax.clamp(0, logits.shape[1] - 1)[:, None])[:, 0]
+    else:
+        if topk_ids is None or topk_logits is None or topk_lse is None:
+            raise ValueError("loss kind 'kl_topk' needs topk_ids, topk_logits and topk_lse")
+        ids = topk_ids.long()
+        teacher_argmax = ids[:, 0]
+        p = torch.exp(topk_logits.float() - topk_lse.float()[:, None])  # [N, k]
+        p_rest = (1 - p.sum(-1)).clamp(min=0)
+        logq_top = logq.gather(1, ids)
+        rest_logits = logits.scatter(1, ids, float("-inf"))
+        logq_rest = torch.logsumexp(rest_logits, dim=-1) - torch.logsumexp(logits, dim=-1)
+        rest_term = torch.where(p_rest > 0, p_rest * logq_rest, torch.zeros_like(p_rest))
+        per_row = -((p * logq_top).sum(-1) + rest_term)
+        with torch.no_grad():
+            plogp = torch.where(p > 0, p * p.clamp(min=1e-38).log(), torch.zeros_like(p)).sum(-1)
+            plogp = plogp + torch.where(p_rest > 0, p_rest * p_rest.clamp(min=1e-38).log(), torch.zeros_like(p_rest))
+            kl = ((plogp + per_row.detach()) * w).sum()
+    denom = torch.as_tensor(normalizer, dtype=torch.float32, device=h.device).clamp(min=1)
+    loss = (per_row * w).sum() / denom
+    if kl is not None:
+        kl = kl / denom
+    return LossOutput(loss, kl, logits.argmax(-1), teacher_argmax)
