@@ -1,0 +1,115 @@
+"""One way to time, measure memory and write results for every benchmark in bench/.
+
+GPU: `triton.testing.do_bench` (CUDA events, L2 flushed between reps) and
+`torch.cuda.max_memory_allocated` after `reset_peak_memory_stats`. CPU: a
+wall-clock fallback for `--smoke` runs only; CPU times are never a performance claim.
+"""
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+
+def device_name() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def time_ms(fn: Callable[[], object], warmup: int = 3, rep: int = 10) -> float:
+    """Median milliseconds of one call of fn."""
+    if torch.cuda.is_available():
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=warmup * 5, rep=rep * 10, return_mode="median"))
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(rep):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def peak_memory_mb(fn: Callable[[], object]) -> Optional[float]:
+    """Peak extra CUDA memory (MB) of one call of fn beyond what was allocated before; None on CPU."""
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def environment() -> Dict[str, str]:
+    import triton
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "device": device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "commit": commit,
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+    }
+
+
+def markdown_table(rows: List[Dict[str, object]]) -> str:
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else ("" if v is None else str(v))
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_results(name: str, rows: List[Dict[str, object]], out_dir: str, plot: Optional[Dict[str, str]] = None) -> str:
+    """Write <out_dir>/<name>.json and .md (and .png when plot={'x':..., 'y':..., 'group':...}); returns the Markdown."""
+    os.makedirs(out_dir, exist_ok=True)
+    env = environment()
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+        json.dump({"environment": env, "rows": rows}, f, indent=1)
+    md = f"## {name}\n\n" + "".join(f"- {k}: `{v}`\n" for k, v in env.items()) + "\n" + markdown_table(rows) + "\n"
+    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
+        f.write(md)
+    if plot:
+        _plot(rows, plot, os.path.join(out_dir, f"{name}.png"), f"{name} on {env['device']}")
+    return md
+
+
+def _plot(rows, spec, path, title):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    groups = dict.fromkeys(r.get(spec["group"]) for r in rows)
+    labels = list(dict.fromkeys(str(r.get(spec["x"])) for r in rows))
+    width = 0.8 / max(len(groups), 1)
+    for gi, g in enumerate(groups):
+        vals = [next((r[spec["y"]] for r in rows if r.get(spec["group"]) == g and str(r.get(spec["x"])) == lab and r.get(spec["y"]) is not None), 0) for lab in labels]
+        ax.bar([i + gi * width for i in range(len(labels))], vals, width, label=str(g))
+    ax.set_xticks([i + width * (len(groups) - 1) / 2 for i in range(len(labels))], labels)
+    ax.set_ylabel(spec["y"])
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
