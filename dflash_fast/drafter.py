@@ -1,0 +1,436 @@
+"""The DFlash drafter (SPEC §3-5): fc over the K tapped layers, N Qwen3-style layers
+attending to [ctx ; block], the target's frozen embedding, final norm and lm_head.
+
+    hidden [R, T, K, H_t] --fc_concat--> ctx [R, T, H]
+    block ids [R, A*B] --embed--> x --N layers (q from x; k/v from [ctx ; x])--> x
+    x --norm, lm_head, loss vs teacher at p-1--> loss, argmaxes
+
+The three hot ops go through `dflash_fast.ops`; everything else is plain torch.
+"""
+import dataclasses
+import json
+import math
+import os
+from typing import Dict, List, NamedTuple, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from dflash_fast import ops
+from dflash_fast.eager import rms_norm
+
+LAYER_KINDS = ("full", "sliding")
+# Models whose RMSNorm scales by (1 + w): the frozen final norm is stored as the effective weight.
+ZERO_CENTRED_NORM_MODELS = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "gemma", "gemma2", "gemma3", "gemma3_text")
+
+
+@dataclasses.dataclass
+class DrafterConfig:
+    """Architecture of the drafter; built from the target's config by `from_target`."""
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    layer_ids: List[int]  # target layer ids tapped (SPEC §1 convention: HF hidden_states[id + 1])
+    target_num_layers: int
+    target_hidden_size: int
+    mask_token_id: int
+    rms_norm_eps: float = 1e-6
+    rope_parameters: Dict = dataclasses.field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    max_position_embeddings: int = 32768
+    num_layers: int = 5
+    block_size: int = 16
+    layer_types: Optional[List[str]] = None  # per layer "full" | "sliding"; None = all full
+    sliding_window: Optional[int] = None
+    causal_in_block: bool = False
+    target_model_type: str = ""
+
+    def __post_init__(self):
+        if self.layer_types is None:
+            self.layer_types = ["full"] * self.num_layers
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} drafter layers")
+        for kind in self.layer_types:
+            if kind not in LAYER_KINDS:
+                raise ValueError(f"drafter layer kind {kind!r} is not one of {LAYER_KINDS}")
+        if "sliding" in self.layer_types and not self.sliding_window:
+            raise ValueError("a 'sliding' drafter layer needs sliding_window > 0")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"{self.num_attention_heads} query heads are not a multiple of {self.num_key_value_heads} kv heads")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask token id {self.mask_token_id} is outside the embedding (0..{self.vocab_size - 1})")
+
+    @property
+    def num_tapped(self) -> int:
+        return len(self.layer_ids)
+
+    @classmethod
+    def from_target(cls, target_config, layer_ids: List[int], mask_token_id: int, **options) -> "DrafterConfig":
+        """Copy sizes, RoPE and eps from an HF target config (text sub-config of multimodal ones)."""
+        tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+        head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+        rope = dict(getattr(tc, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(tc, "rope_theta", 10000.0)})
+        if getattr(tc, "partial_rotary_factor", None) is not None:
+            rope.setdefault("partial_rotary_factor", tc.partial_rotary_factor)
+        intermediate = getattr(tc, "intermediate_size", None) or 4 * tc.hidden_size
+        return cls(
+            hidden_size=tc.hidden_size,
+            num_attention_heads=tc.num_attention_heads,
+            num_key_value_heads=getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads,
+            head_dim=head_dim,
+            intermediate_size=intermediate,
+            vocab_size=tc.vocab_size,
+            layer_ids=list(layer_ids),
+            target_num_layers=tc.num_hidden_layers,
+            target_hidden_size=tc.hidden_size,
+            mask_token_id=mask_token_id,
+            rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
+            rope_parameters=rope,
+            max_position_embeddings=getattr(tc, "max_position_embeddings", 32768),
+            target_model_type=getattr(tc, "model_type", ""),
+            **options,
+        )
+
+    def to_dict(self) -> Dict:
+        return dataclasses.asdict(self)
+
+
+def resolve_mask_token_id(vocab_size: int, mask_token_id: Optional[int] = None, tokenizer=None) -> int:
+    """`--mask-token-id`, else the tokenizer's mask token, else the last embedding row the tokenizer
+    does not use (targets such as Qwen3 pad their embedding beyond the tokenizer)."""
+    if mask_token_id is None and tokenizer is not None and tokenizer.mask_token_id is not None:
+        mask_token_id = tokenizer.mask_token_id
+    if mask_token_id is None and tokenizer is not None and len(tokenizer) < vocab_size:
+        mask_token_id = vocab_size - 1
+    if mask_token_id is None:
+        raise ValueError(
+            f"no mask token: the tokenizer has no mask token and uses all {vocab_size} embedding rows; pass --mask-token-id"
+        )
+    if not 0 <= mask_token_id < vocab_size:
+        raise ValueError(f"mask token id {mask_token_id} is outside the target embedding (0..{vocab_size - 1})")
+    return mask_token_id
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Rope(nn.Module):
+    """RoPE over the first `rotary_dim` channels of each head (partial_rotary_factor), HF's rotate-half layout."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        params = cfg.rope_parameters
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        self.rotary_dim = int(cfg.head_dim * params.get("partial_rotary_factor", 1.0))
+        if rope_type == "default":
+            dim = self.rotary_dim
+            inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+            scaling = 1.0
+        else:
+            from transformers import Qwen3Config
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            hf = Qwen3Config(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads, head_dim=self.rotary_dim,
+                             max_position_embeddings=cfg.max_position_embeddings, rope_parameters=dict(params, partial_rotary_factor=1.0))
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, None)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.scaling = scaling
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
+        """positions [...] -> cos, sin [..., 1, rotary_dim] (broadcast over heads)."""
+        freqs = positions[..., None].float() * self.inv_freq
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return (emb.cos() * self.scaling).to(dtype)[..., None, :], (emb.sin() * self.scaling).to(dtype)[..., None, :]
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [..., heads, D] rotated on its first rotary_dim channels."""
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        half = self.rotary_dim // 2
+        rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+        return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.hq, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.q_proj = nn.Linear(h, self.hq * d, bias=False)
+        self.k_proj = nn.Linear(h, self.hkv * d, bias=False)
+        self.v_proj = nn.Linear(h, self.hkv * d, bias=False)
+        self.o_proj = nn.Linear(self.hq * d, h, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def kv(self, x: torch.Tensor, rope: Rope, cos_sin):
+        """x [R, S, H] -> k, v [R, S, Hkv, D]; the same projections serve ctx and block."""
+        r, s, _ = x.shape
+        k = rope.apply(self.k_norm(self.k_proj(x).view(r, s, self.hkv, self.d)), *cos_sin)
+        return k, self.v_proj(x).view(r, s, self.hkv, self.d)
+
+    def forward(self, x, ctx, rope: Rope, blk_cos_sin, ctx_cos_sin, attn: Dict) -> torch.Tensor:
+        r, q_len, _ = x.shape
+        q = rope.apply(self.q_norm(self.q_proj(x).view(r, q_len, self.hq, self.d)), *blk_cos_sin)
+        k_blk, v_blk = self.kv(x, rope, blk_cos_sin)
+        k_ctx, v_ctx = self.kv(ctx, rope, ctx_cos_sin)  # ctx gets no input_layernorm (SPEC §4)
+        out = ops.anchored_attention(q, k_ctx, v_ctx, k_blk, v_blk, scale=self.d ** -0.5, **attn)
+        return self.o_proj(out.reshape(r, q_len, self.hq * self.d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig, index: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+        self.window = cfg.sliding_window if cfg.layer_types[index] == "sliding" else None
+        self.causal_in_block = cfg.causal_in_block
+
+    def forward(self, x, ctx, rope, blk_cos_sin, ctx_cos_sin, attn: Dict) -> torch.Tensor:
+        attn = dict(attn, window=self.window, causal_in_block=self.causal_in_block)
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope, blk_cos_sin, ctx_cos_sin, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def position_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """SPEC §5: w_0 = 0, w_j = exp(-(j - 1) / gamma) -> [B]."""
+    j = torch.arange(block_size, dtype=torch.float32)
+    return torch.where(j >= 1, torch.exp(-(j - 1) / gamma), torch.zeros(()))
+
+
+class Targets(NamedTuple):
+    """Where every slot's teacher lives. All [R, A, B]."""
+
+    slot_mask: torch.Tensor  # bool: trained and scored (slot >= 1, valid anchor, in row, same document, loss_mask)
+    position: torch.Tensor  # p = a + j, clamped into the row
+    teacher_row: torch.Tensor  # p - 1, clamped into the row
+
+
+def slot_targets(batch: Dict[str, torch.Tensor], block_size: int) -> Targets:
+    """SPEC §5: slot j of the block at anchor a sits at p = a + j and is scored against the teacher at p - 1."""
+    anchors, valid = batch["anchors"], batch["anchor_valid"]
+    t = batch["input_ids"].shape[1]
+    j = torch.arange(block_size, device=anchors.device)
+    p = anchors[:, :, None] + j
+    pc = p.clamp(max=t - 1)
+    flat = lambda x: x.flatten(1)
+    gather = lambda src: src.gather(1, flat(pc)).view(pc.shape)
+    anchor_doc = batch["document_ids"].gather(1, anchors)[:, :, None]
+    mask = (j >= 1) & valid[:, :, None] & (p < t) & (gather(batch["document_ids"]) == anchor_doc) & gather(batch["loss_mask"].bool())
+    return Targets(mask, pc, (p - 1).clamp(0, t - 1))
+
+
+def gather_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x [R, T, ...] at row positions rows [R, A, B] -> [R*A*B, ...]."""
+    r, t = x.shape[:2]
+    idx = rows.reshape(r, -1)
+    return x.gather(1, idx.view(*idx.shape, *([1] * (x.dim() - 2))).expand(-1, -1, *x.shape[2:])).flatten(0, 1)
+
+
+class DrafterOutput(NamedTuple):
+    loss: torch.Tensor
+    kl: Optional[torch.Tensor]
+    draft_argmax: torch.Tensor  # [R, A, B]
+    teacher_argmax: torch.Tensor  # [R, A, B] (the teacher's argmax at p - 1)
+    slot_mask: torch.Tensor  # [R, A, B] bool
+
+
+class DFlashDrafter(nn.Module):
+    """Trainable: fc, hidden_norm, layers, norm. Frozen buffers: embed_tokens, lm_head, target_norm."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.config = cfg
+        h = cfg.hidden_size
+        self.fc = nn.Linear(cfg.num_tapped * cfg.target_hidden_size, h, bias=False)
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.rope = Rope(cfg)
+        self.register_buffer("embed_tokens", torch.zeros(cfg.vocab_size, h), persistent=False)
+        self.register_buffer("lm_head", torch.zeros(cfg.vocab_size, h), persistent=False)
+        self.register_buffer("target_norm", torch.ones(h), persistent=False)  # effective weight (1 + w for zero-centred norms)
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02):
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=std)
+            elif isinstance(m, RMSNorm):
+                nn.init.ones_(m.weight)
+
+    def set_frozen(self, embed_tokens: torch.Tensor, lm_head: torch.Tensor, target_norm: torch.Tensor):
+        """Copy the target's frozen tensors in (shapes [V, H], [V, H], [H])."""
+        for name, value in (("embed_tokens", embed_tokens), ("lm_head", lm_head), ("target_norm", target_norm)):
+            buf = getattr(self, name)
+            if tuple(value.shape) != tuple(buf.shape):
+                raise ValueError(f"target {name} has shape {tuple(value.shape)}, the drafter expects {tuple(buf.shape)}")
+            buf.copy_(value)
+
+    def context(self, hidden: torch.Tensor, noise_std: float = 0.0, seed: int = 0) -> torch.Tensor:
+        """hidden [R, T, K, H_t] -> ctx [R, T, H] = hidden_norm(fc(concat_k hidden)) (SPEC §3)."""
+        r, t, k, h_t = hidden.shape
+        ctx = ops.fc_concat(hidden.reshape(r * t, k, h_t), self.fc.weight, self.hidden_norm.weight, self.config.rms_norm_eps, noise_std, seed)
+        return ctx.view(r, t, -1)
+
+    def block_states(self, ctx, ctx_positions, input_ids_at_anchor, anchor_positions, anchors, anchor_valid, document_ids):
+        """The N layers over every block. ctx [R, T, H]; ctx_positions [R, T] (RoPE positions);
+        input_ids_at_anchor, anchor_positions, anchors, anchor_valid [R, A]; document_ids [R, T]
+        -> pre-norm states [R, A*B, H]."""
+        cfg = self.config
+        r, a = anchors.shape
+        b = cfg.block_size
+        ids = torch.full((r, a, b), cfg.mask_token_id, dtype=torch.long, device=anchors.device)
+        ids[:, :, 0] = input_ids_at_anchor
+        x = F.embedding(ids.view(r, a * b), self.embed_tokens).to(ctx.dtype)
+        blk_pos = (anchor_positions[:, :, None] + torch.arange(b, device=anchors.device)).view(r, a * b)
+        blk_cs, ctx_cs = self.rope.cos_sin(blk_pos, x.dtype), self.rope.cos_sin(ctx_positions, x.dtype)
+        attn = dict(anchors=anchors, anchor_valid=anchor_valid, document_ids=document_ids, block_size=b)
+        for layer in self.layers:
+            x = layer(x, ctx, self.rope, blk_cs, ctx_cs, attn)
+        return x
+
+    def forward(self, batch: Dict[str, torch.Tensor], loss_kind: str = "kl", gamma: float = 7.0,
+                noise_std: float = 0.0, seed: int = 0) -> DrafterOutput:
+        """Training forward on a collated batch (keys as in dflash_fast.batches)."""
+        cfg = self.config
+        anchors = batch["anchors"]
+        r, a = anchors.shape
+        b = cfg.block_size
+        ctx = self.context(batch["hidden"], noise_std, seed)
+        x = self.block_states(ctx, batch["position_ids"], batch["input_ids"].gather(1, anchors),
+                              batch["position_ids"].gather(1, anchors), anchors, batch["anchor_valid"], batch["document_ids"])
+        tg = slot_targets(batch, b)
+        weights = position_weights(b, gamma).to(x.device) * tg.slot_mask
+        n = r * a * b
+        kwargs = {}
+        stored_argmax = gather_rows(batch["teacher_topk_ids"], tg.teacher_row)[:, 0] if "teacher_topk_ids" in batch else None
+        if loss_kind == "kl" or (loss_kind == "ce" and stored_argmax is None):
+            if "last" not in batch:
+                raise ValueError(f"loss kind {loss_kind!r} needs `last` in the store; use ce or kl_topk with a --no-last store")
+            kwargs = dict(last=gather_rows(batch["last"], tg.teacher_row).to(x.dtype), final_norm_weight=self.target_norm.to(x.dtype))
+        elif loss_kind == "ce":
+            kwargs = dict(labels=stored_argmax)
+        elif loss_kind == "ce_data":
+            kwargs = dict(labels=gather_rows(batch["input_ids"], tg.position))
+        elif loss_kind == "kl_topk":
+            kwargs = dict(topk_ids=gather_rows(batch["teacher_topk_ids"], tg.teacher_row), topk_logits=gather_rows(batch["teacher_topk_logits"], tg.teacher_row),
+                          topk_lse=gather_rows(batch["teacher_lse"], tg.teacher_row))
+        else:
+            raise ValueError(f"unknown loss kind {loss_kind!r}")
+        out = ops.lm_head_loss(x.reshape(n, -1), self.norm.weight, self.lm_head.to(x.dtype), weights.reshape(n), loss_kind,
+                               tg.slot_mask.sum(), cfg.rms_norm_eps, **kwargs)
+        teacher = stored_argmax if stored_argmax is not None and loss_kind == "ce_data" else out.teacher_argmax
+        shape = (r, a, b)
+        return DrafterOutput(out.loss, out.kl, out.draft_argmax.view(shape), teacher.view(shape), tg.slot_mask)
+
+    @torch.no_grad()
+    def propose(self, hidden: torch.Tensor, anchor_token: int) -> torch.Tensor:
+        """Inference for one sequence: hidden [T, K, H_t] of positions 0..T-1 (all the target has
+        processed), anchor token at position T -> greedy guesses for positions T+1..T+B-1 [B-1]."""
+        t = hidden.shape[0]
+        dev = hidden.device
+        ctx = self.context(hidden[None].to(self.fc.weight.dtype))
+        anchors = torch.tensor([[t]], device=dev)
+        one_document = torch.zeros(1, t, dtype=torch.long, device=dev)
+        x = self.block_states(ctx, torch.arange(t, device=dev)[None], torch.tensor([[anchor_token]], device=dev), anchors,
+                              anchors, torch.ones(1, 1, dtype=torch.bool, device=dev), one_document)
+        logits = F.linear(self.norm(x[0, 1:]), self.lm_head.to(x.dtype))
+        return logits.argmax(-1)
+
+
+def slot_metrics(out: DrafterOutput) -> Dict[str, torch.Tensor]:
+    """Sums for SPEC §6 metrics (reduce across ranks, then divide): acc_hits/acc_count [B] per slot,
+    tau_sum (sum over valid blocks of 1 + leading matches), blocks (valid block count)."""
+    match = (out.draft_argmax == out.teacher_argmax) & out.slot_mask
+    valid_block = out.slot_mask[..., 1]  # an anchor is eligible only if slot 1 is trainable (SPEC §3)
+    leading = match[..., 1:].long().cumprod(-1).sum(-1)
+    return {
+        "acc_hits": match.flatten(0, 1).sum(0).float(),
+        "acc_count": out.slot_mask.flatten(0, 1).sum(0).float(),
+        "tau_sum": ((1 + leading) * valid_block).sum().float(),
+        "blocks": valid_block.sum().float(),
+    }
+
+
+FROZEN_NAMES = {
+    "embed_tokens": ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight", "language_model.model.embed_tokens.weight"),
+    "lm_head": ("lm_head.weight", "language_model.lm_head.weight"),
+    "target_norm": ("model.norm.weight", "model.language_model.norm.weight", "language_model.model.norm.weight"),
+}
+
+
+def load_frozen_tensors(target_path: str, dtype: torch.dtype = torch.float32) -> Dict[str, torch.Tensor]:
+    """Read only embed_tokens, lm_head and the final norm from the target's safetensors (never the
+    whole target). lm_head falls back to embed_tokens for tied embeddings; a zero-centred final
+    norm (Qwen3-Next, Qwen3.5, Gemma) is returned as its effective weight 1 + w."""
+    from safetensors import safe_open
+
+    with open(os.path.join(target_path, "config.json")) as f:
+        config = json.load(f)
+    text_config = config.get("text_config", config)
+    index_path = os.path.join(target_path, "model.safetensors.index.json")
+    if os.path.exists(index_path):
+        with open(index_path) as f:
+            where = {k: os.path.join(target_path, v) for k, v in json.load(f)["weight_map"].items()}
+    else:
+        single = os.path.join(target_path, "model.safetensors")
+        if not os.path.exists(single):
+            raise FileNotFoundError(f"{target_path} has neither model.safetensors nor model.safetensors.index.json")
+        with safe_open(single, "pt") as f:
+            where = {k: single for k in f.keys()}
+    out = {}
+    for name, candidates in FROZEN_NAMES.items():
+        key = next((c for c in candidates if c in where), None)
+        if key is None and name == "lm_head" and (text_config.get("tie_word_embeddings") or config.get("tie_word_embeddings")):
+            out[name] = out["embed_tokens"]
+            continue
+        if key is None:
+            raise KeyError(f"{target_path}: none of {candidates} found for the target's {name}")
+        with safe_open(where[key], "pt") as f:
+            out[name] = f.get_tensor(key).to(dtype)
+    model_type = text_config.get("model_type", config.get("model_type", ""))
+    if model_type in ZERO_CENTRED_NORM_MODELS:
+        out["target_norm"] = out["target_norm"].float().add(1.0).to(dtype)
+    return out
+
+
+def build_drafter(target_path: str, layer_ids: List[int], mask_token_id: Optional[int] = None, **options) -> DFlashDrafter:
+    """A fresh drafter for the target at `target_path` with its frozen tensors loaded."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    target_config = AutoConfig.from_pretrained(target_path)
+    vocab = (target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config).vocab_size
+    tokenizer = None
+    if mask_token_id is None:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(target_path)
+        except (OSError, ValueError):
+            tokenizer = None
+    cfg = DrafterConfig.from_target(target_config, layer_ids, resolve_mask_token_id(vocab, mask_token_id, tokenizer), **options)
+    drafter = DFlashDrafter(cfg)
+    drafter.set_frozen(**load_frozen_tensors(target_path))
+    return drafter

@@ -1,0 +1,342 @@
+"""The drafter, its anchored mask, targets at p-1, metrics and export (SPEC §3-6)."""
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM
+
+from dflash_fast import eager
+from dflash_fast.drafter import (DFlashDrafter, DrafterConfig, DrafterOutput, build_drafter, position_weights,
+                                 resolve_mask_token_id, slot_metrics)
+from dflash_fast.export import export_drafter, load_exported
+
+V, H, K, B = 96, 32, 3, 4
+
+
+def small_config(**kw) -> DrafterConfig:
+    args = dict(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64, vocab_size=V,
+                layer_ids=[0, 1, 2], target_num_layers=4, target_hidden_size=H, mask_token_id=V - 1, num_layers=2, block_size=B)
+    args.update(kw)
+    return DrafterConfig(**args)
+
+
+def random_drafter(seed=0, **kw) -> DFlashDrafter:
+    torch.manual_seed(seed)
+    d = DFlashDrafter(small_config(**kw))
+    d.reset_parameters(std=0.2)
+    d.set_frozen(torch.randn(V, H), torch.randn(V, H), 1 + 0.1 * torch.randn(H))
+    return d
+
+
+def random_batch(seed=0, t=24, anchors=((2, 7, 15, 22),), valid=((True, True, True, False),), docs=None, topk=4):
+    g = torch.Generator().manual_seed(seed)
+    r = len(anchors)
+    doc = torch.tensor(docs) if docs is not None else torch.zeros(r, t, dtype=torch.long)
+    starts = eager.document_starts(doc)
+    t_logits = torch.randn(r, t, V, generator=g)
+    top = t_logits.topk(topk, -1)
+    return dict(
+        input_ids=torch.randint(0, V - 1, (r, t), generator=g),
+        loss_mask=torch.ones(r, t, dtype=torch.bool),
+        document_ids=doc,
+        position_ids=torch.arange(t).expand(r, t) - starts,
+        hidden=torch.randn(r, t, K, H, generator=g),
+        last=torch.randn(r, t, H, generator=g),
+        teacher_topk_ids=top.indices,
+        teacher_topk_logits=top.values,
+        teacher_lse=t_logits.logsumexp(-1),
+        anchors=torch.tensor(anchors),
+        anchor_valid=torch.tensor(valid),
+    )
+
+
+# ---------------------------------------------------------------- the anchored mask (SPEC §4)
+
+def row_mask(anchors, doc, window=None, causal=False, valid=None):
+    a = torch.tensor([anchors])
+    v = torch.ones_like(a, dtype=torch.bool) if valid is None else torch.tensor([valid])
+    return eager.anchored_attention_mask(a, v, torch.tensor([doc]), B, window, causal)[0]
+
+
+def test_context_is_strictly_before_anchor():
+    m = row_mask([5], [0] * 12)
+    for j in range(B):
+        assert m[j, :5].all(), "positions before the anchor must be visible"
+        assert not m[j, 5:12].any(), "the anchor's own position and later ones must be invisible (< not <=)"
+
+
+def test_context_stays_inside_the_anchor_document():
+    m = row_mask([2, 9], [0] * 6 + [1] * 6)
+    assert m[0:B, 0:2].all() and not m[0:B, 2:12].any()
+    assert not m[B:2 * B, 0:6].any(), "the previous document is invisible"
+    assert m[B:2 * B, 6:9].all() and not m[B:2 * B, 9:12].any()
+
+
+def test_window_edge_is_anchor_minus_window():
+    m = row_mask([8], [0] * 12, window=3)
+    assert m[:, 5:8].all(), "p >= a - W is visible"
+    assert not m[:, :5].any(), "p < a - W is invisible"
+
+
+def test_other_blocks_are_invisible_and_own_block_is_bidirectional():
+    m = row_mask([3, 6], [0] * 10)
+    t = 10
+    assert m[0:B, t:t + B].all(), "a block sees all of its own slots"
+    assert not m[0:B, t + B:t + 2 * B].any() and not m[B:2 * B, t:t + B].any()
+
+
+def test_causal_in_block_sees_only_earlier_slots():
+    m = row_mask([3], [0] * 10, causal=True)
+    blk = m[:, 10:10 + B]
+    assert torch.equal(blk, torch.tril(torch.ones(B, B, dtype=torch.bool)))
+
+
+def test_invalid_anchor_sees_nothing():
+    m = row_mask([3, 6], [0] * 10, valid=[True, False])
+    assert not m[B:].any() and m[:B].any()
+
+
+# ---------------------------------------------------------------- inputs and targets (SPEC §3, §5)
+
+def test_every_tapped_layer_reaches_fc():
+    d = random_drafter()
+    hidden = torch.randn(1, 10, K, H)
+    base = d.context(hidden)
+    for k in range(K):
+        bumped = hidden.clone()
+        bumped[:, :, k] += 1.0
+        assert not torch.allclose(d.context(bumped), base), f"tapped layer {k} does not reach fc"
+
+
+def test_slot_j_is_scored_against_teacher_at_p_minus_1():
+    d = random_drafter()
+    batch = random_batch()
+    t = batch["input_ids"].shape[1]
+    batch["teacher_topk_ids"][:, :, 0] = torch.arange(t) % (V - 1)  # stored argmax at row position = the position
+    out = d(batch, "ce")
+    a = batch["anchors"][0]
+    for i in range(3):
+        for j in range(1, B):
+            if out.slot_mask[0, i, j]:
+                assert out.teacher_argmax[0, i, j] == (a[i] + j - 1) % (V - 1)
+
+
+def test_slot_zero_never_contributes():
+    d = random_drafter()
+    batch = random_batch()
+    base = d(batch, "kl").loss
+    for i, a in enumerate(batch["anchors"][0].tolist()[:3]):
+        changed = {k: v.clone() for k, v in batch.items()}
+        changed["last"][0, a - 1] += 5.0  # the teacher slot 0 would use
+        assert torch.allclose(d(changed, "kl").loss, base), "slot 0 contributed to the loss"
+        changed["last"][0, a] += 5.0  # the teacher of slot 1
+        assert not torch.allclose(d(changed, "kl").loss, base)
+    out = d(batch, "kl")
+    assert not out.slot_mask[..., 0].any()
+
+
+def test_slots_leaving_the_document_or_masked_are_not_trained():
+    d = random_drafter()
+    batch = random_batch(anchors=((2, 7),), valid=((True, True),), docs=[[0] * 9 + [1] * 15])
+    batch["loss_mask"][0, 4] = False
+    out = d(batch, "kl")
+    assert out.slot_mask[0, 0].tolist() == [False, True, False, True]  # p=4 masked
+    assert out.slot_mask[0, 1].tolist() == [False, True, False, False]  # p=9, 10 are the next document
+
+
+def test_loss_weights_and_denominator():
+    w = position_weights(16, 7.0)
+    assert w[0] == 0 and w[1] == 1 and torch.isclose(w[8], torch.exp(torch.tensor(-1.0)))
+    d = random_drafter()
+    batch = random_batch()
+    out = d(batch, "ce")
+    from dflash_fast.drafter import slot_targets, gather_rows
+
+    tg = slot_targets(batch, B)
+    x = d.block_states(d.context(batch["hidden"]), batch["position_ids"], batch["input_ids"].gather(1, batch["anchors"]),
+                       batch["position_ids"].gather(1, batch["anchors"]), batch["anchors"], batch["anchor_valid"], batch["document_ids"])
+    logq = F.log_softmax(F.linear(d.norm(x[0]), d.lm_head).float(), -1)
+    labels = gather_rows(batch["teacher_topk_ids"], tg.teacher_row)[:, 0]
+    per = -logq.gather(1, labels[:, None])[:, 0]
+    weights = (position_weights(B, 7.0) * tg.slot_mask).reshape(-1)
+    expected = (per * weights).sum() / tg.slot_mask.sum()
+    assert torch.allclose(out.loss, expected, atol=1e-5)
+
+
+def capture_norm_input(model):
+    """The final norm's input, by a hook that returns None (a returned value would replace the output)."""
+    captured = {}
+
+    def hook(module, args, output):
+        captured["last"] = args[0].detach().clone()
+
+    model.model.norm.register_forward_hook(hook)
+    return captured
+
+
+def test_teacher_logits_from_last_equal_target_logits_without_double_norm(tmp_path):
+    torch.manual_seed(0)
+    cfg = Qwen3Config(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_hidden_layers=4,
+                      intermediate_size=64, vocab_size=V, tie_word_embeddings=False)
+    model = Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.model.norm.weight.normal_(1.0, 0.3)
+    model.save_pretrained(tmp_path)
+    d = build_drafter(str(tmp_path), [0, 1, 2], mask_token_id=V - 1, num_layers=1, block_size=B)
+    captured = capture_norm_input(model)
+    ids = torch.randint(0, V, (1, 12))
+    with torch.no_grad():
+        out = model(ids, output_hidden_states=True)
+    teacher = F.linear(eager.rms_norm(captured["last"], d.target_norm, cfg.rms_norm_eps), d.lm_head)
+    assert torch.allclose(teacher, out.logits, atol=1e-5)
+    twice = F.linear(eager.rms_norm(out.hidden_states[-1], d.target_norm, cfg.rms_norm_eps), d.lm_head)
+    assert not torch.allclose(twice, out.logits, atol=1e-3), "HF's last hidden state is already normed"
+
+
+def test_zero_centred_final_norm_is_loaded_as_one_plus_w(tmp_path):
+    torch.manual_seed(0)
+    cfg = Qwen3NextConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_hidden_layers=4,
+                          intermediate_size=64, vocab_size=V, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                          shared_expert_intermediate_size=16, linear_num_value_heads=2, linear_num_key_heads=2,
+                          linear_key_head_dim=8, linear_value_head_dim=8, tie_word_embeddings=False)
+    model = Qwen3NextForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.model.norm.weight.normal_(0.0, 0.3)
+    model.save_pretrained(tmp_path)
+    d = build_drafter(str(tmp_path), [0, 1, 2], mask_token_id=V - 1, num_layers=1, block_size=B)
+    captured = capture_norm_input(model)
+    with torch.no_grad():
+        out = model(torch.randint(0, V, (1, 10)))
+    teacher = F.linear(eager.rms_norm(captured["last"], d.target_norm, cfg.rms_norm_eps), d.lm_head)
+    assert torch.allclose(teacher, out.logits, atol=1e-4)
+
+
+def test_only_trainable_parameters_receive_gradients():
+    d = random_drafter()
+    d(random_batch(), "kl").loss.backward()
+    names = {n for n, _ in d.named_parameters()}
+    assert not names & {"embed_tokens", "lm_head", "target_norm"}, "frozen target tensors must not be parameters"
+    for name in ("embed_tokens", "lm_head", "target_norm"):
+        assert getattr(d, name).grad is None
+    missing = [n for n, p in d.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert not missing, f"trainable parameters without gradient: {missing}"
+
+
+def test_mask_token_resolution():
+    class Tok:
+        mask_token_id = None
+
+        def __len__(self):
+            return 90
+
+    assert resolve_mask_token_id(96, 5) == 5
+    assert resolve_mask_token_id(96, None, Tok()) == 95
+    Tok.__len__ = lambda self: 96
+    with pytest.raises(ValueError, match="mask-token-id"):
+        resolve_mask_token_id(96, None, Tok())
+    with pytest.raises(ValueError, match="outside"):
+        resolve_mask_token_id(96, 96)
+
+
+# ---------------------------------------------------------------- a second, naive implementation
+
+def naive_block_logits(d: DFlashDrafter, batch, i):
+    """One block by hand: slice its visible context, run every layer with plain softmax attention."""
+    cfg = d.config
+    a = int(batch["anchors"][0, i])
+    doc = batch["document_ids"][0]
+    start = int((doc == doc[a]).nonzero()[0])
+    ctx = F.linear(batch["hidden"][0, start:a].reshape(a - start, -1), d.fc.weight)
+    ctx = eager.rms_norm(ctx, d.hidden_norm.weight, cfg.rms_norm_eps)
+    pos0 = int(batch["position_ids"][0, a])
+    ids = torch.tensor([int(batch["input_ids"][0, a])] + [cfg.mask_token_id] * (cfg.block_size - 1))
+    x = d.embed_tokens[ids]
+    ctx_pos = batch["position_ids"][0, start:a]
+    blk_pos = torch.arange(pos0, pos0 + cfg.block_size)
+    for layer in d.layers:
+        att = layer.self_attn
+        hx = layer.input_layernorm(x)
+        heads = []
+        for h in range(cfg.num_attention_heads):
+            kv = h // (cfg.num_attention_heads // cfg.num_key_value_heads)
+            sl = slice(kv * cfg.head_dim, (kv + 1) * cfg.head_dim)
+            q = d.rope.apply(att.q_norm(att.q_proj(hx)[:, h * cfg.head_dim:(h + 1) * cfg.head_dim])[:, None], *d.rope.cos_sin(blk_pos, x.dtype))[:, 0]
+            keys, values = [], []
+            for src, pos in ((ctx, ctx_pos), (hx, blk_pos)):
+                if len(src):
+                    keys.append(d.rope.apply(att.k_norm(att.k_proj(src)[:, sl])[:, None], *d.rope.cos_sin(pos, x.dtype))[:, 0])
+                    values.append(att.v_proj(src)[:, sl])
+            k, v = torch.cat(keys), torch.cat(values)
+            heads.append(torch.softmax(q @ k.T / cfg.head_dim ** 0.5, -1) @ v)
+        x = x + att.o_proj(torch.cat(heads, -1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return F.linear(d.norm(x), d.lm_head)
+
+
+def test_drafter_equals_naive_per_block_implementation():
+    d = random_drafter()
+    batch = random_batch(anchors=((1, 6, 13, 17),), valid=((True, True, True, True),), docs=[[0] * 10 + [1] * 14])
+    out = d(batch, "kl")
+    loss, count = 0.0, 0
+    w = position_weights(B, 7.0)
+    for i in range(4):
+        logits = naive_block_logits(d, batch, i)
+        assert torch.equal(logits.argmax(-1)[1:], out.draft_argmax[0, i, 1:])
+        a = int(batch["anchors"][0, i])
+        for j in range(1, B):
+            if out.slot_mask[0, i, j]:
+                teacher = F.linear(eager.rms_norm(batch["last"][0, a + j - 1], d.target_norm, 1e-6), d.lm_head)
+                loss = loss - w[j] * (torch.softmax(teacher, -1) * torch.log_softmax(logits[j], -1)).sum()
+                count += 1
+    assert torch.allclose(out.loss, loss / count, atol=1e-5)
+
+
+def test_propose_equals_training_forward_at_the_same_anchor():
+    d = random_drafter()
+    batch = random_batch(anchors=((9,),), valid=((True,),))
+    out = d(batch, "kl")
+    guess = d.propose(batch["hidden"][0, :9], int(batch["input_ids"][0, 9]))
+    assert torch.equal(guess, out.draft_argmax[0, 0, 1:])
+
+
+# ---------------------------------------------------------------- metrics (SPEC §6)
+
+def test_tau_offline_counts_leading_matches_only():
+    mask = torch.tensor([[[False, True, True, True], [False, True, True, True], [False, False, False, False]]])
+    teacher = torch.zeros(1, 3, B, dtype=torch.long)
+    draft = torch.tensor([[[9, 0, 1, 0], [9, 0, 0, 0], [0, 0, 0, 0]]])  # block 0: match, miss, match -> 1 leading
+    m = slot_metrics(DrafterOutput(torch.zeros(()), None, draft, teacher, mask))
+    assert m["blocks"] == 2 and m["tau_sum"] == (1 + 1) + (1 + 3)
+    assert m["acc_hits"].tolist() == [0, 2, 1, 2] and m["acc_count"].tolist() == [0, 2, 2, 2]
+
+
+# ---------------------------------------------------------------- export (speculators format)
+
+SPECULATORS_NAMES = ["fc.weight", "hidden_norm.weight", "norm.weight"] + [
+    f"layers.{i}.{n}" for i in range(2) for n in (
+        "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+        "self_attn.q_norm.weight", "self_attn.k_norm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+        "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight")]
+
+
+def test_export_round_trip_names_and_layer_ids(tmp_path):
+    from safetensors import safe_open
+
+    d = random_drafter(layer_types=["full", "sliding"], sliding_window=5)
+    export_drafter(d, str(tmp_path), verifier="tiny-target", dtype=torch.float32)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["speculators_model_type"] == "dflash" and config["architectures"] == ["DFlashDraftModel"]
+    assert config["aux_hidden_state_layer_ids"] == [1, 2, 3], "speculators numbers layers one higher"
+    assert config["block_size"] == B and config["mask_token_id"] == V - 1 and config["draft_vocab_size"] == V
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert sorted(f.keys()) == sorted(SPECULATORS_NAMES), "frozen verifier tensors must not be exported"
+        assert f.get_tensor("fc.weight").shape == (H, K * H)
+        assert f.get_tensor("layers.0.self_attn.k_proj.weight").shape == (2 * 8, H)
+    back = load_exported(str(tmp_path))
+    back.set_frozen(d.embed_tokens, d.lm_head, d.target_norm)
+    assert back.config == d.config
+    for (n1, p1), (n2, p2) in zip(d.named_parameters(), back.named_parameters()):
+        assert n1 == n2 and torch.equal(p1, p2)
+    batch = random_batch()
+    assert torch.equal(d(batch, "kl").loss, back(batch, "kl").loss)
