@@ -1,0 +1,797 @@
+"""`dflash-fast extract`: run a frozen Hugging Face target over JSONL data and write a store.
+
+    JSONL ──tokenize──▶ sequences ──plan──▶ shards ──batches──▶ target forward ──▶ store
+
+Per token it keeps the outputs of the tapped decoder layers (`hidden`), the
+residual entering the final norm (`last`, captured by a hook on the norm) and
+the teacher's next-token summary (top-k ids/logits and the full log-sum-exp)
+taken from the logits the forward computes anyway (SPEC.md §1-2, store.py).
+
+Before anything is written, and again every `parity_every` batches, the
+extractor recomputes `lm_head(final_norm(last))` with the norm kind it will
+record in the manifest and checks it against the model's own logits: a hook on
+the wrong tensor or a mis-described norm aborts the run instead of producing a
+store that trains a drafter against the wrong teacher.
+
+Ranks launched by torchrun or the deepspeed launcher (RANK / WORLD_SIZE /
+LOCAL_RANK) take every WORLD_SIZE-th JSONL record, write their own shards,
+and leave a note in `ranks/`; rank 0 waits for every note and writes the one
+manifest.
+"""
+import argparse
+import copy
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from dflash_fast.eager import rms_norm
+from dflash_fast.store import (
+    DTYPES,
+    LAYER_ID_CONVENTION,
+    MANIFEST,
+    NORM_KINDS,
+    SCHEMA_VERSION,
+    HiddenStateStore,
+    Layout,
+    StoreWriter,
+    check_layer_ids,
+    default_layer_ids,
+    final_norm_weight,
+    normalise_dtype,
+    parse_layer_ids,
+    read_manifest,
+    sha256_file,
+)
+
+RANKS_DIR = "ranks"
+ROLE_ALIASES = {"human": "user", "gpt": "assistant", "model": "assistant"}
+KNOWN_ROLES = ("system", "user", "assistant", "tool")
+# Parity tolerance on |lm_head(norm(last)) - logits|, relative to the largest |logit|.
+PARITY_RTOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 2e-2}
+LOGIT_CHUNK = 2048  # tokens per fp32 top-k / lse chunk: bounds the fp32 copy of [n, V]
+
+
+# ---------------------------------------------------------------- input
+
+class BadLine(ValueError):
+    """A JSONL line that is not a record this extractor understands."""
+
+
+class Skip(Exception):
+    """A well-formed record that yields no trainable sequence; the message is the counted reason."""
+
+
+@dataclass
+class Example:
+    """One document: input_ids [n] int32, loss_mask [n] bool."""
+
+    input_ids: np.ndarray
+    loss_mask: np.ndarray
+
+
+@dataclass
+class InputStats:
+    lines: int = 0
+    sequences: int = 0
+    bad_lines: int = 0
+    truncated: int = 0
+    skipped: Counter = field(default_factory=Counter)
+
+    def to_dict(self) -> dict:
+        return {
+            "lines": self.lines,
+            "sequences": self.sequences,
+            "bad_lines": self.bad_lines,
+            "truncated": self.truncated,
+            "skipped": dict(sorted(self.skipped.items())),
+        }
+
+
+class ChatTokenizer:
+    """Tokenizes the three JSONL formats; builds the assistant-only loss mask of conversations.
+
+    The mask of assistant turn `i` covers the text between the rendered prefix
+    `messages[:i]` + generation prompt and the rendered prefix `messages[:i+1]`:
+    the reply and the template's end-of-turn marker, never the role header.
+    Templates that re-render earlier turns differently (e.g. dropping reasoning
+    from old turns) break that prefix property; then the reply's content is
+    located in the full rendering and extended by the template's end-of-turn
+    text.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int):
+        self.tok = tokenizer
+        self.vocab_size = vocab_size
+        self._turn_suffix = None
+
+    def _render(self, messages, generation_prompt=False) -> str:
+        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+    def turn_suffix(self) -> str:
+        """The text a template emits after an assistant reply's content, e.g. '<|im_end|>\\n'."""
+        if self._turn_suffix is None:
+            marker = "\u2063dflash-reply\u2063"
+            text = self._render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}])
+            self._turn_suffix = text[text.index(marker) + len(marker):] if marker in text else ""
+        return self._turn_suffix
+
+    def _assistant_spans(self, messages, text):
+        spans, cursor = [], 0
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                # Advance past other turns, so a user turn quoting a later reply is not taken for it.
+                found = text.find(m["content"], cursor) if m["content"] else -1
+                cursor = found + len(m["content"]) if found >= 0 else cursor
+                continue
+            try:
+                head = self._render(messages[:i], generation_prompt=True)
+                upto = self._render(messages[: i + 1])
+            except Exception:  # templates reject partial chats in their own ways: use the search below
+                head = upto = None
+            if head is not None and text.startswith(upto) and upto.startswith(head) and len(upto) > len(head):
+                spans.append((len(head), len(upto)))
+                cursor = len(upto)
+                continue
+            start = text.find(m["content"], cursor)
+            if not m["content"] or start < 0:
+                raise Skip("assistant turn not found in the chat template's output")
+            end = start + len(m["content"])
+            if text.startswith(self.turn_suffix(), end):
+                end += len(self.turn_suffix())
+            spans.append((start, end))
+            cursor = end
+        return spans
+
+    def conversation(self, turns) -> Example:
+        if not isinstance(turns, list) or not turns:
+            raise BadLine("'conversations' must be a non-empty list of {role, content} objects")
+        messages = []
+        for t in turns:
+            if not isinstance(t, dict):
+                raise BadLine("each turn must be an object with 'role' and 'content'")
+            role = t.get("role", t.get("from"))
+            content = t.get("content", t.get("value"))
+            role = ROLE_ALIASES.get(role, role)
+            if role not in KNOWN_ROLES:
+                raise Skip(f"unknown role {role!r}")
+            if not isinstance(content, str):
+                raise Skip("turn content is not text")
+            messages.append({"role": role, "content": content})
+        if not any(m["role"] == "assistant" for m in messages):
+            raise Skip("no assistant turn")
+        if not getattr(self.tok, "is_fast", False):
+            raise ValueError("conversations need a fast (Rust) tokenizer for character offsets; the target's is slow")
+        text = self._render(messages)
+        spans = self._assistant_spans(messages, text)
+        enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        starts = np.array([s for s, _ in enc["offset_mapping"]], dtype=np.int64)
+        mask = np.zeros(len(starts), dtype=bool)
+        for a, b in spans:
+            mask |= (starts >= a) & (starts < b)
+        return Example(np.asarray(enc["input_ids"], dtype=np.int32), mask)
+
+    def text(self, text) -> Example:
+        if not isinstance(text, str):
+            raise BadLine("'text' must be a string")
+        ids = self.tok(text, add_special_tokens=True)["input_ids"]
+        return Example(np.asarray(ids, dtype=np.int32), np.ones(len(ids), dtype=bool))
+
+    def pretokenized(self, ids, mask) -> Example:
+        mask = [1] * len(ids) if mask is None and isinstance(ids, list) else mask
+        if not isinstance(ids, list) or not isinstance(mask, list) or len(ids) != len(mask):
+            raise BadLine("'input_ids' and 'loss_mask' must be lists of the same length")
+        if not all(isinstance(i, int) and 0 <= i < self.vocab_size for i in ids):
+            raise BadLine(f"'input_ids' must be integers in 0..{self.vocab_size - 1} (the target's vocabulary)")
+        if not all(m in (0, 1) for m in mask):
+            raise BadLine("'loss_mask' must hold only 0 and 1")
+        return Example(np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=bool))
+
+    def record(self, record) -> Example:
+        if not isinstance(record, dict):
+            raise BadLine("a line must be a JSON object")
+        if "conversations" in record:
+            return self.conversation(record["conversations"])
+        if "text" in record:
+            return self.text(record["text"])
+        if "input_ids" in record:
+            return self.pretokenized(record["input_ids"], record.get("loss_mask"))
+        raise BadLine("expected a 'conversations', 'text' or 'input_ids' key")
+
+
+def read_examples(path, tokenizer: ChatTokenizer, max_seq_len, skip_bad=False, rank=0, world_size=1):
+    """Tokenize this rank's records of a JSONL file (every `world_size`-th non-blank line).
+
+    Returns (examples, InputStats, sha256 of the whole file). Over-long
+    sequences are truncated to `max_seq_len` and counted; records without any
+    trainable token are skipped and counted by reason.
+    """
+    stats, examples, digest = InputStats(), [], hashlib.sha256()
+    record_no = 0
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            digest.update(raw)
+            if not raw.strip():
+                continue
+            record_no += 1
+            if (record_no - 1) % world_size != rank:
+                continue
+            stats.lines += 1
+            try:
+                try:
+                    record = json.loads(raw)
+                except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                    raise BadLine(f"not valid JSON ({e})") from None
+                ex = tokenizer.record(record)
+            except BadLine as e:
+                if not skip_bad:
+                    raise BadLine(f"{path}:{line_no}: {e}; fix the line or pass --skip-bad to skip such lines") \
+                        from None
+                stats.bad_lines += 1
+                continue
+            except Skip as e:
+                stats.skipped[str(e)] += 1
+                continue
+            if len(ex.input_ids) > max_seq_len:
+                ex = Example(ex.input_ids[:max_seq_len], ex.loss_mask[:max_seq_len])
+                stats.truncated += 1
+            if len(ex.input_ids) == 0:
+                stats.skipped["empty after tokenization"] += 1
+                continue
+            if not ex.loss_mask.any():
+                stats.skipped["no loss tokens (after truncation)"] += 1
+                continue
+            examples.append(ex)
+            stats.sequences += 1
+    if record_no == 0:
+        raise ValueError(f"{path} is empty: expected one JSON record a line")
+    return examples, stats, digest.hexdigest()
+
+
+# ---------------------------------------------------------------- target
+
+def final_norm_module(model):
+    """The final norm of a causal LM (`model.model.norm`) and its dotted name."""
+    for name in ("model.norm", "model.language_model.norm"):
+        module = model
+        for part in name.split("."):
+            module = getattr(module, part, None)
+        if isinstance(module, torch.nn.Module):
+            return module, name
+    raise ValueError(f"{type(model).__name__}: cannot find the final norm (looked for model.norm); unsupported target")
+
+
+def detect_norm_kind(norm) -> Tuple[str, float]:
+    """Which RMSNorm formula the final norm computes: 'rmsnorm' (x*w) or 'rmsnorm_zero_centred' (x*(1+w)).
+
+    Probed on a copy with random weights: class names lie, the arithmetic does not.
+    """
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    weight = getattr(norm, "weight", None)
+    if eps is None or weight is None or weight.dim() != 1:
+        raise ValueError(f"final norm {type(norm).__name__} is not an RMSNorm with (weight, eps); unsupported target")
+    probe = copy.deepcopy(norm).to(device="cpu", dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        probe.weight.copy_(torch.randn(weight.shape, generator=gen))
+        x = torch.randn(4, weight.shape[0], generator=gen)
+        y = probe(x)
+        for kind in NORM_KINDS:
+            if torch.allclose(rms_norm(x, final_norm_weight(probe.weight, kind), eps), y, rtol=1e-5, atol=1e-6):
+                return kind, float(eps)
+    raise ValueError(f"final norm {type(norm).__name__} computes neither x*w nor x*(1+w) RMSNorm; unsupported target")
+
+
+def attention_implementation(device: torch.device) -> str:
+    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def load_target(target, device, compute_dtype, trust_remote_code=False):
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {}
+    if importlib.util.find_spec("accelerate") is not None:
+        # Loads straight onto the device; without accelerate the model passes through host memory.
+        kwargs["device_map"] = {"": device}
+    model = AutoModelForCausalLM.from_pretrained(
+        target,
+        dtype=compute_dtype,
+        attn_implementation=attention_implementation(device),
+        trust_remote_code=trust_remote_code,
+        **kwargs,
+    )
+    return model.to(device).eval()
+
+
+def config_sha256(target) -> str:
+    """sha256 of the target's config.json (local directory or hub cache)."""
+    path = os.path.join(target, "config.json")
+    if not os.path.isfile(path):
+        from transformers.utils import cached_file
+
+        path = cached_file(target, "config.json")
+    return sha256_file(path)
+
+
+class TargetRunner:
+    """One forward of the target per batch; returns per-sequence arrays in the store's layout."""
+
+    def __init__(self, model, layer_ids, layout: Layout, pad_id: int, parity_every: int):
+        self.model = model
+        self.config = model.config.get_text_config()
+        self.num_layers = self.config.num_hidden_layers
+        self.layer_ids = list(layer_ids)
+        self.layout = layout
+        self.pad_id = pad_id
+        self.parity_every = parity_every
+        self.norm, self.norm_name = final_norm_module(model)
+        self.norm_kind, self.norm_eps = detect_norm_kind(self.norm)
+        self.lm_head = model.get_output_embeddings()
+        self.vocab_size = self.lm_head.weight.shape[0]
+        self.device = next(model.parameters()).device
+        self.batches_run = 0
+        self._captured = []
+        self.norm.register_forward_pre_hook(lambda module, args: self._captured.append(args[0]))
+
+    def _forward(self, examples):
+        """Right-padded forward -> logits [b, T, V], hidden [b, T, K, H], last [b, T, H]."""
+        t = max(len(e.input_ids) for e in examples)
+        ids = torch.full((len(examples), t), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(examples), t), dtype=torch.long)
+        for r, e in enumerate(examples):
+            ids[r, : len(e.input_ids)] = torch.from_numpy(e.input_ids)
+            mask[r, : len(e.input_ids)] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        self._captured.clear()
+        out = self.model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
+        if len(self._captured) != 1:
+            raise RuntimeError(
+                f"the final norm {self.norm_name} ran {len(self._captured)} times in one forward, not once"
+            )
+        last = self._captured.pop()
+        states = out.hidden_states
+        if len(states) != self.num_layers + 1:
+            raise RuntimeError(f"the target returned {len(states)} hidden states, expected L+1 = {self.num_layers + 1}")
+        # hidden_states[L] is the final layer AFTER the final norm; layer id L-1 is stored before it, as `last`.
+        taps = [states[i + 1] if i < self.num_layers - 1 else last for i in self.layer_ids]
+        return out.logits, torch.stack(taps, dim=2), last
+
+    def check_parity(self, logits, last, lengths) -> None:
+        """lm_head(final_norm(last)) must reproduce the model's own logits, with the recorded norm kind.
+
+        logits [b, T, V], last [b, T, H]; row r is valid up to lengths[r].
+        """
+        scale = final_norm_weight(self.norm.weight, self.norm_kind)
+        rtol = PARITY_RTOL[logits.dtype]
+        for r, n in enumerate(lengths):
+            for a in range(0, n, LOGIT_CHUNK):
+                b = min(n, a + LOGIT_CHUNK)
+                got = self.lm_head(rms_norm(last[r, a:b], scale, self.norm_eps)).float()
+                want = logits[r, a:b].float()
+                err = (got - want).abs().max().item()
+                bound = rtol * max(want.abs().max().item(), 1.0)
+                if not err <= bound:
+                    raise RuntimeError(
+                        f"parity check failed: lm_head({self.norm_name}(last)) differs from the model's logits by "
+                        f"{err:.3g} (tolerance {bound:.3g}, norm kind {self.norm_kind}); `last` is not the input of "
+                        f"the final norm or the norm is mis-described. Nothing was written for this batch."
+                    )
+
+    @torch.inference_mode()
+    def __call__(self, examples: Sequence[Example]) -> List[Dict[str, np.ndarray]]:
+        logits, hidden, last = self._forward(examples)
+        if self.batches_run % self.parity_every == 0:
+            self.check_parity(logits, last, [len(e.input_ids) for e in examples])
+        self.batches_run += 1
+        store_dtype = DTYPES[self.layout.dtype][1]
+        hidden = _to_numpy(hidden.to(store_dtype))
+        last = _to_numpy(last.to(store_dtype)) if self.layout.has_last else None
+        k = self.layout.topk
+        out = []
+        for r, e in enumerate(examples):
+            n = len(e.input_ids)
+            top_v, top_i, lse = [], [], []
+            for a in range(0, n, LOGIT_CHUNK):
+                chunk = logits[r, a: min(n, a + LOGIT_CHUNK)].float()
+                v, i = torch.topk(chunk, k, dim=-1, sorted=True)
+                top_v.append(v)
+                top_i.append(i)
+                lse.append(torch.logsumexp(chunk, dim=-1))
+            arrays = {
+                "input_ids": e.input_ids,
+                "loss_mask": e.loss_mask,
+                "hidden": hidden[r, :n],
+                "teacher_topk_ids": torch.cat(top_i).to(torch.int32).cpu().numpy(),
+                "teacher_topk_logits": torch.cat(top_v).cpu().numpy(),
+                "teacher_lse": torch.cat(lse).cpu().numpy(),
+            }
+            if self.layout.has_last:
+                arrays["last"] = last[r, :n]
+            out.append(arrays)
+        return out
+
+
+def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    """CPU numpy copy; bf16 keeps its bits as uint16 (numpy has no bf16)."""
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.uint16)
+    return t.cpu().numpy()
+
+
+# ---------------------------------------------------------------- planning
+
+def plan_shards(lengths: Sequence[int], shard_tokens: int) -> List[range]:
+    """Consecutive sequences, cut before a shard would exceed `shard_tokens` (a shard holds >= 1 sequence)."""
+    shards, start, tokens = [], 0, 0
+    for i, n in enumerate(lengths):
+        if i > start and tokens + n > shard_tokens:
+            shards.append(range(start, i))
+            start, tokens = i, 0
+        tokens += n
+    if start < len(lengths):
+        shards.append(range(start, len(lengths)))
+    return shards
+
+
+def plan_batches(lengths: Sequence[int], batch_tokens: int) -> List[List[int]]:
+    """Group indices so that (batch size x longest length) <= batch_tokens; longest first, so an
+    out-of-memory shows in the first batch. A sequence longer than the budget runs alone."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches, current = [], []
+    for i in order:
+        if current and (len(current) + 1) * lengths[current[0]] > batch_tokens:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def _inputs_sha256(examples: Sequence[Example]) -> str:
+    h = hashlib.sha256()
+    for e in examples:
+        h.update(np.int64(len(e.input_ids)).tobytes())
+        h.update(e.input_ids.tobytes())
+        h.update(e.loss_mask.tobytes())
+    return h.hexdigest()
+
+
+def _launcher_env(rank, world_size):
+    rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+    world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside world size {world_size}")
+    return rank, world_size
+
+
+def _default_device():
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+# ---------------------------------------------------------------- the stage
+
+def extract(
+    target,
+    data,
+    out,
+    layer_ids: Optional[Sequence[int]] = None,
+    num_tapped: int = 5,
+    max_seq_len: int = 2048,
+    batch_tokens: int = 16384,
+    dtype: str = "bf16",
+    shard_tokens: Optional[int] = None,
+    topk: int = 8,
+    no_last: bool = False,
+    skip_bad: bool = False,
+    trust_remote_code: bool = False,
+    parity_every: int = 50,
+    device=None,
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+    progress: bool = True,
+) -> dict:
+    """Extract a store from `target` over `data` (JSONL) into `out`; resume when `out` holds a partial run.
+
+    Inputs are validated before the model loads (layer ids against the
+    target's config, every JSONL record of this rank). `rank`/`world_size`
+    default to the launcher's RANK/WORLD_SIZE. Returns a summary dict (tokens
+    run, bytes written, seconds, GB/s, input counts; `num_sequences` and
+    `num_tokens` of the finished store on rank 0).
+    """
+    from transformers import AutoConfig, AutoTokenizer
+
+    target, data, out = str(target), str(data), str(out)
+    rank, world_size = _launcher_env(rank, world_size)
+    device = torch.device(device) if device is not None else _default_device()
+    dtype = normalise_dtype(dtype)
+    compute_dtype = torch.bfloat16 if device.type == "cuda" and dtype != "float32" else torch.float32
+    if topk < 1:
+        raise ValueError(f"topk must be >= 1 (the argmax is always kept), got {topk}")
+    if parity_every < 1:
+        raise ValueError(f"parity_every must be >= 1, got {parity_every}")
+
+    config = AutoConfig.from_pretrained(target, trust_remote_code=trust_remote_code)
+    text_config = config.get_text_config()
+    num_layers, hidden_size, vocab_size = (
+        text_config.num_hidden_layers, text_config.hidden_size, text_config.vocab_size
+    )
+    layer_ids = check_layer_ids(
+        default_layer_ids(num_layers, num_tapped) if layer_ids is None else layer_ids, num_layers
+    )
+    if topk > vocab_size:
+        raise ValueError(f"topk {topk} exceeds the vocabulary size {vocab_size}")
+    layout = Layout(len(layer_ids), hidden_size, topk, dtype, not no_last)
+    if shard_tokens is None:
+        shard_tokens = max(1, (1 << 30) // layout.bytes_per_token())
+    tokenizer = AutoTokenizer.from_pretrained(target, trust_remote_code=trust_remote_code)
+    examples, stats, data_sha = read_examples(
+        data, ChatTokenizer(tokenizer, vocab_size), max_seq_len, skip_bad, rank, world_size
+    )
+
+    job = {
+        "schema_version": SCHEMA_VERSION,
+        "target_config_sha256": config_sha256(target),
+        "data_sha256": data_sha,
+        "layer_ids": layer_ids,
+        "dtype": dtype,
+        "compute_dtype": str(compute_dtype).replace("torch.", ""),
+        "has_last": layout.has_last,
+        "topk": topk,
+        "max_seq_len": max_seq_len,
+        "shard_tokens": shard_tokens,
+        "world_size": world_size,
+    }
+    job_id = hashlib.sha256(json.dumps(job, sort_keys=True).encode()).hexdigest()
+    if _complete_store(out, job_id, rank):
+        run = {"tokens_run": 0, "bytes_written": 0, "seconds": 0.0, "skipped_shards": None}
+        return _summarise(out, rank, stats, run, progress)
+
+    model = load_target(target, device, compute_dtype, trust_remote_code)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    runner = TargetRunner(model, layer_ids, layout, pad_id, parity_every)
+    manifest = {
+        "format": "dflash-fast hidden-state store",
+        "target": {
+            "path": os.path.abspath(target) if os.path.isdir(target) else target,
+            "config_sha256": job["target_config_sha256"],
+            "architectures": list(getattr(config, "architectures", None) or [type(model).__name__]),
+            "model_type": config.model_type,
+        },
+        "num_layers": num_layers,
+        "hidden_size": hidden_size,
+        "vocab_size": runner.vocab_size,
+        "layer_ids": layer_ids,
+        "layer_id_convention": LAYER_ID_CONVENTION,
+        "dtype": dtype,
+        "compute_dtype": job["compute_dtype"],
+        "has_last": layout.has_last,
+        "last_is_pre_norm": True,
+        "final_norm": {"kind": runner.norm_kind, "eps": runner.norm_eps, "module": runner.norm_name},
+        "topk": topk,
+        "extraction": {
+            "job": job_id,
+            "data": os.path.abspath(data),
+            **{k: job[k] for k in ("data_sha256", "max_seq_len", "shard_tokens", "world_size")},
+        },
+    }
+
+    writer = StoreWriter(out, layout)
+    writer.remove_torn(rank)
+    note_path = os.path.join(out, RANKS_DIR, f"rank{rank:05d}.json")
+    os.makedirs(os.path.dirname(note_path), exist_ok=True)
+    if os.path.exists(note_path):
+        os.remove(note_path)
+    entries, run = _run_shards(writer, runner, examples, rank, job_id, shard_tokens, batch_tokens, progress)
+    note = {"job": job_id, "shards": entries, "input": stats.to_dict(), "run": run}
+    with open(note_path + ".tmp", "w") as f:
+        json.dump(note, f)
+    os.replace(note_path + ".tmp", note_path)
+    if rank == 0:
+        notes = _wait_for_ranks(out, world_size, job_id)
+        _finish(writer, manifest, notes)
+        # Report the whole job: ranks ran in parallel, so the slowest one sets the time.
+        run = {k: sum(n["run"][k] for n in notes) for k in ("tokens_run", "bytes_written", "skipped_shards")}
+        run["seconds"] = max(n["run"]["seconds"] for n in notes)
+    return _summarise(out, rank, stats, run, progress)
+
+
+def _run_shards(writer, runner, examples, rank, job_id, shard_tokens, batch_tokens, progress):
+    """Extract this rank's shards, keeping complete ones -> (manifest shard entries, run counters)."""
+    lengths = [len(e.input_ids) for e in examples]
+    bar = _progress_bar(sum(lengths), rank, progress)
+    entries, bytes_written, tokens_run, skipped_shards, done = [], 0, 0, 0, 0
+    t0 = time.time()
+    for s, seqs in enumerate(plan_shards(lengths, shard_tokens)):
+        name = writer.shard_name(rank, s)
+        shard_examples = [examples[i] for i in seqs]
+        shard_lengths = [lengths[i] for i in seqs]
+        meta = {"job": job_id, "inputs_sha256": _inputs_sha256(shard_examples)}
+        entries.append({
+            "name": name,
+            "num_sequences": len(seqs),
+            "num_tokens": int(sum(shard_lengths)),
+            "num_loss_tokens": int(sum(int(e.loss_mask.sum()) for e in shard_examples)),
+        })
+        if writer.is_complete(name, shard_lengths, meta):
+            skipped_shards += 1
+            done += len(seqs)
+            bar.update(sum(shard_lengths))
+            continue
+        shard = None
+        try:
+            for batch in plan_batches(shard_lengths, batch_tokens):
+                arrays = runner([shard_examples[i] for i in batch])
+                # Opened after the shard's first forward, so a failed first parity check writes nothing.
+                shard = shard or writer.open_shard(name, shard_lengths, meta)
+                for i, a in zip(batch, arrays):
+                    shard.write(i, a)
+                done += len(batch)
+                bar.update(sum(shard_lengths[i] for i in batch))
+                bar.set_postfix(seq=done)
+            shard.commit()
+        finally:
+            if shard is not None:
+                shard.close()
+        bytes_written += shard.bytes_written
+        tokens_run += int(sum(shard_lengths))
+    bar.close()
+    run = {"tokens_run": tokens_run, "bytes_written": bytes_written, "seconds": time.time() - t0,
+           "skipped_shards": skipped_shards}
+    return entries, run
+
+
+def _complete_store(out, job_id, rank) -> bool:
+    """True when `out` already holds the finished store of this very job; refuse a different one.
+
+    A manifest of this job over damaged or missing shards no longer tells the
+    truth: rank 0 removes it and the run redoes what is missing.
+    """
+    manifest = read_manifest(out)
+    if manifest is None:
+        return False
+    if manifest.get("extraction", {}).get("job") != job_id:
+        raise ValueError(
+            f"{out} already holds a complete store from a different extraction (target, data or settings differ); "
+            f"use a new --out directory or delete {out}"
+        )
+    try:
+        HiddenStateStore(out)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"{out}: the finished store is damaged ({e}); redoing what is missing", file=sys.stderr)
+        if rank == 0:
+            os.remove(os.path.join(out, MANIFEST))
+        return False
+    return True
+
+
+def _wait_for_ranks(out, world_size, job_id, poll_s=0.2) -> List[dict]:
+    """File barrier: each rank leaves ranks/rankNNNNN.json once its shards are complete."""
+    notes, next_report = {}, time.time() + 60
+    while True:
+        for r in range(world_size):
+            path = os.path.join(out, RANKS_DIR, f"rank{r:05d}.json")
+            if r not in notes and os.path.exists(path):
+                with open(path) as f:
+                    note = json.load(f)
+                if note.get("job") == job_id:
+                    notes[r] = note
+        if len(notes) == world_size:
+            return [notes[r] for r in range(world_size)]
+        if time.time() > next_report:
+            missing = [r for r in range(world_size) if r not in notes]
+            print(f"rank 0: waiting for ranks {missing} to finish their shards", file=sys.stderr)
+            next_report = time.time() + 60
+        time.sleep(poll_s)
+
+
+def _finish(writer: StoreWriter, manifest: dict, notes: List[dict]) -> None:
+    """Rank 0: one manifest over every rank's shards, then remove the rank notes."""
+    shards = [entry for note in notes for entry in note["shards"]]
+    inputs = [note["input"] for note in notes]
+    skipped = Counter()
+    for i in inputs:
+        skipped.update(i["skipped"])
+    counts = {k: sum(i[k] for i in inputs) for k in ("lines", "sequences", "bad_lines", "truncated")}
+    if not shards:
+        raise ValueError(f"no usable sequences in the data: {counts}, skipped {dict(skipped)}")
+    writer.write_manifest({
+        **manifest,
+        "num_sequences": sum(e["num_sequences"] for e in shards),
+        "num_tokens": sum(e["num_tokens"] for e in shards),
+        "num_loss_tokens": sum(e["num_loss_tokens"] for e in shards),
+        "shards": shards,
+        "extraction": {**manifest["extraction"], "input": {**counts, "skipped": dict(sorted(skipped.items()))}},
+    })
+    shutil.rmtree(os.path.join(writer.path, RANKS_DIR), ignore_errors=True)
+
+
+def _progress_bar(total_tokens, rank, progress):
+    from tqdm import tqdm
+
+    return tqdm(total=total_tokens, unit="tok", unit_scale=True, desc="extract", disable=not progress or rank != 0)
+
+
+def _summarise(out, rank, stats, run, progress) -> dict:
+    """Summary dict of this call (all ranks on rank 0); rank 0 also prints it."""
+    seconds = run["seconds"]
+    summary = {
+        "out": out,
+        "rank": rank,
+        **run,
+        "gb_per_s": run["bytes_written"] / 1e9 / seconds if seconds > 0 else 0.0,
+        "tokens_per_s": run["tokens_run"] / seconds if seconds > 0 else 0.0,
+        "input": stats.to_dict(),
+    }
+    m = read_manifest(out) if rank == 0 else None
+    if m is None:
+        return summary
+    summary.update(num_sequences=m["num_sequences"], num_tokens=m["num_tokens"])
+    if progress:
+        i = m["extraction"]["input"]
+        kept = run["skipped_shards"]
+        kept = " (already complete: nothing to do)" if kept is None else (
+            f", {kept} complete shards kept" if kept else "")
+        print(
+            f"store {out}: {m['num_sequences']} sequences, {m['num_tokens']} tokens "
+            f"({m['num_loss_tokens']} with loss), layer ids {m['layer_ids']}, {m['dtype']}\n"
+            f"this run: {run['tokens_run']} tokens, {run['bytes_written'] / 1e9:.3f} GB in {seconds:.1f} s "
+            f"({summary['gb_per_s']:.3f} GB/s, {summary['tokens_per_s']:.0f} tok/s){kept}\n"
+            f"input: {i['lines']} records, {i['bad_lines']} bad lines skipped, {i['truncated']} truncated "
+            f"to {m['extraction']['max_seq_len']} tokens, skipped: {i['skipped'] or 'none'}"
+        )
+    return summary
+
+
+# ---------------------------------------------------------------- CLI
+
+def _layer_ids_arg(text):
+    try:
+        return parse_layer_ids(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_arguments(parser) -> None:
+    p = parser
+    p.add_argument("--target", required=True, help="Hugging Face causal LM: local directory or hub id")
+    p.add_argument("--data", required=True, help="JSONL: {conversations: [...]}, {text: ...} or {input_ids, loss_mask}")
+    p.add_argument("--out", required=True, help="store directory (re-run the same command to resume)")
+    p.add_argument("--layer-ids", type=_layer_ids_arg, default=None,
+                   help="comma-separated decoder layer ids, 0..L-1 (id l = HF hidden_states[l+1]); "
+                        "default: --num-tapped ids spread over 1..L-3")
+    p.add_argument("--num-tapped", type=int, default=5, help="K, when --layer-ids is not given (default 5)")
+    p.add_argument("--max-seq-len", type=int, default=2048, help="longer sequences are truncated and counted")
+    p.add_argument("--batch-tokens", type=int, default=16384, help="padded tokens per forward (default 16384)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="store dtype of hidden/last")
+    p.add_argument("--shard-tokens", type=int, default=None, help="tokens per shard (default: about 1 GiB)")
+    p.add_argument("--topk", type=int, default=8, help="teacher top-k kept per token (default 8)")
+    p.add_argument("--no-last", action="store_true", help="do not store `last` (stores for ce / top-k losses only)")
+    p.add_argument("--skip-bad", action="store_true", help="skip and count malformed JSONL lines instead of failing")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modelling code to run")
+    p.add_argument("--parity-every", type=int, default=50,
+                   help="check lm_head(norm(last)) == logits on the first batch and every N batches (default 50)")
+
+
+def run(args) -> int:
+    extract(
+        args.target, args.data, args.out,
+        layer_ids=args.layer_ids, num_tapped=args.num_tapped, max_seq_len=args.max_seq_len,
+        batch_tokens=args.batch_tokens, dtype=args.dtype, shard_tokens=args.shard_tokens, topk=args.topk,
+        no_last=args.no_last, skip_bad=args.skip_bad, trust_remote_code=args.trust_remote_code,
+        parity_every=args.parity_every,
+    )
+    return 0

@@ -1,0 +1,497 @@
+"""The hidden-state store: what extraction writes and training reads (SPEC.md §1-2).
+
+One store item is one document (a sequence of `n` tokens). Per token it holds:
+
+    input_ids            [n]        int32
+    loss_mask            [n]        bool     1 on tokens the drafter learns to draft
+    hidden               [n, K, H]  dtype    outputs of the tapped decoder layers (pre final norm)
+    last                 [n, H]     dtype    final residual stream BEFORE the final norm (optional)
+    teacher_topk_ids     [n, k]     int32    the target's top-k next-token ids, logits descending
+    teacher_topk_logits  [n, k]     float32  their logits
+    teacher_lse          [n]        float32  full log-sum-exp of the target's logits
+
+`dtype` is bfloat16 (stored as its uint16 bits: numpy has no bf16), float16 or
+float32. On disk a store is a directory:
+
+    manifest.json                    written last: its presence means "complete"
+    shards/rank00000-shard00000/     one directory a shard, renamed into place when complete
+        index.json                   per-sequence lengths, file shapes, the inputs' hash
+        input_ids.bin ... last.bin   raw little-endian arrays, one per field
+
+Each `.bin` is a flat C-order array memory-mapped with `np.memmap`: reading
+one item touches only its bytes, and a torch tensor is a view of the mapping,
+never a copy (copy-on-write: writing into a tensor never reaches the file). A shard is written into `<name>.tmp/` and renamed when every
+sequence is in, so a crash leaves at worst a `.tmp` directory that the next
+run deletes and redoes.
+
+Layer ids (SPEC §1): layer id `l` is the output of decoder layer `l`,
+`0 <= l <= L-1`; in Hugging Face `outputs.hidden_states` that is
+`hidden_states[l + 1]`.
+"""
+import bisect
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+SCHEMA_VERSION = 1
+MANIFEST = "manifest.json"
+INDEX = "index.json"
+SHARDS_DIR = "shards"
+TMP_SUFFIX = ".tmp"
+
+LAYER_ID_CONVENTION = (
+    "layer id l = output of decoder layer l = HF hidden_states[l+1] "
+    "(hidden_states[0] is the embedding output); 0 <= l <= L-1; "
+    "id L-1 is stored before the final norm, like `last`"
+)
+
+# name -> (numpy dtype on disk, torch dtype of the view)
+DTYPES = {
+    "bfloat16": (np.uint16, torch.bfloat16),
+    "float16": (np.float16, torch.float16),
+    "float32": (np.float32, torch.float32),
+}
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+# What a reader needs from a manifest; extraction also records the target, L, V, norm and input counts.
+MANIFEST_KEYS = ("layer_ids", "hidden_size", "topk", "dtype", "has_last", "num_sequences", "num_tokens", "shards")
+
+# Final-norm kinds a store can describe: y = rms(x) * w, or zero-centred y = rms(x) * (1 + w).
+NORM_KINDS = ("rmsnorm", "rmsnorm_zero_centred")
+
+
+# ---------------------------------------------------------------- layer ids
+
+def default_layer_ids(num_layers: int, num_tapped: int = 5) -> List[int]:
+    """`num_tapped` ids spread uniformly from layer 1 to layer `num_layers - 3`, rounded.
+
+    36 -> [1, 9, 17, 25, 33]; 64 -> [1, 16, 31, 46, 61]. One tapped layer is
+    the middle one. Raises when the target is too shallow for distinct ids.
+    """
+    if num_tapped < 1:
+        raise ValueError(f"num_tapped must be >= 1, got {num_tapped}")
+    if num_tapped == 1:
+        return [num_layers // 2]
+    start, end = 1, num_layers - 3
+    ids = [int(round(start + i * (end - start) / (num_tapped - 1))) for i in range(num_tapped)]
+    if end <= start or len(set(ids)) != num_tapped:
+        raise ValueError(
+            f"cannot spread {num_tapped} distinct layer ids over 1..{end} of a {num_layers}-layer target; "
+            f"pass fewer (--num-tapped) or explicit ids (--layer-ids)"
+        )
+    return ids
+
+
+def check_layer_ids(layer_ids: Sequence[int], num_layers: int) -> List[int]:
+    """Validate layer ids against a target of `num_layers` decoder layers; never clamp.
+
+    Ids must be integers in 0..L-1, unique and sorted ascending. Returns them as a list.
+    """
+    ids = list(layer_ids)
+    if not ids:
+        raise ValueError("layer ids are empty: give at least one decoder layer id")
+    for i in ids:
+        if not isinstance(i, (int, np.integer)) or isinstance(i, bool):
+            raise ValueError(f"layer id {i!r} is not an integer")
+        if i < 0:
+            raise ValueError(
+                f"layer id {i} is negative: ids count decoder layers from 0 "
+                f"(the target has {num_layers}, ids 0..{num_layers - 1}); negative indexing is not allowed"
+            )
+        if i >= num_layers:
+            raise ValueError(
+                f"layer id {i} does not exist: the target has {num_layers} decoder layers "
+                f"(ids 0..{num_layers - 1}); HF hidden_states[i+1] is layer i, and hidden_states[0] "
+                f"is the embedding output, not a layer"
+            )
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"layer ids {ids} contain duplicates: each layer can be tapped once")
+    if ids != sorted(ids):
+        raise ValueError(f"layer ids {ids} are not sorted ascending: pass {sorted(ids)}")
+    return [int(i) for i in ids]
+
+
+def parse_layer_ids(text: str) -> List[int]:
+    """'1,9,17' -> [1, 9, 17] (validated later against the target)."""
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"--layer-ids {text!r}: expected comma-separated integers such as 1,9,17,25,33") from None
+
+
+# ---------------------------------------------------------------- final norm
+
+def final_norm_weight(weight: torch.Tensor, kind: str) -> torch.Tensor:
+    """The effective RMSNorm scale of a final norm of `kind`: `w`, or `1 + w` when zero-centred.
+
+    weight: [H] -> [H]; use with `dflash_fast.eager.rms_norm(last, scale, eps)`.
+    """
+    if kind == "rmsnorm":
+        return weight
+    if kind == "rmsnorm_zero_centred":
+        return 1 + weight
+    raise ValueError(f"unknown final norm kind {kind!r}; expected one of {NORM_KINDS}")
+
+
+# ---------------------------------------------------------------- layout
+
+@dataclass(frozen=True)
+class Layout:
+    """Per-token shapes of every field; what the writer lays down and the reader expects."""
+
+    num_tapped: int
+    hidden_size: int
+    topk: int
+    dtype: str
+    has_last: bool
+
+    def fields(self) -> Dict[str, tuple]:
+        """name -> (numpy dtype, per-token shape, torch dtype of the view)."""
+        np_h, torch_h = DTYPES[self.dtype]
+        out = {
+            "input_ids": (np.int32, (), torch.int32),
+            "loss_mask": (np.bool_, (), torch.bool),
+            "hidden": (np_h, (self.num_tapped, self.hidden_size), torch_h),
+            "last": (np_h, (self.hidden_size,), torch_h),
+            "teacher_topk_ids": (np.int32, (self.topk,), torch.int32),
+            "teacher_topk_logits": (np.float32, (self.topk,), torch.float32),
+            "teacher_lse": (np.float32, (), torch.float32),
+        }
+        if not self.has_last:
+            del out["last"]
+        return out
+
+    def bytes_per_token(self) -> int:
+        return sum(np.dtype(d).itemsize * int(np.prod(s, dtype=np.int64)) for d, s, _ in self.fields().values())
+
+
+def normalise_dtype(name: str) -> str:
+    """'bf16' | 'bfloat16' | ... -> canonical store dtype name."""
+    canon = DTYPE_ALIASES.get(name, name)
+    if canon not in DTYPES:
+        raise ValueError(f"unknown store dtype {name!r}; choose bf16, fp16 or fp32")
+    return canon
+
+
+def sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _read_json(path: str, what: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: {what} is missing") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: {what} is not valid JSON ({e}); the store is corrupted") from None
+
+
+def _write_json_atomic(path: str, obj: dict) -> None:
+    tmp = path + TMP_SUFFIX
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path))
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------- writer
+
+class ShardWriter:
+    """Writes one shard of known sequence lengths into `<name>.tmp/`, then renames it into place.
+
+    Files are pre-sized from `lengths`, and each sequence is written at its own
+    offset, so batches may arrive in any order (the extractor sorts them by
+    length) and the bytes on disk do not depend on that order.
+    """
+
+    def __init__(self, shards_dir: str, name: str, layout: Layout, lengths: Sequence[int], meta: dict):
+        self.final = os.path.join(shards_dir, name)
+        self.tmp = self.final + TMP_SUFFIX
+        self.layout = layout
+        self.lengths = [int(n) for n in lengths]
+        self.starts = np.concatenate([[0], np.cumsum(self.lengths, dtype=np.int64)])
+        self.meta = meta
+        self.written = np.zeros(len(self.lengths), dtype=bool)
+        self.bytes_written = 0
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        os.makedirs(self.tmp)
+        self.fds = {}
+        num_tokens = int(self.starts[-1])
+        for field, (np_dtype, shape, _) in layout.fields().items():
+            fd = os.open(os.path.join(self.tmp, field + ".bin"), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.ftruncate(fd, num_tokens * self._row_bytes(field))
+            self.fds[field] = fd
+
+    def _row_bytes(self, field: str) -> int:
+        np_dtype, shape, _ = self.layout.fields()[field]
+        return np.dtype(np_dtype).itemsize * int(np.prod(shape, dtype=np.int64))
+
+    def write(self, i: int, arrays: Dict[str, np.ndarray]) -> None:
+        """Write sequence `i` of this shard: arrays[field] is `[n_i, *shape]` in the field's dtype."""
+        n = self.lengths[i]
+        for field, (np_dtype, shape, _) in self.layout.fields().items():
+            a = np.ascontiguousarray(arrays[field])
+            if a.dtype != np.dtype(np_dtype) or a.shape != (n, *shape):
+                raise ValueError(
+                    f"{field} of sequence {i}: got {a.dtype}{list(a.shape)}, expected {np.dtype(np_dtype)}{[n, *shape]}"
+                )
+            os.pwrite(self.fds[field], a.data, int(self.starts[i]) * self._row_bytes(field))
+            self.bytes_written += a.nbytes
+        self.written[i] = True
+
+    def commit(self) -> None:
+        """Flush, write index.json and atomically rename the shard into place."""
+        missing = np.flatnonzero(~self.written)
+        if len(missing):
+            raise RuntimeError(f"{self.tmp}: sequences {missing[:8].tolist()} were never written; not committing")
+        files = {}
+        for field, (np_dtype, shape, _) in self.layout.fields().items():
+            os.fsync(self.fds[field])
+            os.close(self.fds[field])
+            files[field] = {"dtype": np.dtype(np_dtype).name, "shape": [int(self.starts[-1]), *shape]}
+        self.fds = {}
+        index = {
+            "schema_version": SCHEMA_VERSION,
+            **self.meta,
+            "num_sequences": len(self.lengths),
+            "num_tokens": int(self.starts[-1]),
+            "files": files,
+            "lengths": self.lengths,
+        }
+        _write_json_atomic(os.path.join(self.tmp, INDEX), index)
+        os.replace(self.tmp, self.final)
+        _fsync_dir(os.path.dirname(self.final))
+
+    def close(self) -> None:
+        """Release file handles without committing (the `.tmp` directory stays, torn)."""
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds = {}
+
+
+class StoreWriter:
+    """Creates and resumes a store directory: shards (any rank) and the manifest (rank 0, last)."""
+
+    def __init__(self, path: str, layout: Layout):
+        self.path = path
+        self.layout = layout
+        self.shards_dir = os.path.join(path, SHARDS_DIR)
+        os.makedirs(self.shards_dir, exist_ok=True)
+
+    @staticmethod
+    def shard_name(rank: int, index: int) -> str:
+        return f"rank{rank:05d}-shard{index:05d}"
+
+    def remove_torn(self, rank: int) -> List[str]:
+        """Delete this rank's `.tmp` shards left by a crash; return their names."""
+        prefix = f"rank{rank:05d}-"
+        torn = [d for d in os.listdir(self.shards_dir) if d.startswith(prefix) and d.endswith(TMP_SUFFIX)]
+        for d in torn:
+            shutil.rmtree(os.path.join(self.shards_dir, d))
+        return torn
+
+    def is_complete(self, name: str, lengths: Sequence[int], meta: dict) -> bool:
+        """True when shard `name` exists, holds exactly `lengths` and was written with `meta`.
+
+        A complete shard written from different inputs or settings is refused,
+        not overwritten: the directory belongs to another extraction.
+        """
+        shard = os.path.join(self.shards_dir, name)
+        if not os.path.isdir(shard):
+            return False
+        index = _read_json(os.path.join(shard, INDEX), "the shard index")
+        theirs = {k: index.get(k) for k in meta}
+        if theirs != meta or index.get("lengths") != [int(n) for n in lengths]:
+            diff = sorted(k for k in meta if theirs[k] != meta[k]) or ["lengths"]
+            raise ValueError(
+                f"{shard} was written by a different extraction (differs in {', '.join(diff)}); "
+                f"use a new --out directory or delete {self.path}"
+            )
+        _check_shard(shard, self.layout, index, expect=None)
+        return True
+
+    def open_shard(self, name: str, lengths: Sequence[int], meta: dict) -> ShardWriter:
+        return ShardWriter(self.shards_dir, name, self.layout, lengths, meta)
+
+    def write_manifest(self, manifest: dict) -> None:
+        """Check every shard `manifest["shards"]` lists, then write manifest.json atomically.
+
+        The manifest is the store's claim of completeness, so it is written
+        last and only over complete, consistent shards.
+        """
+        for entry in manifest["shards"]:
+            shard = os.path.join(self.shards_dir, entry["name"])
+            index = _read_json(os.path.join(shard, INDEX), "the shard index")
+            _check_shard(shard, self.layout, index, {k: entry[k] for k in ("num_sequences", "num_tokens")})
+        _write_json_atomic(os.path.join(self.path, MANIFEST), {"schema_version": SCHEMA_VERSION, **manifest})
+        HiddenStateStore(self.path)
+
+
+def read_manifest(path: str) -> Optional[dict]:
+    """The manifest of the store at `path`, or None when there is none (yet)."""
+    manifest_path = os.path.join(path, MANIFEST)
+    return _read_json(manifest_path, "the store manifest") if os.path.exists(manifest_path) else None
+
+
+# ---------------------------------------------------------------- shard checks and the reader
+
+def _check_shard(shard: str, layout: Layout, index: dict, expect: Optional[dict]) -> Dict[str, tuple]:
+    """Check a shard's index and file sizes against `layout` (and the manifest's `expect`).
+
+    Returns field -> (path, numpy dtype, shape) for mapping. Only stats the
+    files: a store with thousands of shards opens without mapping any.
+    """
+    index_path = os.path.join(shard, INDEX)
+    if index.get("schema_version") != SCHEMA_VERSION:
+        raise ValueError(
+            f"{index_path}: schema version {index.get('schema_version')!r}, this reader knows {SCHEMA_VERSION}"
+        )
+    lengths = index.get("lengths", [])
+    num_tokens = index.get("num_tokens")
+    if sum(lengths) != num_tokens or len(lengths) != index.get("num_sequences"):
+        raise ValueError(f"{index_path}: lengths disagree with num_sequences/num_tokens; the shard is corrupted")
+    if expect is not None:
+        got = {k: index.get(k) for k in expect}
+        if got != expect:
+            raise ValueError(f"{index_path}: shard holds {got}, the manifest says {expect}; the store is inconsistent")
+    specs = {}
+    for field, (np_dtype, shape, _) in layout.fields().items():
+        path = os.path.join(shard, field + ".bin")
+        want_shape = [num_tokens, *shape]
+        described = index.get("files", {}).get(field)
+        if described != {"dtype": np.dtype(np_dtype).name, "shape": want_shape}:
+            raise ValueError(
+                f"{path}: index describes {described}, the manifest implies "
+                f"{{'dtype': '{np.dtype(np_dtype).name}', 'shape': {want_shape}}}; the store is inconsistent"
+            )
+        want_bytes = np.dtype(np_dtype).itemsize * int(np.prod(want_shape, dtype=np.int64))
+        try:
+            size = os.path.getsize(path)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{path}: shard file is missing; re-run the extraction to redo it") from None
+        if size != want_bytes:
+            raise ValueError(
+                f"{path}: {size} bytes, expected {want_bytes} for {want_shape} {np.dtype(np_dtype).name}; "
+                f"the shard is truncated or corrupted: delete {shard} and re-run the extraction"
+            )
+        specs[field] = (path, np_dtype, tuple(want_shape))
+    return specs
+
+
+class HiddenStateStore:
+    """Memory-mapped reader of a store directory written by `dflash-fast extract`.
+
+    `store[i]` -> dict of torch tensors (views of the mapped files; see the
+    module docstring for names, shapes and dtypes). `store.lengths` [N] int64
+    holds every item's token count without touching the big files.
+    """
+
+    def __init__(self, path: str):
+        self.path = str(path)
+        manifest_path = os.path.join(self.path, MANIFEST)
+        if not os.path.exists(manifest_path):
+            torn = os.path.isdir(os.path.join(self.path, SHARDS_DIR))
+            raise FileNotFoundError(
+                f"{manifest_path} is missing: "
+                + ("the extraction did not finish; re-run the same command to resume it" if torn else "not a store")
+            )
+        self.manifest = _read_json(manifest_path, "the store manifest")
+        version = self.manifest.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise ValueError(
+                f"{manifest_path}: unknown schema version {version!r}; this reader understands version "
+                f"{SCHEMA_VERSION}: re-extract with this version of dflash-fast"
+            )
+        m = self.manifest
+        missing = [k for k in MANIFEST_KEYS if k not in m]
+        if missing:
+            raise ValueError(f"{manifest_path}: missing {missing}; the manifest is corrupted")
+        self.layout = Layout(len(m["layer_ids"]), m["hidden_size"], m["topk"], m["dtype"], m["has_last"])
+        self.hidden_dtype = DTYPES[m["dtype"]][1]
+        self._specs = []
+        lengths = []
+        for entry in m["shards"]:
+            shard = os.path.join(self.path, SHARDS_DIR, entry["name"])
+            if not os.path.isdir(shard):
+                raise FileNotFoundError(f"{shard}: shard listed in the manifest is missing")
+            index = _read_json(os.path.join(shard, INDEX), "the shard index")
+            expect = {"num_sequences": entry["num_sequences"], "num_tokens": entry["num_tokens"]}
+            self._specs.append(_check_shard(shard, self.layout, index, expect))
+            lengths.append(np.asarray(index["lengths"], dtype=np.int64))
+        self.lengths = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
+        if len(self.lengths) != m["num_sequences"] or int(self.lengths.sum()) != m["num_tokens"]:
+            raise ValueError(
+                f"{manifest_path}: shards hold {len(self.lengths)} sequences / {int(self.lengths.sum())} tokens, "
+                f"the manifest says {m['num_sequences']} / {m['num_tokens']}; the store is inconsistent"
+            )
+        per_shard = [int(n["num_sequences"]) for n in m["shards"]]
+        self._first_item = np.concatenate([[0], np.cumsum(per_shard)]).tolist()
+        self._token_starts = []
+        first = 0
+        for count in per_shard:
+            shard_lengths = self.lengths[first:first + count]
+            self._token_starts.append(np.concatenate([[0], np.cumsum(shard_lengths)]))
+            first += count
+        self._maps = {}
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def _shard_maps(self, s: int) -> Dict[str, np.memmap]:
+        if s not in self._maps:
+            # Copy-on-write: torch gets writable views; nothing a caller does reaches the file.
+            self._maps[s] = {
+                field: np.memmap(path, dtype=np_dtype, mode="c", shape=shape)
+                for field, (path, np_dtype, shape) in self._specs[s].items()
+            }
+        return self._maps[s]
+
+    def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"store item {i} out of range for {n} items")
+        i %= n
+        s = bisect.bisect_right(self._first_item, i) - 1
+        j = i - self._first_item[s]
+        a, b = int(self._token_starts[s][j]), int(self._token_starts[s][j + 1])
+        fields = self.layout.fields()
+        out = {}
+        for field, arr in self._shard_maps(s).items():
+            t = torch.from_numpy(arr[a:b])
+            out[field] = t.view(fields[field][2]) if t.dtype != fields[field][2] else t
+        return out
+
+    def __getstate__(self):
+        # Mapped arrays would be pickled by value; DataLoader workers re-map lazily instead.
+        state = dict(self.__dict__)
+        state["_maps"] = {}
+        return state
+
+    def __repr__(self) -> str:
+        m = self.manifest
+        return (
+            f"HiddenStateStore({self.path!r}: {len(self)} sequences, {m['num_tokens']} tokens, "
+            f"layer ids {m['layer_ids']}, H={m['hidden_size']}, {m['dtype']}, last={m['has_last']})"
+        )

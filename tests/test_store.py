@@ -1,0 +1,226 @@
+"""The on-disk store: layer-id convention, writer/reader round trip, refusals of damaged stores."""
+import json
+import os
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_fast.store import (
+    DTYPES,
+    INDEX,
+    MANIFEST,
+    HiddenStateStore,
+    Layout,
+    StoreWriter,
+    check_layer_ids,
+    default_layer_ids,
+    final_norm_weight,
+)
+
+LAYOUT = Layout(num_tapped=3, hidden_size=16, topk=4, dtype="bfloat16", has_last=True)
+LENGTHS = [[5, 3, 7], [4, 1]]  # two shards
+
+
+def _random_sequence(layout, n, rng):
+    """Per-field arrays of one sequence in the on-disk dtypes; bf16 as its uint16 bits."""
+    torch_dtype = DTYPES[layout.dtype][1]
+    hidden = torch.randn(n, layout.num_tapped, layout.hidden_size, generator=rng).to(torch_dtype)
+    last = torch.randn(n, layout.hidden_size, generator=rng).to(torch_dtype)
+    logits = torch.randn(n, layout.topk, generator=rng).sort(dim=-1, descending=True).values
+    arrays = {
+        "input_ids": torch.randint(0, 1000, (n,), generator=rng).to(torch.int32).numpy(),
+        "loss_mask": (torch.rand(n, generator=rng) > 0.3).numpy(),
+        "hidden": hidden.numpy() if torch_dtype != torch.bfloat16 else hidden.view(torch.uint16).numpy(),
+        "last": last.numpy() if torch_dtype != torch.bfloat16 else last.view(torch.uint16).numpy(),
+        "teacher_topk_ids": torch.randint(0, 1000, (n, layout.topk), generator=rng).to(torch.int32).numpy(),
+        "teacher_topk_logits": logits.numpy(),
+        "teacher_lse": torch.randn(n, generator=rng).numpy(),
+    }
+    if not layout.has_last:
+        del arrays["last"]
+    return arrays
+
+
+def write_store(path, layout=LAYOUT, lengths=LENGTHS, seed=0):
+    """Write a store of random data through StoreWriter; return the per-item arrays written."""
+    rng = torch.Generator().manual_seed(seed)
+    writer = StoreWriter(str(path), layout)
+    items, shards = [], []
+    for s, shard_lengths in enumerate(lengths):
+        name = writer.shard_name(0, s)
+        shard = writer.open_shard(name, shard_lengths, {"job": "test"})
+        seqs = [_random_sequence(layout, n, rng) for n in shard_lengths]
+        for i in reversed(range(len(seqs))):  # any order: each sequence lands at its own offset
+            shard.write(i, seqs[i])
+        shard.commit()
+        items.extend(seqs)
+        shards.append({"name": name, "num_sequences": len(shard_lengths), "num_tokens": sum(shard_lengths)})
+    writer.write_manifest({
+        "layer_ids": list(range(layout.num_tapped)),
+        "hidden_size": layout.hidden_size,
+        "topk": layout.topk,
+        "dtype": layout.dtype,
+        "has_last": layout.has_last,
+        "num_sequences": sum(len(x) for x in lengths),
+        "num_tokens": sum(sum(x) for x in lengths),
+        "shards": shards,
+    })
+    return items
+
+
+# ---------------------------------------------------------------- layer ids
+
+def test_default_layer_ids_spread_from_1_to_L_minus_3():
+    assert default_layer_ids(36) == [1, 9, 17, 25, 33]
+    assert default_layer_ids(64) == [1, 16, 31, 46, 61]
+    assert default_layer_ids(8, 3) == [1, 3, 5]
+
+
+def test_default_layer_ids_refuse_a_target_too_shallow_for_distinct_ids():
+    with pytest.raises(ValueError, match="--layer-ids"):
+        default_layer_ids(6, 5)
+
+
+def test_layer_id_L_is_refused_with_the_hf_hidden_states_convention():
+    with pytest.raises(ValueError) as e:
+        check_layer_ids([1, 16, 31, 46, 64], 64)
+    msg = str(e.value)
+    assert "layer id 64 does not exist" in msg and "ids 0..63" in msg and "hidden_states[i+1] is layer i" in msg
+
+
+@pytest.mark.parametrize(
+    "ids, match",
+    [([-1, 3], "negative"), ([1, 3, 3], "duplicates"), ([5, 1, 3], r"not sorted ascending: pass \[1, 3, 5\]"),
+     ([], "empty"), ([1.5], "not an integer")],
+)
+def test_bad_layer_ids_are_refused_never_clamped(ids, match):
+    with pytest.raises(ValueError, match=match):
+        check_layer_ids(ids, 8)
+
+
+def test_valid_layer_ids_pass_unchanged_including_0_and_L_minus_1():
+    assert check_layer_ids([0, 3, 7], 8) == [0, 3, 7]
+
+
+def test_final_norm_weight_is_one_plus_w_when_zero_centred():
+    w = torch.tensor([0.5, -0.25])
+    assert torch.equal(final_norm_weight(w, "rmsnorm"), w)
+    assert torch.equal(final_norm_weight(w, "rmsnorm_zero_centred"), 1 + w)
+    with pytest.raises(ValueError, match="unknown final norm kind"):
+        final_norm_weight(w, "layernorm")
+
+
+# ---------------------------------------------------------------- round trip
+
+def test_reader_returns_exactly_what_the_writer_wrote(tmp_path):
+    items = write_store(tmp_path)
+    store = HiddenStateStore(tmp_path)
+    assert len(store) == 5
+    assert store.lengths.tolist() == [5, 3, 7, 4, 1]
+    assert store.hidden_dtype == torch.bfloat16
+    for i, want in enumerate(items):
+        got = store[i]
+        assert set(got) == set(want)
+        assert got["hidden"].dtype == torch.bfloat16 and got["hidden"].shape == (store.lengths[i], 3, 16)
+        assert got["loss_mask"].dtype == torch.bool and got["input_ids"].dtype == torch.int32
+        for name, a in want.items():
+            b = got[name].view(torch.uint16) if got[name].dtype == torch.bfloat16 else got[name]
+            assert np.array_equal(b.numpy(), a), name
+    assert torch.equal(store[-1]["input_ids"], store[4]["input_ids"])
+    with pytest.raises(IndexError):
+        store[5]
+
+
+def test_items_are_views_of_the_mapped_file_not_copies(tmp_path):
+    write_store(tmp_path)
+    store = HiddenStateStore(tmp_path)
+    item = store[2]
+    mapped = store._shard_maps(0)["hidden"]
+    offset = (5 + 3) * LAYOUT.num_tapped * LAYOUT.hidden_size * 2
+    assert item["hidden"].data_ptr() == mapped.ctypes.data + offset
+    item["hidden"].zero_()  # copy-on-write mapping: the file is untouched
+    assert HiddenStateStore(tmp_path)[2]["hidden"].abs().sum() > 0
+
+
+def test_store_without_last_has_no_last_field(tmp_path):
+    layout = Layout(num_tapped=2, hidden_size=8, topk=1, dtype="float16", has_last=False)
+    write_store(tmp_path, layout=layout, lengths=[[3, 2]])
+    item = HiddenStateStore(tmp_path)[0]
+    assert "last" not in item and item["hidden"].dtype == torch.float16
+    assert not os.path.exists(tmp_path / "shards" / "rank00000-shard00000" / "last.bin")
+
+
+def test_pickled_store_does_not_carry_mapped_data(tmp_path):
+    write_store(tmp_path, lengths=[[200, 300]])
+    store = HiddenStateStore(tmp_path)
+    store[0]
+    blob = pickle.dumps(store)
+    assert len(blob) < 20_000
+    assert torch.equal(pickle.loads(blob)[1]["hidden"], store[1]["hidden"])
+
+
+# ---------------------------------------------------------------- crash safety and refusals
+
+def test_shard_commit_refuses_a_shard_with_unwritten_sequences(tmp_path):
+    writer = StoreWriter(str(tmp_path), LAYOUT)
+    shard = writer.open_shard("rank00000-shard00000", [2, 3], {"job": "test"})
+    shard.write(0, _random_sequence(LAYOUT, 2, torch.Generator().manual_seed(0)))
+    with pytest.raises(RuntimeError, match=r"sequences \[1\] were never written"):
+        shard.commit()
+    shard.close()
+    assert os.path.isdir(tmp_path / "shards" / "rank00000-shard00000.tmp")
+    assert not os.path.exists(tmp_path / "shards" / "rank00000-shard00000")
+    assert writer.remove_torn(0) == ["rank00000-shard00000.tmp"]
+
+
+def test_store_without_manifest_is_reported_as_unfinished(tmp_path):
+    StoreWriter(str(tmp_path), LAYOUT)
+    with pytest.raises(FileNotFoundError, match="did not finish; re-run the same command"):
+        HiddenStateStore(tmp_path)
+
+
+def test_reader_refuses_a_truncated_shard_and_names_the_file(tmp_path):
+    write_store(tmp_path)
+    path = tmp_path / "shards" / "rank00000-shard00001" / "hidden.bin"
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 2)
+    with pytest.raises(ValueError, match=rf"{path}: .* truncated"):
+        HiddenStateStore(tmp_path)
+
+
+def test_reader_refuses_a_missing_shard_file_and_names_it(tmp_path):
+    write_store(tmp_path)
+    path = tmp_path / "shards" / "rank00000-shard00000" / "teacher_lse.bin"
+    os.remove(path)
+    with pytest.raises(FileNotFoundError, match=str(path)):
+        HiddenStateStore(tmp_path)
+
+
+def test_reader_refuses_an_unknown_schema_version(tmp_path):
+    write_store(tmp_path)
+    manifest = json.loads((tmp_path / MANIFEST).read_text())
+    manifest["schema_version"] = 99
+    (tmp_path / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match=rf"{tmp_path / MANIFEST}: unknown schema version 99"):
+        HiddenStateStore(tmp_path)
+
+
+def test_reader_refuses_a_manifest_that_disagrees_with_a_shard(tmp_path):
+    write_store(tmp_path)
+    manifest = json.loads((tmp_path / MANIFEST).read_text())
+    manifest["shards"][1]["num_tokens"] += 1
+    (tmp_path / MANIFEST).write_text(json.dumps(manifest))
+    index = tmp_path / "shards" / "rank00000-shard00001" / INDEX
+    with pytest.raises(ValueError, match=rf"{index}: .*inconsistent"):
+        HiddenStateStore(tmp_path)
+
+
+def test_reader_refuses_a_manifest_whose_dims_disagree_with_the_files(tmp_path):
+    write_store(tmp_path)
+    manifest = json.loads((tmp_path / MANIFEST).read_text())
+    manifest["hidden_size"] = 32
+    (tmp_path / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="hidden.bin: index describes"):
+        HiddenStateStore(tmp_path)

@@ -1,0 +1,165 @@
+"""Tiny random targets built in code: a byte-level BPE tokenizer and small Qwen3 /
+Llama / Qwen3-Next / Qwen3.5 causal LMs saved like a hub checkpoint.
+
+Nothing is downloaded. Everything is seeded, so the same call writes the same
+files. The models are small enough that extracting a few hundred tokens takes a
+fraction of a second on one CPU core.
+"""
+import inspect
+import json
+import os
+import random
+import textwrap
+
+import torch
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+ARCHS = ("qwen3", "llama", "qwen3_next", "qwen3_5")
+
+
+def _training_text():
+    """A few hundred lines of English and Python: the docstrings and source of stdlib modules."""
+    import argparse
+    import json as json_module
+    import textwrap as textwrap_module
+
+    lines = []
+    for module in (argparse, json_module, textwrap_module):
+        lines.extend(line for line in inspect.getsource(module).splitlines() if line.strip())
+    rng = random.Random(0)
+    words = "the a drafter target block token layer hidden state anchor slot loss teacher".split()
+    lines.extend(" ".join(rng.choice(words) for _ in range(12)) for _ in range(200))
+    return lines
+
+
+def make_tokenizer(directory, vocab_size=384):
+    """Train a byte-level BPE tokenizer with a ChatML template and save it to `directory`.
+
+    Returns the `PreTrainedTokenizerFast`. Special tokens: `<|endoftext|>` (pad),
+    `<|im_start|>`, `<|im_end|>` (eos, ends every chat turn).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_training_text(), trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+    )
+    os.makedirs(directory, exist_ok=True)
+    tokenizer.save_pretrained(directory)
+    return tokenizer
+
+
+def _config(arch, vocab_size, num_layers, hidden_size, pad_token_id, eos_token_id):
+    from transformers import LlamaConfig, Qwen3Config, Qwen3NextConfig
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.1,
+        tie_word_embeddings=False,
+        pad_token_id=pad_token_id,
+        eos_token_id=eos_token_id,
+    )
+    if arch == "qwen3":
+        return Qwen3Config(head_dim=hidden_size // 4, **common)
+    if arch == "llama":
+        return LlamaConfig(**common)
+    # Hybrid: linear-attention (gated delta net) layers with a full-attention layer every 2nd.
+    hybrid = dict(
+        head_dim=hidden_size // 4,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        layer_types=["linear_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)],
+    )
+    if arch == "qwen3_next":
+        return Qwen3NextConfig(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=hidden_size,
+            shared_expert_intermediate_size=hidden_size,
+            **hybrid,
+            **common,
+        )
+    if arch == "qwen3_5":
+        return Qwen3_5TextConfig(**hybrid, **common)
+    raise ValueError(f"unknown tiny arch {arch!r}; choose one of {ARCHS}")
+
+
+def make_tiny_target(directory, arch="qwen3", num_layers=6, hidden_size=64, vocab_size=384, seed=0):
+    """Build a random fp32 causal LM of `arch`, save it (safetensors) with the tokenizer; return `directory`.
+
+    Norm weights are randomised too (HF initialises them to 1, or 0 for the
+    zero-centred norms of Qwen3-Next/Qwen3.5), so a norm applied twice, or with
+    the wrong centring, changes the numbers and is caught by tests.
+    """
+    from transformers import AutoModelForCausalLM
+
+    directory = str(directory)
+    tokenizer = make_tokenizer(directory, vocab_size=vocab_size)
+    config = _config(arch, len(tokenizer), num_layers, hidden_size, tokenizer.pad_token_id, tokenizer.eos_token_id)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(0.3 * torch.randn(param.shape, generator=gen))
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+def write_jsonl(path, records):
+    """Write `records` (dicts) one JSON object a line; return `path`."""
+    with open(path, "w") as f:
+        for record in records:
+            f.write(json.dumps(record) + "\n")
+    return path
+
+
+def sample_records(n=12, seed=0):
+    """A mix of the three JSONL formats: chat conversations, plain text, pre-tokenized ids."""
+    rng = random.Random(seed)
+    words = textwrap.dedent(inspect.getsource(random.Random.shuffle)).split()
+    out = []
+    for i in range(n):
+        def sentence(lo, hi):
+            return " ".join(rng.choice(words) for _ in range(rng.randint(lo, hi)))
+
+        if i % 3 == 2:
+            out.append({"text": sentence(10, 40)})
+        else:
+            turns = [{"role": "system", "content": sentence(2, 6)}] if i % 2 else []
+            for _ in range(rng.randint(1, 2)):
+                turns.append({"role": "user", "content": sentence(3, 12)})
+                turns.append({"role": "assistant", "content": sentence(3, 20)})
+            out.append({"conversations": turns})
+    return out
