@@ -22,6 +22,7 @@ setup(
         "safetensors",
         "deepspeed",
         "tqdm",
+        "accelerate",
         "numpy",
         "pyyaml",
     ],
