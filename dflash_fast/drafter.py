@@ -383,11 +383,14 @@ FROZEN_NAMES = {
 }
 
 
-def load_frozen_tensors(target_path: str, dtype: torch.dtype = torch.float32) -> Dict[str, torch.Tensor]:
+def load_frozen_tensors(target_path: str, dtype: torch.dtype = torch.float32, norm_kind: Optional[str] = None) -> Dict[str, torch.Tensor]:
     """Read only embed_tokens, lm_head and the final norm from the target's safetensors (never the
-    whole target). lm_head falls back to embed_tokens for tied embeddings; a zero-centred final
-    norm (Qwen3-Next, Qwen3.5, Gemma) is returned as its effective weight 1 + w."""
+    whole target). lm_head falls back to embed_tokens for tied embeddings; the final norm is returned
+    as its effective weight (1 + w when zero-centred). `norm_kind` is the kind extraction measured
+    (the store manifest's `final_norm.kind`); without it the model type decides."""
     from safetensors import safe_open
+
+    from dflash_fast.store import final_norm_weight
 
     with open(os.path.join(target_path, "config.json")) as f:
         config = json.load(f)
@@ -412,14 +415,17 @@ def load_frozen_tensors(target_path: str, dtype: torch.dtype = torch.float32) ->
             raise KeyError(f"{target_path}: none of {candidates} found for the target's {name}")
         with safe_open(where[key], "pt") as f:
             out[name] = f.get_tensor(key).to(dtype)
-    model_type = text_config.get("model_type", config.get("model_type", ""))
-    if model_type in ZERO_CENTRED_NORM_MODELS:
-        out["target_norm"] = out["target_norm"].float().add(1.0).to(dtype)
+    if norm_kind is None:
+        model_type = text_config.get("model_type", config.get("model_type", ""))
+        norm_kind = "rmsnorm_zero_centred" if model_type in ZERO_CENTRED_NORM_MODELS else "rmsnorm"
+    out["target_norm"] = final_norm_weight(out["target_norm"].float(), norm_kind).to(dtype)
     return out
 
 
-def build_drafter(target_path: str, layer_ids: List[int], mask_token_id: Optional[int] = None, **options) -> DFlashDrafter:
-    """A fresh drafter for the target at `target_path` with its frozen tensors loaded."""
+def build_drafter(target_path: str, layer_ids: List[int], mask_token_id: Optional[int] = None, norm_kind: Optional[str] = None,
+                  **options) -> DFlashDrafter:
+    """A fresh drafter for the target at `target_path` with its frozen tensors loaded
+    (`norm_kind`: see load_frozen_tensors)."""
     from transformers import AutoConfig, AutoTokenizer
 
     target_config = AutoConfig.from_pretrained(target_path)
@@ -432,5 +438,5 @@ def build_drafter(target_path: str, layer_ids: List[int], mask_token_id: Optiona
             tokenizer = None
     cfg = DrafterConfig.from_target(target_config, layer_ids, resolve_mask_token_id(vocab, mask_token_id, tokenizer), **options)
     drafter = DFlashDrafter(cfg)
-    drafter.set_frozen(**load_frozen_tensors(target_path))
+    drafter.set_frozen(**load_frozen_tensors(target_path, norm_kind=norm_kind))
     return drafter
