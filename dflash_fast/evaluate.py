@@ -1,0 +1,372 @@
+"""`dflash-fast eval`: real block speculative decoding with an HF target and a drafter (SPEC §6).
+
+    prompt ──target prefill──▶ x_T (the first bonus token), taps of 0..T-1
+    loop:
+      propose(hidden[0..T-1], x_T) ──▶ g_1..g_{B-1}                one drafter forward
+      target([x_T, g_1..g_{B-1}], cache) ──▶ y_0..y_{B-1}          one verification forward
+      n = leading j with g_j == y_{j-1};  emit g_1..g_n and the bonus y_n
+      keep the taps of T..T+n; roll the cache back to T+n+1;  x_{T+n+1} = y_n
+
+Every emitted token is a target argmax given the tokens before it, so greedy
+speculative output is the target's own greedy output. Cache rollback: full
+attention layers are cropped; layers that cannot be cropped (recurrent state
+of Qwen3-Next / Qwen3.5 linear attention, sliding windows) are copied before
+the verification and restored after a rejection, then the accepted tokens are
+re-run through the target (one extra forward, counted as `recompute_forwards`).
+
+`tau` is the mean acceptance length per verification forward, n + 1 counted
+before the output is cut at eos / max_new_tokens; `acceptance_histogram[n]`
+counts the blocks that accepted exactly n drafted tokens. `tau_offline` runs
+the drafter's training forward over the target's own greedy output (an anchor
+at every eligible response position) and averages SPEC §6's per-block value.
+"""
+import copy
+import json
+import os
+import sys
+import time
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+
+import torch
+
+from dflash_fast.drafter import DFlashDrafter, load_frozen_tensors, slot_metrics
+from dflash_fast.extract import final_norm_module
+from dflash_fast.regenerate import encode_prompt, eos_token_ids, load_model, read_prompts
+from dflash_fast.store import check_layer_ids, default_layer_ids
+
+# propose(hidden [T, K, H_t] of positions 0..T-1, anchor token x_T, context_ids [T+1] = x_0..x_T) -> [B-1] guesses.
+Proposer = Callable[[torch.Tensor, int, torch.Tensor], torch.Tensor]
+
+
+class Step(NamedTuple):
+    logits: torch.Tensor  # [n, V]
+    hidden: Optional[torch.Tensor]  # [n, K, H_t] tapped layers; None without taps
+    last: Optional[torch.Tensor]  # [n, H_t] residual entering the final norm; None without taps
+    cache: object
+
+
+class TargetRunner:
+    """One sequence through an HF causal LM with a KV cache, tapping layer ids as extraction does:
+    id l < L-1 is HF hidden_states[l + 1]; id L-1 is the input of the final norm (SPEC §1-2)."""
+
+    def __init__(self, model, layer_ids: Sequence[int]):
+        self.model = model
+        self.num_layers = model.config.get_text_config().num_hidden_layers
+        self.layer_ids = check_layer_ids(layer_ids, self.num_layers)
+        self.device = next(model.parameters()).device
+        self._captured = None
+        norm, _ = final_norm_module(model)
+        norm.register_forward_pre_hook(self._capture)
+
+    def _capture(self, module, args):
+        if self._captured is not None:
+            self._captured.append(args[0])
+
+    @torch.inference_mode()
+    def forward(self, ids: Sequence[int], cache=None, taps: bool = True) -> Step:
+        """ids [n] appended after what `cache` holds (None: a fresh sequence)."""
+        x = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+        self._captured = [] if taps else None
+        try:
+            out = self.model(input_ids=x, cache=cache, use_cache=True, output_hidden_states=taps)
+            last = self._captured[-1][0] if taps else None
+        finally:
+            self._captured = None
+        if getattr(out, "cache", None) is None:
+            import transformers
+
+            raise RuntimeError(f"{type(self.model).__name__} returned no `cache` (transformers {transformers.__version__}); "
+                               f"speculative decoding needs a transformers 5 release whose models take and return `cache`")
+        if not taps:
+            return Step(out.logits[0], None, None, out.cache)
+        states = out.hidden_states
+        # hidden_states[L] is after the final norm: layer id L-1 is tapped before it, like `last`.
+        hidden = torch.stack([states[i + 1][0] if i < self.num_layers - 1 else last for i in self.layer_ids], dim=1)
+        return Step(out.logits[0], hidden, last, out.cache)
+
+
+def _croppable(layer) -> bool:
+    from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
+
+    return (isinstance(layer, DynamicLayer) and layer.is_croppable and not getattr(layer, "is_sliding", False)
+            and not isinstance(layer, LinearAttentionCacheLayerMixin))
+
+
+def snapshot(cache) -> Dict[int, object]:
+    """Copies of the cache layers `crop` cannot put back (recurrent, sliding); {} for a dense cache."""
+    return {i: copy.deepcopy(layer) for i, layer in enumerate(cache.layers) if not _croppable(layer)}
+
+
+def rollback(runner: TargetRunner, cache, saved: Dict[int, object], block: Sequence[int], keep: int) -> bool:
+    """After verifying `block` (B tokens), leave `cache` holding only its first `keep` tokens.
+    Returns True when that took a recompute forward."""
+    drop = len(block) - keep
+    if drop == 0:
+        return False
+    if not saved:
+        cache.crop(-drop)
+        return False
+    for i, layer in enumerate(cache.layers):
+        if i in saved:
+            cache.layers[i] = saved[i]
+        else:
+            layer.crop(-len(block))
+    runner.forward(block[:keep], cache, taps=False)
+    return True
+
+
+class SpecResult(NamedTuple):
+    tokens: List[int]  # new tokens, cut after the first eos and at max_new_tokens
+    accepted: List[int]  # drafted tokens accepted per verification block
+    anchors: List[int]  # position of each block's anchor x_T
+    recompute_forwards: int
+    seconds: float
+
+
+def _finished(tokens: List[int], max_new_tokens: int, eos: Sequence[int]) -> bool:
+    return len(tokens) >= max_new_tokens or any(t in eos for t in tokens)
+
+
+def _cut(tokens: List[int], max_new_tokens: int, eos: Sequence[int]) -> List[int]:
+    tokens = tokens[:max_new_tokens]
+    end = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
+    return tokens[:end]
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def speculative_generate(runner: TargetRunner, prompt_ids: Sequence[int], propose: Proposer, block_size: int,
+                         max_new_tokens: int, eos: Sequence[int] = ()) -> SpecResult:
+    """Block speculative greedy decoding of one prompt; the loop in this module's docstring."""
+    if block_size < 2:
+        raise ValueError(f"block_size must be >= 2 (an anchor and at least one drafted token), got {block_size}")
+    t0 = time.perf_counter()
+    step = runner.forward(prompt_ids)
+    cache, hidden = step.cache, step.hidden
+    seq = list(prompt_ids) + [int(step.logits[-1].argmax())]
+    accepted, anchors, recomputes = [], [], 0
+    while not _finished(seq[len(prompt_ids):], max_new_tokens, eos):
+        anchor = seq[-1]
+        drafts = propose(hidden, anchor, torch.tensor(seq, device=runner.device))
+        drafts = [int(t) for t in torch.as_tensor(drafts).reshape(-1).tolist()]
+        if len(drafts) != block_size - 1:
+            raise ValueError(f"the proposer returned {len(drafts)} tokens for a block of {block_size}; "
+                             f"it must return block_size - 1 = {block_size - 1}")
+        block = [anchor] + drafts
+        saved = snapshot(cache)
+        step = runner.forward(block, cache)
+        target = step.logits.argmax(-1).tolist()  # target[j] is the target's token for position T + j + 1
+        n = next((j for j in range(block_size - 1) if drafts[j] != target[j]), block_size - 1)
+        anchors.append(len(seq) - 1)
+        accepted.append(n)
+        seq += drafts[:n] + [target[n]]
+        hidden = torch.cat([hidden, step.hidden[: n + 1]])
+        if not _finished(seq[len(prompt_ids):], max_new_tokens, eos):
+            recomputes += rollback(runner, cache, saved, block, n + 1)
+    _sync(runner.device)
+    return SpecResult(_cut(seq[len(prompt_ids):], max_new_tokens, eos), accepted, anchors, recomputes, time.perf_counter() - t0)
+
+
+@torch.inference_mode()
+def greedy_generate(runner: TargetRunner, prompt_ids: Sequence[int], max_new_tokens: int,
+                    eos: Sequence[int] = ()) -> Tuple[List[int], float]:
+    """The target alone, one token per forward with its cache -> (new tokens, seconds)."""
+    t0 = time.perf_counter()
+    step = runner.forward(prompt_ids, taps=False)
+    out = [int(step.logits[-1].argmax())]
+    while not _finished(out, max_new_tokens, eos):
+        step = runner.forward(out[-1:], step.cache, taps=False)
+        out.append(int(step.logits[-1].argmax()))
+    _sync(runner.device)
+    return _cut(out, max_new_tokens, eos), time.perf_counter() - t0
+
+
+def response_row(step: Step, ids: Sequence[int], prompt_len: int) -> Dict[str, torch.Tensor]:
+    """One sequence as a training row (dflash_fast.batches keys, no anchors yet): the target's
+    forward `step` over `ids` [t]; the loss mask covers the response, positions prompt_len..t-1."""
+    t, dev = len(ids), step.logits.device
+    return dict(
+        input_ids=torch.tensor([list(ids)], device=dev),
+        loss_mask=(torch.arange(t, device=dev) >= prompt_len)[None],
+        document_ids=torch.zeros(1, t, dtype=torch.long, device=dev),
+        position_ids=torch.arange(t, device=dev)[None],
+        hidden=step.hidden[None],
+        last=step.last[None],
+    )
+
+
+@torch.inference_mode()
+def offline_tau(runner: TargetRunner, drafter: DFlashDrafter, prompt_ids: Sequence[int], response_ids: Sequence[int],
+                anchors: Optional[Sequence[int]] = None, anchors_per_forward: int = 32) -> Tuple[float, int]:
+    """SPEC §6 tau_offline sums over one sequence -> (tau_sum, blocks).
+
+    One target forward over prompt + response gives `hidden` and `last`; the drafter's training
+    forward then scores blocks at `anchors` (default: every response position a with a + 1 in the
+    response), `anchors_per_forward` at a time to bound its [A*B] queries.
+    """
+    ids = list(prompt_ids) + list(response_ids)
+    row = response_row(runner.forward(ids), ids, len(prompt_ids))
+    anchors = list(range(len(prompt_ids), len(ids) - 1)) if anchors is None else sorted(anchors)
+    tau_sum, blocks = 0.0, 0
+    for a in range(0, len(anchors), anchors_per_forward):
+        chunk = torch.tensor([anchors[a: a + anchors_per_forward]], device=runner.device)
+        out = drafter(dict(row, anchors=chunk, anchor_valid=torch.ones_like(chunk, dtype=torch.bool)), loss_kind="ce")
+        m = slot_metrics(out)
+        tau_sum += float(m["tau_sum"])
+        blocks += int(m["blocks"])
+    return tau_sum, blocks
+
+
+def load_drafter(path: str, target: str) -> DFlashDrafter:
+    """A speculators-format export directory, or a trainer checkpoint; frozen tensors from `target`."""
+    from dflash_fast.export import load_exported
+
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"drafter {path} does not exist: pass a `dflash-fast export` directory or a trainer checkpoint")
+    config = os.path.join(path, "config.json")
+    if os.path.isdir(path) and os.path.exists(config):
+        with open(config) as f:
+            if json.load(f).get("speculators_model_type") == "dflash":
+                return load_exported(path, target)
+    from dflash_fast.trainer import load_drafter_for_export
+
+    drafter, _ = load_drafter_for_export(path)
+    drafter.set_frozen(**load_frozen_tensors(target))
+    return drafter
+
+
+def mean_acceptance(histogram: Sequence[int]) -> Optional[float]:
+    """tau from histogram[n] = blocks that accepted n drafted tokens (each yields n + 1); None without blocks."""
+    blocks = sum(histogram)
+    return sum((n + 1) * c for n, c in enumerate(histogram)) / blocks if blocks else None
+
+
+def _check_drafter(drafter: DFlashDrafter, model) -> None:
+    hidden_size, vocab = model.config.get_text_config().hidden_size, model.get_output_embeddings().weight.shape[0]
+    cfg = drafter.config
+    if (cfg.target_hidden_size, cfg.vocab_size) != (hidden_size, vocab):
+        raise ValueError(f"the drafter was built for a target with hidden size {cfg.target_hidden_size} and vocabulary "
+                         f"{cfg.vocab_size}; this target has {hidden_size} and {vocab}: pass the drafter's own target")
+
+
+def evaluate(target: str, data: Union[str, Sequence[Dict]], drafter: Union[DFlashDrafter, str, Proposer],
+             block_size: Optional[int] = None, layer_ids: Optional[Sequence[int]] = None, max_new_tokens: int = 128,
+             num_prompts: Optional[int] = None, offline: bool = True, baseline: bool = True, device=None,
+             dtype: Optional[str] = None, trust_remote_code: bool = False, progress: bool = True) -> Dict:
+    """Speculative decoding of every prompt in `data` (regenerate's JSONL formats, or records) -> report dict.
+
+    `drafter`: a DFlashDrafter, a path (speculators export or trainer checkpoint), or a Proposer
+    callable (then `block_size` is required and `layer_ids` defaults to 5 spread ids).
+    `baseline` times the target's plain greedy loop and counts prompts where the speculative
+    output differs from it; `offline` adds tau_offline over that greedy output (drafters only).
+    """
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    prompts = read_prompts(data, num_prompts)
+    tokenizer = AutoTokenizer.from_pretrained(target, trust_remote_code=trust_remote_code)
+    model = load_model(target, device, dtype, trust_remote_code)
+    name = drafter if isinstance(drafter, str) else getattr(drafter, "__name__", type(drafter).__name__)
+    if isinstance(drafter, str):
+        drafter = load_drafter(drafter, target)
+    if isinstance(drafter, DFlashDrafter):
+        _check_drafter(drafter, model)
+        module = drafter.to(device=model.device, dtype=model.dtype).eval()
+        block_size, layer_ids = drafter.config.block_size, drafter.config.layer_ids
+        propose = lambda hidden, anchor, ids: module.propose(hidden, anchor)
+    elif callable(drafter):
+        if block_size is None:
+            raise ValueError("a proposer callable needs block_size (B: the anchor plus B-1 drafted tokens)")
+        module, propose = None, drafter
+        layer_ids = layer_ids if layer_ids is not None else default_layer_ids(model.config.get_text_config().num_hidden_layers)
+    else:
+        raise TypeError(f"drafter must be a DFlashDrafter, a path or a proposer callable, not {type(drafter).__name__}")
+    runner = TargetRunner(model, layer_ids)
+    eos = eos_token_ids(model, tokenizer)
+    encoded = [encode_prompt(tokenizer, p) for p in prompts]
+    if runner.device.type == "cuda":  # first-call kernel selection and allocation stay out of the timings
+        speculative_generate(runner, encoded[0], propose, block_size, min(max_new_tokens, 2 * block_size), eos)
+        greedy_generate(runner, encoded[0], min(max_new_tokens, 2 * block_size), eos)
+
+    histogram = [0] * block_size
+    totals = dict(spec_tokens=0, spec_s=0.0, greedy_tokens=0, greedy_s=0.0, recompute=0, mismatches=0, tau_sum=0.0, blocks=0)
+    bar = tqdm(encoded, unit="prompt", desc="eval", disable=not progress)
+    for ids in bar:
+        spec = speculative_generate(runner, ids, propose, block_size, max_new_tokens, eos)
+        for n in spec.accepted:
+            histogram[n] += 1
+        if sum(histogram):
+            bar.set_postfix(tau=f"{mean_acceptance(histogram):.2f}")
+        totals["spec_tokens"] += len(spec.tokens)
+        totals["spec_s"] += spec.seconds
+        totals["recompute"] += spec.recompute_forwards
+        reference = spec.tokens
+        if baseline:
+            reference, seconds = greedy_generate(runner, ids, max_new_tokens, eos)
+            totals["greedy_tokens"] += len(reference)
+            totals["greedy_s"] += seconds
+            totals["mismatches"] += reference != spec.tokens
+        if offline and module is not None and len(reference) > 1:
+            tau_sum, blocks = offline_tau(runner, module, ids, reference)
+            totals["tau_sum"] += tau_sum
+            totals["blocks"] += blocks
+
+    blocks = sum(histogram)
+    report = {
+        "target": target,
+        "drafter": name,
+        "device": str(runner.device),
+        "dtype": str(model.dtype).replace("torch.", ""),
+        "prompts": len(prompts),
+        "block_size": block_size,
+        "layer_ids": list(layer_ids),
+        "max_new_tokens": max_new_tokens,
+        "tau": mean_acceptance(histogram),
+        "acceptance_histogram": histogram,
+        "verify_forwards": blocks,
+        "recompute_forwards": totals["recompute"],
+        "new_tokens": totals["spec_tokens"],
+        "tokens_per_s": totals["spec_tokens"] / totals["spec_s"] if totals["spec_s"] else None,
+        "tau_offline": totals["tau_sum"] / totals["blocks"] if totals["blocks"] else None,
+        "offline_blocks": totals["blocks"],
+    }
+    if baseline:
+        target_tps = totals["greedy_tokens"] / totals["greedy_s"] if totals["greedy_s"] else None
+        report.update(target_tokens_per_s=target_tps,
+                      speedup=report["tokens_per_s"] / target_tps if target_tps and report["tokens_per_s"] else None,
+                      greedy_mismatches=totals["mismatches"])
+    return report
+
+
+def add_arguments(parser) -> None:
+    p = parser
+    p.add_argument("--target", required=True, help="Hugging Face causal LM: local directory or hub id")
+    p.add_argument("--drafter", required=True,
+                   help="speculators-format export directory (dflash-fast export) or trainer checkpoint")
+    p.add_argument("--data", required=True, help="prompts JSONL, as for regenerate: {conversations: [...]} or {text: ...}")
+    p.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt (default 128)")
+    p.add_argument("--no-baseline", action="store_true", help="skip the target-only greedy loop (no speedup, no identity check)")
+    p.add_argument("--no-offline", action="store_true", help="skip tau_offline")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="default: bf16 on cuda, fp32 on cpu")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modelling code to run")
+    p.add_argument("--out", default=None, help="write the JSON report here instead of stdout")
+
+
+def run(args) -> int:
+    report = evaluate(args.target, args.data, args.drafter, max_new_tokens=args.max_new_tokens, num_prompts=args.num_prompts,
+                      offline=not args.no_offline, baseline=not args.no_baseline, device=args.device, dtype=args.dtype,
+                      trust_remote_code=args.trust_remote_code)
+    text = json.dumps(report, indent=2)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+        print(f"tau {report['tau']}, tau_offline {report['tau_offline']}, report in {args.out}", file=sys.stderr)
+    else:
+        print(text)
+    return 0

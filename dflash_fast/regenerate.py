@@ -1,0 +1,264 @@
+"""`dflash-fast regenerate`: the target writes the responses a drafter will learn to draft.
+
+    prompts JSONL ──chat template──▶ batched HF generate (left padding) ──▶ JSONL with the assistant turn
+
+DFlash drafters are trained on the target's own outputs. A prompt line is
+`{"conversations": [...]}` (the prompt is every turn up to and including the
+last user turn; a reply already after it is replaced) or `{"text": ...}` (the
+target continues the text). Each output line is the input record with the
+response in place, plus `"index"` (the prompt's 0-based record number) and
+`"finished"` (the target stopped at its end-of-sequence token):
+
+    {"index": 3, "conversations": [..., {"role": "user", ...}, {"role": "assistant", "content": RESPONSE}], "finished": true}
+    {"index": 4, "text": PROMPT + RESPONSE, "finished": false}
+
+so `dflash-fast extract` reads the file as it is. Prompts are cut into fixed
+batches of `batch_size` consecutive records; each batch is appended in one
+write, flushed and fsync'ed. A re-run with the same arguments skips the
+indices already in the file (a torn last line is cut off first), so an
+interrupted run resumes without duplicating or dropping a prompt; sampling is
+seeded per batch, so the resumed file matches an uninterrupted run.
+"""
+import json
+import os
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Set, Union
+
+import torch
+
+from dflash_fast.extract import KNOWN_ROLES, ROLE_ALIASES, load_target
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class Prompt:
+    """One input record: `messages` (chat) or `text` (plain continuation), never both."""
+
+    index: int
+    record: Dict
+    messages: Optional[List[Dict[str, str]]] = None
+    text: Optional[str] = None
+
+
+def _messages(turns, where: str) -> List[Dict[str, str]]:
+    """Normalised chat turns up to and including the last user turn."""
+    if not isinstance(turns, list) or not turns:
+        raise ValueError(f"{where}: 'conversations' must be a non-empty list of {{role, content}} objects")
+    messages = []
+    for t in turns:
+        role = t.get("role", t.get("from")) if isinstance(t, dict) else None
+        role = ROLE_ALIASES.get(role, role)
+        content = t.get("content", t.get("value")) if isinstance(t, dict) else None
+        if role not in KNOWN_ROLES or not isinstance(content, str):
+            raise ValueError(f"{where}: each turn needs a role in {KNOWN_ROLES} and text content, got {t!r}")
+        messages.append({"role": role, "content": content})
+    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    if not users:
+        raise ValueError(f"{where}: the conversation has no user turn to respond to")
+    return messages[: users[-1] + 1]
+
+
+def read_prompts(data: Union[str, Sequence[Dict]], num_prompts: Optional[int] = None) -> List[Prompt]:
+    """Prompts from a JSONL path or a list of records; blank lines are not records.
+
+    Every record is checked before any model loads; a bad one raises with its line number.
+    """
+    if isinstance(data, (str, os.PathLike)):
+        records = []
+        with open(data) as f:
+            for line_no, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        records.append((f"{data}:{line_no}", json.loads(line)))
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{data}:{line_no}: not valid JSON ({e}); fix or delete the line") from None
+    else:
+        records = [(f"record {i}", r) for i, r in enumerate(data)]
+    if num_prompts is not None:
+        records = records[:num_prompts]
+    if not records:
+        raise ValueError(f"no prompts in {data if isinstance(data, (str, os.PathLike)) else 'the given records'}")
+    prompts = []
+    for index, (where, r) in enumerate(records):
+        if isinstance(r, dict) and "conversations" in r:
+            prompts.append(Prompt(index, r, messages=_messages(r["conversations"], where)))
+        elif isinstance(r, dict) and isinstance(r.get("text"), str):
+            prompts.append(Prompt(index, r, text=r["text"]))
+        else:
+            raise ValueError(f"{where}: expected an object with 'conversations' (chat) or 'text' (string)")
+    return prompts
+
+
+def encode_prompt(tokenizer, prompt: Prompt) -> List[int]:
+    """Token ids the target continues: the chat template with the generation prompt, or the text
+    with the tokenizer's special tokens (the conventions of `dflash-fast extract`)."""
+    if prompt.messages is not None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the target's tokenizer has no chat template; give {'text': ...} prompts instead of conversations")
+        text = tokenizer.apply_chat_template(prompt.messages, tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    else:
+        ids = tokenizer(prompt.text, add_special_tokens=True)["input_ids"]
+    if not ids:
+        raise ValueError(f"prompt {prompt.index} is empty after tokenization; give it some text")
+    return ids
+
+
+def load_model(target: str, device=None, dtype: Optional[str] = None, trust_remote_code: bool = False):
+    """The target in eval mode: cuda when present (bf16 by default), else cpu (fp32 by default)."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    compute = DTYPES[dtype] if dtype else torch.bfloat16 if device.type == "cuda" else torch.float32
+    return load_target(target, device, compute, trust_remote_code)
+
+
+def eos_token_ids(model, tokenizer) -> List[int]:
+    """Every token that ends a response: the generation config's eos ids and the tokenizer's."""
+    ids = getattr(model.generation_config, "eos_token_id", None)
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids
+
+
+def output_record(prompt: Prompt, response: str, finished: bool) -> Dict:
+    record = dict(prompt.record, index=prompt.index, finished=finished)
+    if prompt.messages is not None:
+        record["conversations"] = prompt.messages + [{"role": "assistant", "content": response}]
+    else:
+        record["text"] = prompt.text + response
+    return record
+
+
+def _matches(prompt: Prompt, record: Dict) -> bool:
+    if prompt.messages is not None:
+        return record.get("conversations", [])[:-1] == prompt.messages
+    return isinstance(record.get("text"), str) and record["text"].startswith(prompt.text)
+
+
+def read_done(out: str, prompts: Sequence[Prompt]) -> Set[int]:
+    """Indices already in `out`. Cuts a torn last line off the file; refuses records of other prompts."""
+    if not os.path.exists(out):
+        return set()
+    with open(out, "rb") as f:
+        data = f.read()
+    complete = data[: data.rfind(b"\n") + 1]
+    if len(complete) < len(data):
+        with open(out, "r+b") as f:
+            f.truncate(len(complete))
+    done = set()
+    for line_no, line in enumerate(complete.decode().splitlines(), 1):
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        i = record.get("index")
+        if not isinstance(i, int) or not 0 <= i < len(prompts) or not _matches(prompts[i], record):
+            raise ValueError(f"{out}:{line_no} is not a response to prompt {i!r} of this prompt file; "
+                             f"write to a new --out or delete {out}")
+        if i in done:
+            raise ValueError(f"{out}:{line_no}: prompt {i} appears twice; the file was not written by regenerate")
+        done.add(i)
+    return done
+
+
+def generate_batch(model, batch: Sequence[List[int]], max_new_tokens: int, eos: List[int], pad_id: int,
+                   temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0) -> List[List[int]]:
+    """Left-padded batched generate -> each prompt's new tokens, cut after its first eos."""
+    width = max(len(ids) for ids in batch)
+    input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for r, ids in enumerate(batch):
+        input_ids[r, width - len(ids):] = torch.tensor(ids)
+        mask[r, width - len(ids):] = 1
+    # Every sampling knob is passed explicitly: a target's generation_config.json (e.g. Qwen3's top_k=20) must not add its own.
+    sampling = dict(do_sample=False)
+    if temperature > 0:
+        sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k)
+    device = next(model.parameters()).device
+    out = model.generate(input_ids=input_ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
+                         eos_token_id=eos, pad_token_id=pad_id, **sampling)
+    responses = []
+    for row in out[:, width:].tolist():
+        end = next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
+        responses.append(row[:end])
+    return responses
+
+
+def regenerate(target: str, data: Union[str, Sequence[Dict]], out: str, batch_size: int = 8, max_new_tokens: int = 256,
+               temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0, num_prompts: Optional[int] = None,
+               device=None, dtype: Optional[str] = None, trust_remote_code: bool = False, progress: bool = True) -> Dict:
+    """Write the target's responses to the prompts in `data` into `out` (JSONL); resume a partial `out`.
+
+    temperature 0 is greedy decoding; above 0, sampling with `top_p` and `top_k` (0 = off), seeded per batch by `seed`.
+    Returns {"out", "prompts", "written", "skipped", "finished"} (finished: responses that ended at eos).
+    """
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    if batch_size < 1 or max_new_tokens < 1:
+        raise ValueError(f"batch_size ({batch_size}) and max_new_tokens ({max_new_tokens}) must be >= 1")
+    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+        raise ValueError(f"need temperature >= 0 (0 = greedy), top_p in (0, 1], top_k >= 0; got {temperature}, {top_p}, {top_k}")
+    prompts = read_prompts(data, num_prompts)
+    done = read_done(out, prompts)
+    summary = {"out": out, "prompts": len(prompts), "written": 0, "skipped": len(done), "finished": 0}
+    if len(done) == len(prompts):
+        return summary
+    tokenizer = AutoTokenizer.from_pretrained(target, trust_remote_code=trust_remote_code)
+    model = load_model(target, device, dtype, trust_remote_code)
+    eos = eos_token_ids(model, tokenizer)
+    if not eos:
+        raise ValueError(f"{target} defines no eos token: responses would never end before max_new_tokens")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    bar = tqdm(total=len(prompts), initial=len(done), unit="prompt", desc="regenerate", disable=not progress)
+    with open(out, "a") as f:
+        for start in range(0, len(prompts), batch_size):
+            todo = [p for p in prompts[start: start + batch_size] if p.index not in done]
+            if not todo:
+                continue
+            # Seeded by the batch's position, not by what ran before: a resumed run draws the same samples.
+            torch.manual_seed(seed * 1_000_003 + start)
+            responses = generate_batch(model, [encode_prompt(tokenizer, p) for p in todo], max_new_tokens, eos, pad_id,
+                                       temperature, top_p, top_k)
+            lines = []
+            for p, ids in zip(todo, responses):
+                finished = bool(ids) and ids[-1] in eos
+                summary["finished"] += finished
+                lines.append(json.dumps(output_record(p, tokenizer.decode(ids, skip_special_tokens=True), finished)) + "\n")
+            f.write("".join(lines))
+            f.flush()
+            os.fsync(f.fileno())
+            summary["written"] += len(todo)
+            bar.update(len(todo))
+    bar.close()
+    return summary
+
+
+def add_arguments(parser) -> None:
+    p = parser
+    p.add_argument("--target", required=True, help="Hugging Face causal LM: local directory or hub id")
+    p.add_argument("--data", required=True, help="prompts JSONL: {conversations: [...]} (last turn the user's) or {text: ...}")
+    p.add_argument("--out", required=True, help="output JSONL (re-run the same command to resume)")
+    p.add_argument("--batch-size", type=int, default=8, help="prompts per generate call (default 8)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="response length limit (default 256)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass when sampling (default 1.0)")
+    p.add_argument("--top-k", type=int, default=0, help="top-k cut when sampling, 0 = off (default)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="default: bf16 on cuda, fp32 on cpu")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modelling code to run")
+
+
+def run(args) -> int:
+    s = regenerate(args.target, args.data, args.out, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+                   temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                   num_prompts=args.num_prompts,
+                   device=args.device, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+    print(f"{s['out']}: {s['written']} responses written, {s['skipped']} already there, "
+          f"{s['finished']} of the new ones ended at eos ({s['prompts']} prompts)")
+    return 0

@@ -1,0 +1,175 @@
+"""Real block speculative decoding (SPEC §6) on tiny dense and hybrid targets, and the plot command."""
+import json
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from dflash_fast import extract
+from dflash_fast.cli import main
+from dflash_fast.drafter import build_drafter
+from dflash_fast.evaluate import (TargetRunner, evaluate, greedy_generate, offline_tau, response_row,
+                                  speculative_generate)
+from dflash_fast.export import export_drafter
+from dflash_fast.plot import plot_run
+from dflash_fast.store import Layout
+from tiny_targets import make_tiny_target, write_jsonl
+
+B = 4
+LAYER_IDS = [1, 3, 5]  # 5 = L-1 of the 6-layer tiny targets: tapped before the final norm
+PROMPTS = ["def parse_args(self, args=None):", "the drafter reads the hidden state of", "class JSONDecoder(object):"]
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory):
+    made = {}
+
+    def get(arch):
+        if arch not in made:
+            made[arch] = make_tiny_target(tmp_path_factory.mktemp(arch), arch=arch)
+        return made[arch]
+
+    return get
+
+
+def load(path):
+    return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+
+
+def random_drafter(path, seed=0):
+    torch.manual_seed(seed)
+    return build_drafter(path, LAYER_IDS, mask_token_id=0, num_layers=1, block_size=B).eval()
+
+
+def future_greedy(model):
+    """ids [T+1] -> the target's own next B-1 greedy tokens after them."""
+    runner = TargetRunner(model, LAYER_IDS)
+    return lambda ids: greedy_generate(runner, ids.tolist(), B - 1)[0]
+
+
+def scripted_proposer(model, right_per_block):
+    """Block i gets right_per_block(i) correct tokens, then tokens the target never picks."""
+    future, calls, vocab = future_greedy(model), [], model.config.vocab_size
+
+    def propose(hidden, anchor, ids):
+        k = right_per_block(len(calls))
+        calls.append(k)
+        f = future(ids)
+        return torch.tensor(f[:k] + [(t + 1) % vocab for t in f[k:]])
+
+    return propose
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_speculative_greedy_equals_hf_generate(targets, arch):
+    model, tok = load(targets(arch))
+    drafter = random_drafter(targets(arch))
+    runner = TargetRunner(model, LAYER_IDS)
+    eos = [tok.eos_token_id]
+    for text in PROMPTS:
+        ids = tok(text).input_ids
+        with torch.no_grad():
+            want = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=20)[0, len(ids):].tolist()
+        spec = speculative_generate(runner, ids, lambda h, a, c: drafter.propose(h, a), B, 20, eos)
+        assert spec.tokens == want, f"{arch}: speculative output differs from generate(do_sample=False) on {text!r}"
+        assert greedy_generate(runner, ids, 20, eos)[0] == want
+
+
+def test_taps_through_the_cache_match_what_extraction_stores(targets):
+    model, tok = load(targets("qwen3_5"))
+    ids = tok(PROMPTS[2]).input_ids
+    ex = extract.Example(np.array(ids, dtype=np.int32), np.ones(len(ids), dtype=bool))
+    stored = extract.TargetRunner(model, LAYER_IDS, Layout(len(LAYER_IDS), 64, 1, "float32", True), 0, 1)([ex])[0]
+    runner = TargetRunner(model, LAYER_IDS)
+    head = runner.forward(ids[:5])
+    tail = runner.forward(ids[5:], head.cache)
+    torch.testing.assert_close(torch.cat([head.hidden, tail.hidden]), torch.from_numpy(stored["hidden"]), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(torch.cat([head.last, tail.last]), torch.from_numpy(stored["last"]), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_partial_acceptance_rolls_the_cache_back_exactly(targets, arch):
+    model, tok = load(targets(arch))
+    runner = TargetRunner(model, LAYER_IDS)
+    ids = tok(PROMPTS[0]).input_ids
+    spec = speculative_generate(runner, ids, scripted_proposer(model, lambda i: i % B), B, 30)
+    assert spec.accepted == [i % B for i in range(len(spec.accepted))], "a block accepted more or less than its correct prefix"
+    assert spec.tokens == greedy_generate(runner, ids, 30)[0]
+    assert spec.anchors == [len(ids) + sum(n + 1 for n in spec.accepted[:i]) for i in range(len(spec.accepted))]
+    rejected = sum(n < B - 1 for n in spec.accepted[:-1])
+    assert spec.recompute_forwards == (rejected if arch == "qwen3_5" else 0), "only non-croppable caches recompute"
+
+
+def test_oracle_proposer_reaches_tau_b_and_always_wrong_gives_tau_1(targets, tmp_path):
+    path = targets("qwen3")
+    model, _ = load(path)
+    future = future_greedy(model)
+    records = [{"text": t} for t in PROMPTS[:2]] + [{"conversations": [{"role": "user", "content": "hi"}]}]
+    data = write_jsonl(tmp_path / "prompts.jsonl", records)
+    oracle = lambda h, a, ids: torch.tensor(future(ids))
+    wrong = lambda h, a, ids: torch.tensor([(t + 1) % model.config.vocab_size for t in future(ids)])
+    best = evaluate(path, data, oracle, block_size=B, layer_ids=LAYER_IDS, max_new_tokens=25, progress=False)
+    assert best["tau"] == B and best["acceptance_histogram"][:-1] == [0] * (B - 1)
+    assert best["greedy_mismatches"] == 0 and best["tau_offline"] is None
+    worst = evaluate(path, data, wrong, block_size=B, layer_ids=LAYER_IDS, max_new_tokens=25, progress=False)
+    assert worst["tau"] == 1 and worst["acceptance_histogram"][1:] == [0] * (B - 1)
+    assert worst["verify_forwards"] == worst["new_tokens"] - worst["prompts"], "one token per verification after the prefill's"
+
+
+def test_offline_acceptance_matches_real_blocks_of_a_fitted_drafter(targets):
+    path = targets("qwen3")
+    model, tok = load(path)
+    runner = TargetRunner(model, LAYER_IDS)
+    ids = tok(PROMPTS[1]).input_ids
+    response = greedy_generate(runner, ids, 40)[0]
+    drafter = random_drafter(path)
+    full = ids + response
+    row = {k: v.clone() for k, v in response_row(runner.forward(full), full, len(ids)).items()}
+    anchors = torch.arange(len(ids), len(full) - 1)[None]
+    batch = dict(row, anchors=anchors, anchor_valid=torch.ones_like(anchors, dtype=torch.bool))
+    opt = torch.optim.Adam(drafter.parameters(), lr=3e-3)
+    for _ in range(40):  # fit this one response a little: some blocks must accept drafts for the check to bite
+        drafter(batch, loss_kind="ce").loss.backward()
+        opt.step()
+        opt.zero_grad()
+    spec = speculative_generate(runner, ids, lambda h, a, c: drafter.propose(h, a), B, 40)
+    assert spec.tokens == response
+    assert sum(spec.accepted[:-1]) > 0, "the fitted drafter accepts nothing: the comparison below would be vacuous"
+    for a, n in zip(spec.anchors[:-1], spec.accepted[:-1]):
+        tau_sum, blocks = offline_tau(runner, drafter, ids, response, anchors=[a])
+        assert (tau_sum, blocks) == (n + 1, 1), f"anchor {a}: offline accepts {tau_sum - 1:.0f}, real decoding {n}"
+
+
+def test_eval_cli_loads_an_export_and_writes_the_report(targets, tmp_path):
+    path = targets("qwen3")
+    export_drafter(random_drafter(path), str(tmp_path / "export"), verifier=path, dtype=torch.float32)
+    data = write_jsonl(tmp_path / "prompts.jsonl", [{"conversations": [{"role": "user", "content": t}]} for t in PROMPTS])
+    out = tmp_path / "report.json"
+    assert main(["eval", "--target", path, "--drafter", str(tmp_path / "export"), "--data", str(data),
+                 "--max-new-tokens", "12", "--num-prompts", "2", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["prompts"] == 2 and report["block_size"] == B and report["layer_ids"] == LAYER_IDS
+    assert report["greedy_mismatches"] == 0
+    assert sum(report["acceptance_histogram"]) == report["verify_forwards"] > 0
+    assert 1 <= report["tau"] <= B and 1 <= report["tau_offline"] <= B
+    assert report["tokens_per_s"] > 0 and report["target_tokens_per_s"] > 0
+
+
+def test_plot_writes_loss_tau_and_per_slot_accuracy(tmp_path):
+    records = [{"step": s, "split": "train", "loss": 5.0 / s, "tau_offline": 1 + s / 10, "acc": [0.5, 0.3, 0.1]}
+               for s in range(1, 6)]
+    records += [{"step": 5, "split": "val", "loss": 1.2, "tau_offline": 1.4, "acc_1": 0.4, "acc_2": 0.2, "acc_3": 0.05}]
+    lines = [json.dumps(r) for r in records] + ['{"step": 6, "loss": 0.']  # a torn last line is skipped
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines))
+    written = plot_run(str(tmp_path))
+    assert sorted(p.rsplit("/", 1)[1] for p in written) == ["acc.png", "loss.png", "tau_offline.png"]
+    for p in written:
+        with open(p, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_any_known_metric_says_so(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "lr": 0.1}\n')
+    with pytest.raises(ValueError, match="no loss, tau_offline or acc_j"):
+        plot_run(str(tmp_path))
