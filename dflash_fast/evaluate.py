@@ -30,7 +30,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, 
 import torch
 
 from dflash_fast.drafter import DFlashDrafter, load_frozen_tensors, slot_metrics
-from dflash_fast.extract import final_norm_module
+from dflash_fast.extract import final_norm_module, tapped_layers
 from dflash_fast.regenerate import encode_prompt, eos_token_ids, load_model, read_prompts
 from dflash_fast.store import check_layer_ids, default_layer_ids
 
@@ -79,9 +79,7 @@ class TargetRunner:
                                f"speculative decoding needs a transformers 5 release whose models take and return `cache`")
         if not taps:
             return Step(out.logits[0], None, None, out.cache)
-        states = out.hidden_states
-        # hidden_states[L] is after the final norm: layer id L-1 is tapped before it, like `last`.
-        hidden = torch.stack([states[i + 1][0] if i < self.num_layers - 1 else last for i in self.layer_ids], dim=1)
+        hidden = torch.stack([t[0] for t in tapped_layers(out.hidden_states, last[None], self.layer_ids)], dim=1)
         return Step(out.logits[0], hidden, last, out.cache)
 
 

@@ -324,6 +324,13 @@ def config_sha256(target) -> str:
     return sha256_file(path)
 
 
+def tapped_layers(hidden_states, last, layer_ids) -> List[torch.Tensor]:
+    """SPEC §1: layer id l is HF hidden_states[l + 1], except that hidden_states[L] is the last layer
+    AFTER the final norm, so id L-1 is taken before it: `last`, the final norm's input."""
+    num_layers = len(hidden_states) - 1
+    return [hidden_states[i + 1] if i < num_layers - 1 else last for i in layer_ids]
+
+
 class TargetRunner:
     """One forward of the target per batch; returns per-sequence arrays in the store's layout."""
 
@@ -363,9 +370,7 @@ class TargetRunner:
         states = out.hidden_states
         if len(states) != self.num_layers + 1:
             raise RuntimeError(f"the target returned {len(states)} hidden states, expected L+1 = {self.num_layers + 1}")
-        # hidden_states[L] is the final layer AFTER the final norm; layer id L-1 is stored before it, as `last`.
-        taps = [states[i + 1] if i < self.num_layers - 1 else last for i in self.layer_ids]
-        return out.logits, torch.stack(taps, dim=2), last
+        return out.logits, torch.stack(tapped_layers(states, last, self.layer_ids), dim=2), last
 
     def check_parity(self, logits, last, lengths) -> None:
         """lm_head(final_norm(last)) must reproduce the model's own logits, with the recorded norm kind.
