@@ -1,10 +1,15 @@
 """One way to time, measure memory and write results for every benchmark in bench/.
 
-GPU: `triton.testing.do_bench` (CUDA events, L2 flushed between reps) and
+GPU: `triton.testing.do_bench` (CUDA events, L2 flushed between reps) for kernels,
+`time_calls_ms` (CUDA events around each call) for whole training steps, and
 `torch.cuda.max_memory_allocated` after `reset_peak_memory_stats`. CPU: a
 wall-clock fallback for `--smoke` runs only; CPU times are never a performance claim.
+
+    python bench/harness.py DIR      # one Markdown table over every result JSON in DIR
 """
 import datetime
+import glob
+import importlib.metadata
 import json
 import os
 import platform
@@ -38,17 +43,53 @@ def time_ms(fn: Callable[[], object], warmup: int = 3, rep: int = 10) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def peak_memory_mb(fn: Callable[[], object]) -> Optional[float]:
-    """Peak extra CUDA memory (MB) of one call of fn beyond what was allocated before; None on CPU."""
+def time_calls_ms(fn: Callable[[], object], warmup: int = 1, rep: int = 5) -> List[float]:
+    """Milliseconds of each of `rep` calls of fn after `warmup` untimed ones, each call timed on its own.
+
+    For calls of a second or more (a training step): no L2 flush, no calibration
+    calls, exactly warmup + rep calls. CUDA events on GPU, wall clock on CPU.
+    """
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(rep):
+        if torch.cuda.is_available():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def peak_memory_mb(fn: Callable[[], object], resident: bool = False) -> Optional[float]:
+    """Peak CUDA memory (MB) during one call of fn; None on CPU.
+
+    resident=False: the extra memory beyond what was allocated before the call.
+    resident=True: the whole peak, including what stays allocated (weights, optimizer states).
+    """
     if not torch.cuda.is_available():
         return None
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated()
+    base = 0 if resident else torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     fn()
     torch.cuda.synchronize()
     return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
 
 
 def environment() -> Dict[str, str]:
@@ -63,6 +104,9 @@ def environment() -> Dict[str, str]:
         "device": device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,
+        "transformers": _version("transformers"),
+        "liger-kernel": _version("liger-kernel"),
+        "speculators": _version("speculators"),
         "python": platform.python_version(),
         "commit": commit,
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
@@ -77,18 +121,43 @@ def markdown_table(rows: List[Dict[str, object]]) -> str:
     return "\n".join(lines)
 
 
-def write_results(name: str, rows: List[Dict[str, object]], out_dir: str, plot: Optional[Dict[str, str]] = None) -> str:
-    """Write <out_dir>/<name>.json and .md (and .png when plot={'x':..., 'y':..., 'group':...}); returns the Markdown."""
+def write_results(name: str, rows: List[Dict[str, object]], out_dir: str, plot: Optional[Dict[str, str]] = None,
+                  meta: Optional[Dict[str, object]] = None) -> str:
+    """Write <out_dir>/<name>.json and .md (and .png when plot={'x':..., 'y':..., 'group':...}); returns the Markdown.
+
+    meta: facts about the whole run (shapes, formulas) listed above the table and stored as JSON "meta".
+    """
     os.makedirs(out_dir, exist_ok=True)
     env = environment()
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
-        json.dump({"environment": env, "rows": rows}, f, indent=1)
-    md = f"## {name}\n\n" + "".join(f"- {k}: `{v}`\n" for k, v in env.items()) + "\n" + markdown_table(rows) + "\n"
+        json.dump({"environment": env, "meta": meta or {}, "rows": rows}, f, indent=1)
+    facts = {**env, **(meta or {})}
+    md = f"## {name}\n\n" + "".join(f"- {k}: `{v}`\n" for k, v in facts.items()) + "\n" + markdown_table(rows) + "\n"
     with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
         f.write(md)
     if plot:
         _plot(rows, plot, os.path.join(out_dir, f"{name}.png"), f"{name} on {env['device']}")
     return md
+
+
+SUMMARY_COLUMNS = ("impl", "path", "kind", "loss_kind", "layout", "N", "T", "ms", "fwd_bwd_ms", "step_ms", "tokens_per_s",
+                   "gb_per_s", "anchors_per_s", "mfu", "peak_mb", "peak_gb", "ratio_vs_bare", "speedup_vs_eager",
+                   "anchors_vs_speculators", "peak_vs_speculators", "speedup_vs_triton", "note")
+
+
+def summary_table(results_dir: str) -> str:
+    """One Markdown table over every <name>.json in results_dir: the headline columns of each row."""
+    rows = []
+    for path in sorted(glob.glob(os.path.join(results_dir, "*.json"))):
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, ValueError) as err:
+            rows.append({"bench": os.path.basename(path), "note": f"unreadable: {err}"})
+            continue
+        for r in data.get("rows", []):
+            rows.append({"bench": os.path.basename(path)[:-5], **{c: r[c] for c in SUMMARY_COLUMNS if c in r}})
+    return markdown_table(rows) if rows else f"no results in {results_dir}"
 
 
 def _plot(rows, spec, path, title):
@@ -113,3 +182,7 @@ def _plot(rows, spec, path, title):
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+if __name__ == "__main__":
+    print(summary_table(sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")))
