@@ -44,6 +44,7 @@ Choices, so that the trainer can rely on them:
   exactly as stored (and validation simply passes `noise_std=0`).
 """
 import bisect
+import signal
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -300,6 +301,14 @@ def steps_per_epoch(store, seq_len: int, batch_rows: int, seed: int, world_size:
     return len(epoch_schedule(num_rows, batch_rows, seed, 0, 0, world_size, split))
 
 
+def leave_signals_to_the_main_process(worker_id: int) -> None:
+    """DataLoader worker init: ignore SIGTERM/SIGINT. A launcher or scheduler signals the whole process
+    tree; torch's worker handler would die on it mid-step, while the main process wants to finish the step,
+    save and then shut its workers down."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def make_loader(
     store,
     seq_len: int,
@@ -345,5 +354,6 @@ def make_loader(
         batch_size=None,
         shuffle=False,
         num_workers=num_workers,
+        worker_init_fn=leave_signals_to_the_main_process if num_workers else None,
         pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory,
     )

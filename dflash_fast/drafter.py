@@ -153,7 +153,7 @@ class Rope(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)
         return (emb.cos() * self.scaling).to(dtype)[..., None, :], (emb.sin() * self.scaling).to(dtype)[..., None, :]
 
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [..., heads, D] rotated on its first rotary_dim channels."""
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
         half = self.rotary_dim // 2
@@ -176,12 +176,12 @@ class Attention(nn.Module):
     def kv(self, x: torch.Tensor, rope: Rope, cos_sin):
         """x [R, S, H] -> k, v [R, S, Hkv, D]; the same projections serve ctx and block."""
         r, s, _ = x.shape
-        k = rope.apply(self.k_norm(self.k_proj(x).view(r, s, self.hkv, self.d)), *cos_sin)
+        k = rope.rotate(self.k_norm(self.k_proj(x).view(r, s, self.hkv, self.d)), *cos_sin)
         return k, self.v_proj(x).view(r, s, self.hkv, self.d)
 
     def forward(self, x, ctx, rope: Rope, blk_cos_sin, ctx_cos_sin, attn: Dict) -> torch.Tensor:
         r, q_len, _ = x.shape
-        q = rope.apply(self.q_norm(self.q_proj(x).view(r, q_len, self.hq, self.d)), *blk_cos_sin)
+        q = rope.rotate(self.q_norm(self.q_proj(x).view(r, q_len, self.hq, self.d)), *blk_cos_sin)
         k_blk, v_blk = self.kv(x, rope, blk_cos_sin)
         k_ctx, v_ctx = self.kv(ctx, rope, ctx_cos_sin)  # ctx gets no input_layernorm (SPEC §4)
         out = ops.anchored_attention(q, k_ctx, v_ctx, k_blk, v_blk, scale=self.d ** -0.5, **attn)

@@ -261,11 +261,11 @@ def naive_block_logits(d: DFlashDrafter, batch, i):
         for h in range(cfg.num_attention_heads):
             kv = h // (cfg.num_attention_heads // cfg.num_key_value_heads)
             sl = slice(kv * cfg.head_dim, (kv + 1) * cfg.head_dim)
-            q = d.rope.apply(att.q_norm(att.q_proj(hx)[:, h * cfg.head_dim:(h + 1) * cfg.head_dim])[:, None], *d.rope.cos_sin(blk_pos, x.dtype))[:, 0]
+            q = d.rope.rotate(att.q_norm(att.q_proj(hx)[:, h * cfg.head_dim:(h + 1) * cfg.head_dim])[:, None], *d.rope.cos_sin(blk_pos, x.dtype))[:, 0]
             keys, values = [], []
             for src, pos in ((ctx, ctx_pos), (hx, blk_pos)):
                 if len(src):
-                    keys.append(d.rope.apply(att.k_norm(att.k_proj(src)[:, sl])[:, None], *d.rope.cos_sin(pos, x.dtype))[:, 0])
+                    keys.append(d.rope.rotate(att.k_norm(att.k_proj(src)[:, sl])[:, None], *d.rope.cos_sin(pos, x.dtype))[:, 0])
                     values.append(att.v_proj(src)[:, sl])
             k, v = torch.cat(keys), torch.cat(values)
             heads.append(torch.softmax(q @ k.T / cfg.head_dim ** 0.5, -1) @ v)

@@ -1,0 +1,318 @@
+"""One typed config for a training run: a YAML file plus `key.sub=value` overrides, validated once.
+
+    deepspeed train.py --config configs/qwen3-8b.yaml optimizer.lr=3e-4 data.store=/data/store
+
+Every key has a default here; a YAML file or an override that names a key this
+file does not define is refused by name. Values are converted to the declared
+type (`6e-4` is a float even though YAML 1.1 reads it as a string; `1,9,17`
+is a list of ints), then `validate` checks ranges and choices. Inner code
+trusts the result. Relative paths are relative to the directory the run is
+launched from.
+"""
+import dataclasses
+import difflib
+import typing
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import yaml
+
+LOSS_KINDS = ("auto", "kl", "kl_topk", "ce", "ce_data")
+SCHEDULES = ("cosine", "constant")
+PRECISIONS = ("auto", "bf16", "fp32")
+EXPORT_DTYPES = ("bf16", "fp16", "fp32")
+
+
+class ConfigError(ValueError):
+    """A config key or value is wrong; the message names it and the fix."""
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    """The drafter. Sizes, RoPE and the frozen embedding / lm_head / final norm come from the target."""
+
+    target: Optional[str] = None  # target checkpoint directory or hub id; None = the one the store was extracted from
+    layer_ids: Optional[List[int]] = None  # target layer ids the drafter taps; None = the store's
+    num_layers: int = 5
+    block_size: int = 16
+    mask_token_id: Optional[int] = None  # None = the tokenizer's mask token, else the last unused embedding row
+    layer_types: Optional[List[str]] = None  # per drafter layer "full" | "sliding"; None = all full
+    sliding_window: Optional[int] = None
+    causal_in_block: bool = False
+
+
+@dataclasses.dataclass
+class DataConfig:
+    """The store and how it is cut into batches (dflash_fast.batches)."""
+
+    store: str = ""
+    seq_len: int = 3072  # T: tokens per packed row
+    num_anchors: int = 512  # A: blocks per row
+    batch_rows: int = 1  # R: rows per micro-batch on each rank
+    val_fraction: float = 0.0  # documents held out for validation
+    split_seed: int = 0
+    num_workers: int = 2
+    noise_std: float = 0.0  # uniform noise on the hidden states (training only)
+
+
+@dataclasses.dataclass
+class LossConfig:
+    """`auto`: `kl` (exact soft targets from `last`) when the store has `last`, else `kl_topk`."""
+
+    kind: str = "auto"
+    gamma: float = 7.0  # position weight w_j = exp(-(j - 1) / gamma)
+
+
+@dataclasses.dataclass
+class OptimizerConfig:
+    """AdamW; weight decay applies to matrices only, never to norm weights."""
+
+    lr: float = 6e-4
+    betas: Tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0  # global grad-norm clip; 0 = off
+
+
+@dataclasses.dataclass
+class ScheduleConfig:
+    """Optimizer steps; one step = grad_accum micro-batches on every rank."""
+
+    kind: str = "cosine"
+    warmup_ratio: float = 0.04  # linear warmup over this fraction of the steps
+    min_lr_ratio: float = 0.0  # cosine floor, as a fraction of optimizer.lr
+    epochs: float = 1.0
+    steps: int = 0  # total optimizer steps; 0 = epochs x steps per epoch
+    grad_accum: int = 1
+
+
+@dataclasses.dataclass
+class LoggingConfig:
+    every: int = 10  # steps per JSONL record (OUT/metrics.jsonl)
+    tensorboard: bool = False  # also write OUT/tensorboard (needs the tensorboard package)
+    progress: bool = True  # rank-0 tqdm bar
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+    every: int = 1000  # steps between checkpoints (OUT/checkpoints); 0 = only at the end and on SIGTERM
+    keep_last: int = 2
+    resume: Optional[str] = None  # "latest" (OUT/checkpoints), a checkpoints directory or one checkpoint; None = fresh
+
+
+@dataclasses.dataclass
+class ValidationConfig:
+    every: int = 0  # steps between validations on the held-out split; 0 = only at the end
+    max_batches: int = 0  # per rank and validation; 0 = the whole split
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    loss: LossConfig = dataclasses.field(default_factory=LossConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = dataclasses.field(default_factory=ScheduleConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    validation: ValidationConfig = dataclasses.field(default_factory=ValidationConfig)
+    kernels: str = "auto"  # dflash_fast.ops backend spec: auto | eager | triton | fc_concat=triton,...
+    output_dir: str = "runs/dflash"
+    deepspeed: str = "configs/ds_zero2.json"  # ZeRO / offload / communication settings only
+    precision: str = "auto"  # auto = bf16 on a GPU that supports it, else fp32 (no fp16: loss scaling is not worth it here)
+    seed: int = 0
+    export: bool = True  # write OUT/export (speculators format) at the end
+    export_dtype: str = "bf16"
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------- loading
+
+def _fields(cls) -> Dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _unknown(key: str, known: Sequence[str], where: str) -> ConfigError:
+    close = difflib.get_close_matches(key.rsplit(".", 1)[-1], known, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return ConfigError(f"unknown config key {key!r} in {where}{hint} (known here: {', '.join(sorted(known))})")
+
+
+def _coerce(value: Any, kind: Any, key: str) -> Any:
+    """Convert `value` (from YAML or the command line) to the annotated type, or raise naming `key`."""
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin is typing.Union:  # Optional[X]
+        if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null", "~", "")):
+            return None
+        return _coerce(value, next(a for a in args if a is not type(None)), key)
+    if origin in (list, tuple):
+        if isinstance(value, str):
+            value = [v for v in value.strip().strip("[]()").split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        if origin is tuple:
+            if len(value) != len(args):
+                raise ConfigError(f"{key}: expected {len(args)} values, got {list(value)!r}")
+            return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+        return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in ("true", "yes", "on", "1", "false", "no", "off", "0"):
+            return value.strip().lower() in ("true", "yes", "on", "1")
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        try:
+            return int(value)
+        except ValueError:
+            raise ConfigError(f"{key}: expected an integer, got {value!r}") from None
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        try:
+            return float(value)
+        except ValueError:
+            raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+    if kind is str:
+        if isinstance(value, (dict, list)) or value is None:
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return str(value)
+    raise TypeError(f"config field {key} has an unsupported type {kind}")
+
+
+def _build(cls, data: Dict[str, Any], prefix: str, where: str):
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'the config'} in {where} must be a mapping, got {data!r}")
+    fields = _fields(cls)
+    kwargs = {}
+    for key, value in data.items():
+        full = f"{prefix}{key}"
+        if key not in fields:
+            raise _unknown(full, list(fields), where)
+        kind = fields[key]
+        if dataclasses.is_dataclass(kind):
+            kwargs[key] = _build(kind, value if value is not None else {}, f"{full}.", where)
+        else:
+            kwargs[key] = _coerce(value, kind, full)
+    return cls(**kwargs)
+
+
+def parse_overrides(overrides: Sequence[str]) -> Dict[str, Any]:
+    """['optimizer.lr=3e-4', 'data.store=/x'] -> nested dict of raw strings (typed later)."""
+    nested: Dict[str, Any] = {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {item!r} is not key=value (e.g. optimizer.lr=3e-4)")
+        node = nested
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {part} is not a section")
+        try:
+            node[parts[-1]] = yaml.safe_load(value) if value.strip() else ""
+        except yaml.YAMLError:
+            node[parts[-1]] = value
+    return nested
+
+
+def _merge(base: Dict[str, Any], extra: Dict[str, Any]) -> Dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> TrainConfig:
+    """The YAML at `path` (or all defaults), then `overrides`, typed and validated."""
+    data: Dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path) as f:
+                data = yaml.safe_load(f) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path} is not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path} must hold a mapping of sections, got {type(data).__name__}")
+    cfg = _build(TrainConfig, data, "", path or "the defaults")
+    if overrides:
+        cfg = _build(TrainConfig, _merge(data, parse_overrides(overrides)), "", "the command-line overrides")
+    validate(cfg)
+    return cfg
+
+
+def config_from_dict(data: Dict[str, Any]) -> TrainConfig:
+    """A validated TrainConfig from a nested dict (e.g. a checkpoint's saved config)."""
+    cfg = _build(TrainConfig, data, "", "a config dict")
+    validate(cfg)
+    return cfg
+
+
+# ---------------------------------------------------------------- validation
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Ranges and choices; what needs the store or the target is checked by the trainer."""
+    from dflash_fast import ops
+
+    m, d, o, s = cfg.model, cfg.data, cfg.optimizer, cfg.schedule
+    _check(bool(d.store), "data.store is not set: pass data.store=PATH (a directory written by `dflash-fast extract`)")
+    _check(m.num_layers >= 1, f"model.num_layers={m.num_layers} must be >= 1")
+    _check(m.block_size >= 2, f"model.block_size={m.block_size} must be >= 2 (slot 0 is the given token)")
+    _check(m.layer_types is None or len(m.layer_types) == m.num_layers,
+           f"model.layer_types has {len(m.layer_types or [])} entries for model.num_layers={m.num_layers}")
+    _check(m.layer_types is None or set(m.layer_types) <= {"full", "sliding"},
+           f"model.layer_types={m.layer_types}: each entry is 'full' or 'sliding'")
+    _check("sliding" not in (m.layer_types or []) or bool(m.sliding_window and m.sliding_window > 0),
+           "model.layer_types has 'sliding' layers: set model.sliding_window > 0")
+    _check(d.seq_len >= 2, f"data.seq_len={d.seq_len} must be >= 2")
+    _check(d.num_anchors >= 1, f"data.num_anchors={d.num_anchors} must be >= 1")
+    _check(d.batch_rows >= 1, f"data.batch_rows={d.batch_rows} must be >= 1")
+    _check(0 <= d.val_fraction < 1, f"data.val_fraction={d.val_fraction} must be in [0, 1)")
+    _check(d.num_workers >= 0, f"data.num_workers={d.num_workers} must be >= 0")
+    _check(d.noise_std >= 0, f"data.noise_std={d.noise_std} must be >= 0")
+    _check(cfg.loss.kind in LOSS_KINDS, f"loss.kind={cfg.loss.kind!r} is not one of {LOSS_KINDS}")
+    _check(cfg.loss.gamma > 0, f"loss.gamma={cfg.loss.gamma} must be > 0")
+    _check(o.lr > 0, f"optimizer.lr={o.lr} must be > 0")
+    _check(all(0 <= b < 1 for b in o.betas), f"optimizer.betas={list(o.betas)}: each must be in [0, 1)")
+    _check(o.eps > 0 and o.weight_decay >= 0 and o.grad_clip >= 0,
+           "optimizer.eps must be > 0, optimizer.weight_decay and optimizer.grad_clip >= 0")
+    _check(s.kind in SCHEDULES, f"schedule.kind={s.kind!r} is not one of {SCHEDULES}")
+    _check(0 <= s.warmup_ratio < 1, f"schedule.warmup_ratio={s.warmup_ratio} must be in [0, 1)")
+    _check(0 <= s.min_lr_ratio <= 1, f"schedule.min_lr_ratio={s.min_lr_ratio} must be in [0, 1]")
+    _check(s.steps > 0 or s.epochs > 0, "set schedule.steps > 0 or schedule.epochs > 0")
+    _check(s.steps >= 0, f"schedule.steps={s.steps} must be >= 0")
+    _check(s.grad_accum >= 1, f"schedule.grad_accum={s.grad_accum} must be >= 1")
+    _check(cfg.logging.every >= 1, f"logging.every={cfg.logging.every} must be >= 1")
+    _check(cfg.checkpoint.every >= 0, f"checkpoint.every={cfg.checkpoint.every} must be >= 0")
+    _check(cfg.checkpoint.keep_last >= 1, f"checkpoint.keep_last={cfg.checkpoint.keep_last} must be >= 1")
+    _check(cfg.validation.every >= 0 and cfg.validation.max_batches >= 0,
+           "validation.every and validation.max_batches must be >= 0")
+    _check(cfg.validation.every == 0 or d.val_fraction > 0,
+           f"validation.every={cfg.validation.every} needs a held-out split: set data.val_fraction > 0")
+    _check(cfg.precision in PRECISIONS, f"precision={cfg.precision!r} is not one of {PRECISIONS}")
+    _check(cfg.export_dtype in EXPORT_DTYPES, f"export_dtype={cfg.export_dtype!r} is not one of {EXPORT_DTYPES}")
+    _check(bool(cfg.output_dir), "output_dir is empty")
+    if cfg.checkpoint.resume is not None and cfg.checkpoint.resume.lower() in ("true", "false"):
+        cfg.checkpoint.resume = "latest" if cfg.checkpoint.resume.lower() == "true" else None
+    _check(bool(cfg.deepspeed), "deepspeed is empty: give a DeepSpeed JSON such as configs/ds_zero2.json")
+    try:
+        ops.parse_backends(cfg.kernels)
+    except ValueError as e:
+        raise ConfigError(f"kernels: {e}") from None
+    if cfg.logging.tensorboard:
+        try:
+            import torch.utils.tensorboard  # noqa: F401
+        except ImportError:
+            raise ConfigError("logging.tensorboard=true needs the tensorboard package: pip install tensorboard") from None

@@ -1,0 +1,724 @@
+"""The DeepSpeed training loop: `deepspeed train.py --config configs/<name>.yaml [key=value ...]`.
+
+    store ──make_loader──▶ micro-batches ──drafter (DeepSpeed engine)──▶ loss ──backward──▶ AdamW (ZeRO 1/2/3)
+      every step:     metrics summed over micro-batches and ranks, then divided (SPEC §6)
+      every N steps:  JSONL record, validation on the held-out split, checkpoint
+      at the end:     checkpoint, validation, export (speculators format) into OUT/export
+
+One optimizer step is `schedule.grad_accum` micro-batches of `data.batch_rows`
+rows on each rank. Its loss is the weighted mean over ALL valid slots of the
+global batch (SPEC §5: sum(l * w * mask) / sum(mask)): before backward, each
+micro-batch's loss is rescaled by its share of the step's global slot count,
+so a step computes the same gradient however it is split into ranks and
+micro-batches.
+
+Run directory `output_dir` (OUT):
+
+    OUT/config.yaml                  the resolved config
+    OUT/metrics.jsonl                one record per `logging.every` steps ("split": "train") and per validation ("val")
+    OUT/checkpoints/stepNNNNNNNN/    DeepSpeed checkpoint + rng_rankNNNNN.pt + dflash_fast.json (step, data position,
+                                     drafter config; written last, so its presence means "complete")
+    OUT/export/                      the speculators-format drafter (config.json, model.safetensors)
+    OUT/tensorboard/                 with logging.tensorboard=true
+
+Without a launcher (`python train.py ...`) the run is a world of one process;
+under `deepspeed` (or `torchrun`) every rank runs it. `train(cfg)` runs one job
+in this process (tests run several); `main()` is the process entry point.
+"""
+import argparse
+import glob
+import json
+import math
+import os
+import random
+import re
+import resource
+import shutil
+import signal
+import socket
+import sys
+import time
+import warnings
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import yaml
+
+from dflash_fast import ops
+from dflash_fast.batches import derive_seed, make_loader, steps_per_epoch
+from dflash_fast.config import ConfigError, TrainConfig, load_config
+from dflash_fast.drafter import DFlashDrafter, DrafterConfig, DrafterOutput, build_drafter, slot_metrics, slot_targets
+from dflash_fast.store import HiddenStateStore
+
+EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+CHECKPOINT_TAG = re.compile(r"^step(\d{8})$")
+CLIENT_STATE = "dflash_fast.json"  # written last into a checkpoint: step, data position, drafter config
+# DeepSpeed JSON keys the YAML owns: one source of truth for every training hyperparameter.
+YAML_OWNED = {
+    "train_batch_size": "data.batch_rows and schedule.grad_accum",
+    "train_micro_batch_size_per_gpu": "data.batch_rows",
+    "gradient_accumulation_steps": "schedule.grad_accum",
+    "gradient_clipping": "optimizer.grad_clip",
+    "optimizer": "optimizer.*",
+    "scheduler": "schedule.*",
+    "bf16": "precision",
+    "fp16": "precision",
+}
+_NOISE_STREAM = 101  # derive_seed stream tag of the hidden-state noise, apart from batches.py's tags
+
+
+class StoreMismatch(ConfigError):
+    """The store was extracted from a different target or with different layer ids than the drafter uses."""
+
+
+class NonFiniteLoss(RuntimeError):
+    """A step produced a non-finite loss or gradient norm; nothing after the last good checkpoint is saved."""
+
+
+# ---------------------------------------------------------------- checks before step 1
+
+def resolve_loss_kind(kind: str, manifest: Dict) -> str:
+    """`auto` -> `kl` (exact soft targets, one teacher matmul per slot) when the store has `last`,
+    else `kl_topk` (the stored top-k teacher, no teacher matmul)."""
+    if kind != "auto":
+        return kind
+    return "kl" if manifest["has_last"] else "kl_topk"
+
+
+def check_store_matches(store_path: str, manifest: Dict, drafter: DrafterConfig, target: str, loss_kind: str) -> None:
+    """Refuse a store whose manifest disagrees with the drafter (and its target), naming both values."""
+    from dflash_fast.extract import config_sha256
+
+    problems = []
+
+    def compare(what: str, store_value, drafter_value, fix: str):
+        if store_value != drafter_value:
+            problems.append(f"{what}: the store has {store_value}, the drafter has {drafter_value} ({fix})")
+
+    compare("layer ids", manifest["layer_ids"], drafter.layer_ids, "set model.layer_ids to the store's, or re-extract")
+    compare("target hidden size", manifest["hidden_size"], drafter.target_hidden_size, "model.target is another model")
+    compare("target decoder layers", manifest["num_layers"], drafter.target_num_layers, "model.target is another model")
+    compare("vocabulary size", manifest["vocab_size"], drafter.vocab_size, "model.target is another model")
+    compare("target fingerprint (sha256 of config.json)", manifest["target"]["config_sha256"], config_sha256(target),
+            f"the store was extracted from {manifest['target']['path']}, the drafter is built from {target}")
+    if problems:
+        raise StoreMismatch(f"the store {store_path} does not match the drafter:\n  - " + "\n  - ".join(problems))
+    if loss_kind == "kl" and not manifest["has_last"]:
+        raise StoreMismatch(f"loss.kind=kl needs `last`, but the store {store_path} was extracted with --no-last: "
+                            f"use loss.kind=kl_topk (or ce), or re-extract without --no-last")
+
+
+def deepspeed_config(path: str, cfg: TrainConfig, precision: str) -> Dict:
+    """The DeepSpeed JSON at `path` (ZeRO, offload, communication) completed from the YAML."""
+    try:
+        with open(path) as f:
+            ds = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"deepspeed={path}: file not found (ships: configs/ds_zero1.json, ds_zero2.json, "
+                          f"ds_zero3.json, ds_zero3_offload.json)") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"deepspeed={path} is not valid JSON: {e}") from None
+    for key, owner in YAML_OWNED.items():
+        if key in ds and ds[key] != "auto":
+            raise ConfigError(f"{path} sets {key!r}; set {owner} in the YAML config instead (it owns that value)")
+    ds = {k: v for k, v in ds.items() if k not in YAML_OWNED}
+    ds.update(
+        train_micro_batch_size_per_gpu=cfg.data.batch_rows,
+        gradient_accumulation_steps=cfg.schedule.grad_accum,
+        gradient_clipping=cfg.optimizer.grad_clip,
+        bf16={"enabled": precision == "bf16"},
+    )
+    return ds
+
+
+def offloads_optimizer(ds: Dict) -> bool:
+    device = ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
+    return device in ("cpu", "nvme")
+
+
+def lr_multiplier(step: int, total: int, warmup: int, kind: str, min_ratio: float) -> float:
+    """Learning-rate factor of update `step` (0-based): linear warmup reaching 1 at update warmup-1,
+    then cosine from 1 down to min_ratio at the end (or constant 1)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if kind == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_optimizer(drafter: DFlashDrafter, cfg: TrainConfig, offload: bool) -> torch.optim.Optimizer:
+    """torch AdamW (nothing to JIT-compile); DeepSpeedCPUAdam when ZeRO offloads the optimizer to the CPU.
+    Weight decay applies to matrices only."""
+    o = cfg.optimizer
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    if offload:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, lr=o.lr, betas=o.betas, eps=o.eps, adamw_mode=True)
+    return torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps)
+
+
+# ---------------------------------------------------------------- distributed set-up
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> Tuple[int, int]:
+    """torch.distributed through DeepSpeed for the launcher's ranks, or a world of one when no launcher
+    set RANK -> (rank, world size). The group lives as long as the process (DeepSpeed caches groups
+    made from it), so several runs in one process share it."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        if torch.cuda.is_available():
+            get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        deepspeed.init_distributed(auto_mpi_discovery=False, verbose=False)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _quiet_deepspeed() -> None:
+    import logging
+
+    from deepspeed.utils import logger
+
+    logger.setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+`? is deprecated", category=FutureWarning)
+
+
+# ---------------------------------------------------------------- data and sums
+
+class TrainStream:
+    """This rank's training micro-batches, epoch after epoch. `position` = (epoch, next micro-batch index)."""
+
+    def __init__(self, store, cfg: TrainConfig, rank: int, world_size: int, with_last: bool, epoch: int = 0, index: int = 0):
+        self.store, self.cfg, self.rank, self.world_size, self.with_last = store, cfg, rank, world_size, with_last
+        d = cfg.data
+        self.per_epoch = steps_per_epoch(store, d.seq_len, d.batch_rows, cfg.seed, world_size, "train", d.val_fraction, d.split_seed)
+        self.epoch, self.index = epoch, index
+        self._it = None
+
+    def _open(self):
+        d = self.cfg.data
+        self._it = iter(make_loader(self.store, d.seq_len, d.num_anchors, d.batch_rows, self.cfg.seed, self.rank, self.world_size,
+                                self.epoch, "train", d.num_workers, start_step=self.index, val_fraction=d.val_fraction,
+                                split_seed=d.split_seed, with_last=self.with_last))
+
+    def __next__(self) -> Dict[str, torch.Tensor]:
+        if self.index >= self.per_epoch:
+            self.epoch, self.index, self._it = self.epoch + 1, 0, None
+        if self._it is None:
+            self._open()
+        self.index += 1
+        return next(self._it)
+
+    @property
+    def position(self) -> Tuple[int, int]:
+        return self.epoch, self.index
+
+    def close(self):
+        self._it = None
+
+
+class Sums:
+    """Sums that ranks add together before anything is divided (SPEC §6).
+
+    loss_sum = sum(l * w * mask), kl_sum likewise, slots = sum(mask); acc_hits/acc_count [B];
+    tau_sum, blocks; tokens (row positions), anchors (valid); nonfinite, stop: flags (> 0 on any rank).
+    """
+
+    NAMES = ("loss_sum", "kl_sum", "slots", "tau_sum", "blocks", "tokens", "anchors", "nonfinite", "stop")
+
+    def __init__(self, block_size: int, device):
+        self.b = block_size
+        self.v = torch.zeros(len(self.NAMES) + 2 * block_size, dtype=torch.float64, device=device)
+
+    def __getitem__(self, name: str) -> float:
+        return float(self.v[self.NAMES.index(name)])
+
+    def add(self, name: str, value) -> None:
+        self.v[self.NAMES.index(name)] += value
+
+    def add_output(self, out: DrafterOutput, batch: Dict[str, torch.Tensor]) -> None:
+        """One forward's contribution; loss and kl come back from their mean over max(slots, 1)."""
+        n = len(self.NAMES)
+        count = out.slot_mask.sum()
+        denom = count.clamp(min=1).double()
+        self.add("loss_sum", out.loss.detach().double() * denom)
+        if out.kl is not None:
+            self.add("kl_sum", out.kl.detach().double() * denom)
+        self.add("slots", count)
+        m = slot_metrics(out)
+        self.v[n:n + self.b] += m["acc_hits"].double()
+        self.v[n + self.b:] += m["acc_count"].double()
+        self.add("tau_sum", m["tau_sum"])
+        self.add("blocks", m["blocks"])
+        self.add("tokens", batch["input_ids"].numel())
+        self.add("anchors", batch["anchor_valid"].sum())
+        self.add("nonfinite", (~torch.isfinite(out.loss.detach())).double())
+
+    def merge(self, other: "Sums") -> None:
+        self.v += other.v
+
+    def all_reduce(self) -> "Sums":
+        dist.all_reduce(self.v)
+        return self
+
+    def metrics(self, with_kl: bool) -> Dict[str, Optional[float]]:
+        """loss, kl (kl kinds), acc_1..acc_{B-1} (None where no slot was valid), tau_offline."""
+        n = len(self.NAMES)
+        slots = max(self["slots"], 1.0)
+        out = {"loss": self["loss_sum"] / slots}
+        if with_kl:
+            out["kl"] = self["kl_sum"] / slots
+        hits, counts = self.v[n:n + self.b].tolist(), self.v[n + self.b:].tolist()
+        for j in range(1, self.b):
+            out[f"acc_{j}"] = hits[j] / counts[j] if counts[j] else None
+        out["tau_offline"] = self["tau_sum"] / self["blocks"] if self["blocks"] else None
+        return out
+
+
+def _rng_state() -> Dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: Dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _peak_memory_mb() -> float:
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+# ---------------------------------------------------------------- checkpoints (also used by `dflash-fast export`)
+
+def checkpoint_tags(checkpoints_dir: str) -> List[str]:
+    """Complete checkpoint tags in `checkpoints_dir`, oldest first."""
+    if not os.path.isdir(checkpoints_dir):
+        return []
+    return sorted(t for t in os.listdir(checkpoints_dir)
+                  if CHECKPOINT_TAG.match(t) and os.path.isfile(os.path.join(checkpoints_dir, t, CLIENT_STATE)))
+
+
+def resolve_checkpoint(path: str) -> Tuple[str, str]:
+    """A run directory or its checkpoints directory (-> the newest complete checkpoint), or one
+    checkpoint -> (checkpoints dir, tag)."""
+    path = os.path.abspath(path)
+    if os.path.isdir(os.path.join(path, "checkpoints")):
+        path = os.path.join(path, "checkpoints")
+    if os.path.isfile(os.path.join(path, CLIENT_STATE)):
+        return os.path.dirname(path), os.path.basename(path)
+    tags = checkpoint_tags(path)
+    if tags:
+        return path, tags[-1]
+    raise FileNotFoundError(f"{path} is not a run directory, a checkpoints directory or a checkpoint "
+                            f"(no complete checkpoint: none holds {CLIENT_STATE})")
+
+
+def read_client_state(load_dir: str, tag: str) -> Dict:
+    with open(os.path.join(load_dir, tag, CLIENT_STATE)) as f:
+        return json.load(f)
+
+
+def load_drafter_for_export(checkpoint: str) -> Tuple[DFlashDrafter, str]:
+    """The trained drafter of a checkpoint (fp32 master weights, gathered from every ZeRO partition) and
+    the verifier (target) path it was trained against. Frozen target tensors are not loaded: export
+    writes trainable weights only."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    load_dir, tag = resolve_checkpoint(checkpoint)
+    client = read_client_state(load_dir, tag)
+    drafter = DFlashDrafter(DrafterConfig(**client["drafter"]))
+    if glob.glob(os.path.join(load_dir, tag, "*optim_states.pt")):
+        weights = get_fp32_state_dict_from_zero_checkpoint(load_dir, tag)
+    else:  # no ZeRO: the module's own weights
+        weights = torch.load(os.path.join(load_dir, tag, "mp_rank_00_model_states.pt"), map_location="cpu", weights_only=False)["module"]
+    expected = dict(drafter.named_parameters())
+    missing, extra = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
+    if missing or extra:
+        raise ValueError(f"{os.path.join(load_dir, tag)} does not match its drafter config: missing {missing[:5]}, unexpected {extra[:5]}")
+    with torch.no_grad():
+        for name, p in expected.items():
+            p.copy_(weights[name].float())
+    return drafter, client["verifier"]
+
+
+# ---------------------------------------------------------------- the trainer
+
+class Trainer:
+    """Builds everything from a validated config; `run()` trains, checkpoints, validates and exports."""
+
+    def __init__(self, cfg: TrainConfig, rank: int, world_size: int):
+        import deepspeed
+
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.out_dir = cfg.output_dir
+        self.checkpoints_dir = os.path.join(self.out_dir, "checkpoints")
+        self.stop_signal: Optional[str] = None
+        ops.set_backend(cfg.kernels)
+
+        self.store = HiddenStateStore(cfg.data.store)
+        manifest = self.store.manifest
+        d, s = cfg.data, cfg.schedule
+        self.data_identity = {"store_tokens": manifest["num_tokens"], "store_job": manifest.get("extraction", {}).get("job"),
+                              "seq_len": d.seq_len, "num_anchors": d.num_anchors, "batch_rows": d.batch_rows,
+                              "grad_accum": s.grad_accum, "world_size": world_size, "seed": cfg.seed,
+                              "val_fraction": d.val_fraction, "split_seed": d.split_seed}
+        resume = self._find_resume()
+        self.target = cfg.model.target or manifest["target"]["path"]
+        self.loss_kind = resolve_loss_kind(cfg.loss.kind, manifest)
+        m = cfg.model
+        torch.manual_seed(cfg.seed)
+        try:
+            drafter = build_drafter(self.target, m.layer_ids or manifest["layer_ids"], m.mask_token_id,
+                                    norm_kind=manifest["final_norm"]["kind"], num_layers=m.num_layers, block_size=m.block_size,
+                                    layer_types=m.layer_types, sliding_window=m.sliding_window, causal_in_block=m.causal_in_block)
+        except (OSError, ValueError, KeyError) as e:
+            raise ConfigError(f"cannot build the drafter from target {self.target!r} (model.target, default: the store's "
+                              f"target; model.mask_token_id sets the mask token): {e}") from None
+        check_store_matches(cfg.data.store, manifest, drafter.config, self.target, self.loss_kind)
+        self.block_size = drafter.config.block_size
+
+        self.precision = cfg.precision
+        if self.precision == "auto":
+            self.precision = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
+        self.dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
+        # The frozen embedding and lm_head are [V, H] each: keep them in the compute dtype, not fp32.
+        drafter.embed_tokens = drafter.embed_tokens.to(self.dtype)
+        drafter.lm_head = drafter.lm_head.to(self.dtype)
+        ds = deepspeed_config(cfg.deepspeed, cfg, self.precision)
+        # No register_external_parameter for fc, hidden_norm and norm (read by DFlashDrafter.forward, not by their
+        # own forward): ZeRO-3 detects such reads and gathers the parameters itself.
+        self.zero_stage = ds.get("zero_optimization", {}).get("stage", 0)
+        num_params = sum(p.numel() for p in drafter.parameters())
+
+        self.stream = TrainStream(self.store, cfg, rank, world_size, with_last=self.loss_kind == "kl")
+        self.total_steps = s.steps or math.ceil(s.epochs * self.stream.per_epoch / s.grad_accum)
+        warmup = round(s.warmup_ratio * self.total_steps)
+        optimizer = build_optimizer(drafter, cfg, offloads_optimizer(ds))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda k: lr_multiplier(k, self.total_steps, warmup, s.kind, s.min_lr_ratio))
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=drafter, optimizer=optimizer, lr_scheduler=scheduler,
+                                                                 config=ds)
+        self.device = self.engine.device
+        self.step = 0
+        self.last_checkpoint: Optional[str] = None
+        if resume is not None:
+            self._resume(*resume)
+        self.log(f"store {self.store.path}: {len(self.store)} documents, {manifest['num_tokens']:,} tokens, layer ids "
+                 f"{manifest['layer_ids']}; target {self.target}")
+        self.log(f"drafter: {num_params:,} trainable parameters, {m.num_layers} layers, "
+                 f"block {self.block_size}; loss {self.loss_kind}; {self.precision}; ZeRO-{self.zero_stage}; kernels "
+                 + ", ".join(f"{op}={ops.backend_of(op)}" for op in ops.OPS))
+        self.log(f"{world_size} rank(s) x {s.grad_accum} micro-batch(es) x {d.batch_rows} row(s) of {d.seq_len} tokens per step; "
+                 f"{self.stream.per_epoch} micro-batches per epoch per rank; {self.total_steps} steps")
+        self._prepare_output()
+
+    # ---- output
+
+    def log(self, message: str) -> None:
+        if self.rank == 0:
+            from tqdm import tqdm
+
+            tqdm.write(f"[dflash-fast] {message}", file=sys.stdout)
+            sys.stdout.flush()
+
+    def _prepare_output(self) -> None:
+        self.metrics_path = os.path.join(self.out_dir, "metrics.jsonl")
+        self.tensorboard = None
+        if self.rank == 0:
+            os.makedirs(self.out_dir, exist_ok=True)
+            with open(os.path.join(self.out_dir, "config.yaml"), "w") as f:
+                yaml.safe_dump(self.cfg.to_dict(), f, sort_keys=False)
+            kept = []
+            if self.step and os.path.exists(self.metrics_path):
+                with open(self.metrics_path) as f:
+                    kept = [line for line in f if json.loads(line)["step"] <= self.step]
+            with open(self.metrics_path, "w") as f:
+                f.writelines(kept)
+            if self.cfg.logging.tensorboard:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tensorboard = SummaryWriter(os.path.join(self.out_dir, "tensorboard"))
+
+    def record(self, entry: Dict) -> None:
+        if self.rank != 0:
+            return
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(entry) + "\n")
+        if self.tensorboard is not None:
+            for key, value in entry.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self.tensorboard.add_scalar(f"{entry['split']}/{key}", value, entry["step"])
+
+    # ---- checkpoints
+
+    def save(self) -> None:
+        tag = f"step{self.step:08d}"
+        epoch, index = self.stream.position
+        client = {"step": self.step, "epoch": epoch, "micro_batch": index, "data": self.data_identity,
+                  "drafter": self.engine.module.config.to_dict(), "verifier": self.target, "loss_kind": self.loss_kind,
+                  "config": self.cfg.to_dict()}
+        self.engine.save_checkpoint(self.checkpoints_dir, tag=tag)
+        torch.save(_rng_state(), os.path.join(self.checkpoints_dir, tag, f"rng_rank{self.rank:05d}.pt"))
+        dist.barrier()
+        self.last_checkpoint = os.path.join(self.checkpoints_dir, tag)
+        if self.rank == 0:
+            marker = os.path.join(self.last_checkpoint, CLIENT_STATE)
+            with open(marker + ".tmp", "w") as f:
+                json.dump(client, f)
+            os.replace(marker + ".tmp", marker)
+            for old in checkpoint_tags(self.checkpoints_dir)[:-self.cfg.checkpoint.keep_last]:
+                shutil.rmtree(os.path.join(self.checkpoints_dir, old), ignore_errors=True)
+        dist.barrier()
+        self.log(f"checkpoint {self.last_checkpoint}")
+
+    def _find_resume(self) -> Optional[Tuple[str, str, Dict]]:
+        """The checkpoint to continue from -> (checkpoints dir, tag, client state), checked before anything is built."""
+        spec = self.cfg.checkpoint.resume
+        tags = checkpoint_tags(self.checkpoints_dir)
+        if spec is None:
+            if tags:
+                raise ConfigError(f"{self.checkpoints_dir} already holds checkpoints ({tags[-1]}): pass --resume to continue "
+                                  f"that run, or choose another output_dir")
+            return None
+        if spec == "latest" and not tags:
+            self.log(f"--resume: no checkpoint in {self.checkpoints_dir} yet, starting from step 0")
+            return None
+        try:
+            load_dir, tag = resolve_checkpoint(self.checkpoints_dir if spec == "latest" else spec)
+        except FileNotFoundError as e:
+            raise ConfigError(f"checkpoint.resume={spec}: {e}") from None
+        client = read_client_state(load_dir, tag)
+        for key, now in self.data_identity.items():
+            if client["data"].get(key) != now:
+                raise ConfigError(f"cannot resume {os.path.join(load_dir, tag)}: {key} was {client['data'].get(key)!r}, now {now!r}; "
+                                  f"the data position would not line up: restore it, or start a fresh output_dir")
+        return load_dir, tag, client
+
+    def _resume(self, load_dir: str, tag: str, client: Dict) -> None:
+        loaded, _ = self.engine.load_checkpoint(load_dir, tag, load_optimizer_states=True, load_lr_scheduler_states=True)
+        if loaded is None:
+            raise ConfigError(f"DeepSpeed could not load the checkpoint {os.path.join(load_dir, tag)}")
+        self.step = client["step"]
+        self.stream = TrainStream(self.store, self.cfg, self.rank, self.world_size, self.stream.with_last,
+                                  client["epoch"], client["micro_batch"])
+        _set_rng_state(torch.load(os.path.join(load_dir, tag, f"rng_rank{self.rank:05d}.pt"), weights_only=False))
+        self.last_checkpoint = os.path.join(load_dir, tag)
+        self.log(f"resumed from {self.last_checkpoint} at step {self.step} (epoch {client['epoch']}, micro-batch {client['micro_batch']})")
+
+    # ---- steps
+
+    def _to_device(self, batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        out = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        for key in ("hidden", "last"):
+            if key in out:
+                out[key] = out[key].to(self.dtype)
+        return out
+
+    def _forward(self, batch: Dict[str, torch.Tensor], noise_std: float, seed: int) -> DrafterOutput:
+        return self.engine(batch, loss_kind=self.loss_kind, gamma=self.cfg.loss.gamma, noise_std=noise_std, seed=seed)
+
+    def train_step(self) -> Tuple[Sums, Dict[str, float], Optional[float]]:
+        """One optimizer step -> (sums reduced over ranks, seconds per phase, grad norm)."""
+        from deepspeed.accelerator import get_accelerator
+
+        sync = get_accelerator().synchronize
+        gas = self.cfg.schedule.grad_accum
+        times = dict.fromkeys(("fetch", "forward", "backward", "optimizer"), 0.0)
+        t = time.perf_counter()
+        micro = [next(self.stream) for _ in range(gas)]
+        counts = [int(slot_targets(b, self.block_size).slot_mask.sum()) for b in micro]
+        total = torch.tensor(float(sum(counts)), dtype=torch.float64, device=self.device)
+        dist.all_reduce(total)
+        total = max(float(total), 1.0)
+        times["fetch"] += time.perf_counter() - t
+        sums = Sums(self.block_size, self.device)
+        for i, (batch, count) in enumerate(zip(micro, counts)):
+            t = time.perf_counter()
+            batch = self._to_device(batch)
+            seed = derive_seed(self.cfg.seed, _NOISE_STREAM, self.step, self.rank, i) % 2**31
+            out = self._forward(batch, self.cfg.data.noise_std, seed)
+            sync()
+            times["forward"] += time.perf_counter() - t
+            t = time.perf_counter()
+            # DeepSpeed divides by grad_accum and averages over ranks; this makes the step's gradient that of
+            # sum(l * w * mask) / (global slot count).
+            self.engine.backward(out.loss * (max(count, 1) * self.world_size * gas / total))
+            sync()
+            times["backward"] += time.perf_counter() - t
+            t = time.perf_counter()
+            self.engine.step()
+            sync()
+            times["optimizer"] += time.perf_counter() - t
+            sums.add_output(out, batch)
+        grad_norm = self.engine.get_global_grad_norm()
+        grad_norm = None if grad_norm is None else float(grad_norm)
+        if grad_norm is not None and not math.isfinite(grad_norm):
+            sums.add("nonfinite", 1.0)
+        sums.add("stop", float(self.stop_signal is not None))
+        return sums.all_reduce(), times, grad_norm
+
+    @torch.no_grad()
+    def validate(self) -> Dict:
+        d = self.cfg.data
+        loader = make_loader(self.store, d.seq_len, d.num_anchors, d.batch_rows, self.cfg.seed, self.rank, self.world_size,
+                         split="val", num_workers=d.num_workers, val_fraction=d.val_fraction, split_seed=d.split_seed,
+                         with_last=self.loss_kind == "kl")
+        sums = Sums(self.block_size, self.device)
+        batches = 0
+        for batch in loader:
+            if self.cfg.validation.max_batches and batches >= self.cfg.validation.max_batches:
+                break
+            batch = self._to_device(batch)
+            sums.add_output(self._forward(batch, 0.0, 0), batch)
+            batches += 1
+        sums.all_reduce()
+        entry = {"split": "val", "step": self.step, **sums.metrics(self.loss_kind in ("kl", "kl_topk")),
+                 "batches": batches * self.world_size}
+        self.record(entry)
+        self.log(f"validation at step {self.step}: loss {entry['loss']:.4f}, tau_offline {entry['tau_offline'] or 0:.3f}")
+        return entry
+
+    def export(self) -> Optional[str]:
+        """Gather the 16-bit (or fp32) module weights from every ZeRO-3 partition; rank 0 writes OUT/export."""
+        import deepspeed
+
+        from dflash_fast.export import export_drafter
+
+        module = self.engine.module
+        params = dict(module.named_parameters())
+        state = None
+        with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None, enabled=self.zero_stage == 3):
+            if self.rank == 0:
+                state = {name: p.detach().to("cpu", copy=True) for name, p in params.items()}
+        path = None
+        if self.rank == 0:
+            path = export_drafter(module, os.path.join(self.out_dir, "export"), self.target,
+                                  EXPORT_DTYPES[self.cfg.export_dtype], state_dict=state)
+            self.log(f"exported the drafter to {path} (speculators format, {self.cfg.export_dtype})")
+        dist.barrier()
+        return path
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.stop_signal is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop without saving
+        self.stop_signal = signal.Signals(signum).name
+
+    def run(self) -> Dict:
+        """Train to the last step (or a signal): -> {"step", "interrupted", "checkpoint", "export"}."""
+        from tqdm import tqdm
+
+        cfg = self.cfg
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        bar = tqdm(total=self.total_steps, initial=self.step, disable=self.rank != 0 or not cfg.logging.progress,
+                   unit="step", dynamic_ncols=True, file=sys.stdout)
+        window, window_times, window_steps, window_seconds = Sums(self.block_size, self.device), {}, 0, 0.0
+        with_kl = self.loss_kind in ("kl", "kl_topk")
+        saved_at = self.step if self.last_checkpoint else None
+        validated_at = None
+        try:
+            while self.step < self.total_steps:
+                lr = self.optimizer.param_groups[0]["lr"]
+                t = time.perf_counter()
+                sums, times, grad_norm = self.train_step()
+                seconds = time.perf_counter() - t
+                self.step += 1
+                if sums["nonfinite"]:
+                    where = (f"the last good checkpoint is {self.last_checkpoint} (continue from it with --resume after lowering "
+                             f"optimizer.lr or checking the store)") if self.last_checkpoint else "no checkpoint was saved before it"
+                    raise NonFiniteLoss(f"non-finite loss or gradient norm at step {self.step} (loss {sums.metrics(False)['loss']}, "
+                                        f"grad norm {grad_norm}): stopped without saving; {where}")
+                window.merge(sums)
+                window_steps += 1
+                window_seconds += seconds
+                for k, v in times.items():
+                    window_times[k] = window_times.get(k, 0.0) + v
+                step_metrics = sums.metrics(False)
+                bar.update(1)
+                bar.set_postfix({"loss": f"{step_metrics['loss']:.3f}", "tau_offline": f"{step_metrics['tau_offline'] or 0:.2f}",
+                                 "tok/s": f"{sums['tokens'] / seconds:.0f}"}, refresh=False)
+                if self.step % cfg.logging.every == 0 or self.step == self.total_steps:
+                    epoch, index = self.stream.position
+                    self.record({"split": "train", "step": self.step, "epoch": epoch + index / self.stream.per_epoch,
+                                 **window.metrics(with_kl), "lr": lr, "grad_norm": grad_norm,
+                                 "tokens_per_s": window["tokens"] / window_seconds, "anchors_per_s": window["anchors"] / window_seconds,
+                                 **{f"time_{k}_ms": 1e3 * v / window_steps for k, v in window_times.items()},
+                                 "step_time_ms": 1e3 * window_seconds / window_steps, "peak_memory_mb": _peak_memory_mb()})
+                    window, window_times, window_steps, window_seconds = Sums(self.block_size, self.device), {}, 0, 0.0
+                if cfg.validation.every and self.step % cfg.validation.every == 0:
+                    self.validate()
+                    validated_at = self.step
+                if sums["stop"]:
+                    self.save()
+                    self.log(f"stopped by a signal at step {self.step}; continue with --resume")
+                    return {"step": self.step, "interrupted": True, "checkpoint": self.last_checkpoint, "export": None}
+                if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
+                    self.save()
+                    saved_at = self.step
+            bar.close()
+            if saved_at != self.step:
+                self.save()
+            if cfg.data.val_fraction > 0 and validated_at != self.step:
+                self.validate()
+            export = self.export() if cfg.export else None
+            return {"step": self.step, "interrupted": False, "checkpoint": self.last_checkpoint, "export": export}
+        finally:
+            bar.close()
+            self.stream.close()
+            if self.tensorboard is not None:
+                self.tensorboard.close()
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+
+def train(cfg: TrainConfig) -> Dict:
+    """Run one training job (this process is one rank); see Trainer.run for the result."""
+    _quiet_deepspeed()
+    return Trainer(cfg, *init_distributed()).run()
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="train.py", description="Train a DFlash drafter with DeepSpeed: "
+                                "deepspeed train.py --config configs/tiny.yaml [key.sub=value ...]")
+    p.add_argument("--config", help="YAML config, e.g. configs/tiny.yaml or configs/qwen3-8b.yaml")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in OUT/checkpoints "
+                   "(checkpoint.resume=PATH continues from another one)")
+    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # the deepspeed launcher's; LOCAL_RANK is used
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides such as optimizer.lr=3e-4")
+    return p.parse_intermixed_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    args = parse_args(argv)
+    overrides = list(args.overrides) + (["checkpoint.resume=latest"] if args.resume else [])
+    try:
+        train(load_config(args.config, overrides))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except NonFiniteLoss as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
