@@ -150,7 +150,7 @@ def load_exported(export_dir: str, target_path: Optional[str] = None) -> DFlashD
 
 
 def add_arguments(parser):
-    parser.add_argument("--checkpoint", required=True, help="a run directory's checkpoint (trainer output) or a drafter .pt")
+    parser.add_argument("--checkpoint", required=True, help="a trainer run directory, its checkpoints/ directory or one checkpoint")
     parser.add_argument("--out", required=True, help="export directory")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
 

@@ -1,0 +1,102 @@
+"""`dflash-fast quickstart`: the whole pipeline on the embedded target, on a CPU, in minutes.
+
+    embedded target ─regenerate─▶ responses ─extract─▶ store ─deepspeed train.py─▶ run/export ─eval─▶ tau
+
+Every stage is the real one (the same functions and the same `deepspeed train.py` a user runs);
+only the sizes are small. Stages resume: re-running skips what is already complete.
+"""
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from typing import Dict, List
+
+from dflash_fast.evaluate import evaluate
+from dflash_fast.extract import extract
+from dflash_fast.regenerate import regenerate
+from dflash_fast.trainer import checkpoint_tags
+
+PACKAGE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(PACKAGE)
+ASSETS = os.path.join(PACKAGE, "assets")
+TARGET = os.path.join(ASSETS, "target")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_command(config: str, overrides: List[str]) -> List[str]:
+    """`deepspeed --num_gpus 1 train.py --config CONFIG k=v ...` (one process; CPU or one GPU)."""
+    launcher = shutil.which("deepspeed")
+    if launcher is None:
+        raise RuntimeError("the `deepspeed` launcher is not on PATH: pip install deepspeed (it is in install_requires)")
+    script = os.path.join(REPO, "train.py")
+    if not os.path.exists(script):
+        raise RuntimeError(f"{script} not found: run the quickstart from a checkout of dflash-fast (pip install -e .)")
+    return [launcher, "--num_gpus", "1", "--master_port", str(_free_port()), script, "--config", config, *overrides]
+
+
+def quickstart(out: str = "out/quickstart", num_prompts: int = 300, eval_prompts: int = 40, max_new_tokens: int = 128,
+               eval_max_new_tokens: int = 96, epochs: float = 0, extra_overrides: List[str] = (), progress: bool = True) -> Dict:
+    """Run every stage into `out`; returns the eval report (also written to OUT/eval.json)."""
+    os.makedirs(out, exist_ok=True)
+    t0 = time.perf_counter()
+    stage = lambda name: print(f"\n== {name} ({time.perf_counter() - t0:.0f}s)", flush=True)
+
+    stage("1/5 regenerate: the target answers the training prompts")
+    regen = os.path.join(out, "train.jsonl")
+    regenerate(TARGET, os.path.join(ASSETS, "prompts_train.jsonl"), regen, batch_size=16, max_new_tokens=max_new_tokens,
+               num_prompts=num_prompts, progress=progress)
+
+    stage("2/5 extract: tapped hidden states and teacher summaries into the store")
+    store = os.path.join(out, "store")
+    extract(TARGET, regen, store, dtype="fp32", max_seq_len=512, progress=progress)
+
+    stage("3/5 train: deepspeed train.py --config configs/tiny.yaml")
+    run_dir = os.path.join(out, "run")
+    overrides = [f"data.store={store}", f"output_dir={run_dir}", f"model.target={TARGET}"]
+    if epochs:
+        overrides.append(f"schedule.epochs={epochs}")
+    if checkpoint_tags(os.path.join(run_dir, "checkpoints")):
+        overrides.append("--resume")
+    cmd = train_command(os.path.join(REPO, "configs", "tiny.yaml"), overrides + list(extra_overrides))
+    print(" ".join(cmd), flush=True)
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1)))
+    subprocess.run(cmd, check=True, env=env)
+
+    stage("4/5 export: written by the trainer to run/export (speculators format)")
+    export_dir = os.path.join(run_dir, "export")
+    if not os.path.exists(os.path.join(export_dir, "model.safetensors")):
+        raise RuntimeError(f"the trainer wrote no export in {export_dir}")
+
+    stage("5/5 eval: real block speculative decoding on held-out prompts")
+    report = evaluate(TARGET, os.path.join(ASSETS, "prompts_eval.jsonl"), export_dir, max_new_tokens=eval_max_new_tokens,
+                      num_prompts=eval_prompts, progress=progress)
+    with open(os.path.join(out, "eval.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"\nquickstart done in {time.perf_counter() - t0:.0f}s: tau_offline = {report.get('tau_offline', float('nan')):.3f}, "
+          f"real tau = {report['tau']:.3f} tokens per target forward (eval report: {out}/eval.json)", flush=True)
+    return report
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--out", default="out/quickstart", help="working directory (re-running resumes)")
+    parser.add_argument("--num-prompts", type=int, default=300, help="training prompts to regenerate")
+    parser.add_argument("--eval-prompts", type=int, default=40, help="held-out prompts for eval")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="response length when regenerating")
+    parser.add_argument("--eval-max-new-tokens", type=int, default=96)
+    parser.add_argument("--epochs", type=float, default=0, help="override configs/tiny.yaml's schedule.epochs")
+    parser.add_argument("overrides", nargs="*", help="extra trainer overrides, key=value")
+
+
+def run(args) -> int:
+    quickstart(args.out, args.num_prompts, args.eval_prompts, args.max_new_tokens, args.eval_max_new_tokens, args.epochs,
+               args.overrides)
+    return 0
+
