@@ -70,6 +70,29 @@ def document_starts(document_ids: torch.Tensor) -> torch.Tensor:
     return torch.where(new_doc, pos, torch.zeros_like(pos)).cummax(dim=1).values
 
 
+def context_visibility(
+    anchors: torch.Tensor,
+    anchor_valid: torch.Tensor,
+    document_ids: torch.Tensor,
+    window: Optional[int] = None,
+) -> torch.Tensor:
+    """[R, A, T] bool: block i sees context key p iff doc[p] == doc[a_i] and p < a_i (strictly before
+    the anchor) and, with a window W, p >= a_i - W. Invalid anchors see nothing."""
+    t = document_ids.shape[1]
+    p = torch.arange(t, device=anchors.device)
+    anchor_doc = document_ids.gather(1, anchors.clamp(0, t - 1))  # [R, A]
+    ctx = (document_ids[:, None, :] == anchor_doc[:, :, None]) & (p[None, None, :] < anchors[:, :, None])
+    if window is not None:
+        ctx &= p[None, None, :] >= anchors[:, :, None] - window
+    return ctx & anchor_valid[:, :, None]
+
+
+def block_visibility(block_size: int, causal_in_block: bool, device=None) -> torch.Tensor:
+    """[B, B] bool: slot j sees slot j' of its own block (all, or j' <= j when causal)."""
+    ones = torch.ones(block_size, block_size, dtype=torch.bool, device=device)
+    return torch.tril(ones) if causal_in_block else ones
+
+
 def anchored_attention_mask(
     anchors: torch.Tensor,
     anchor_valid: torch.Tensor,
@@ -78,28 +101,15 @@ def anchored_attention_mask(
     window: Optional[int] = None,
     causal_in_block: bool = False,
 ) -> torch.Tensor:
-    """SPEC §4 visibility as a dense boolean mask [R, A*B, T + A*B] (context keys, then block keys).
-
-    Query (i, j) sees context key p iff doc[p] == doc[a_i] and p < a_i (strictly
-    before the anchor) and, with a window W, p >= a_i - W; it sees block key
-    (i', j') iff i' == i and (j' <= j when causal_in_block). Invalid anchors see nothing.
-    """
+    """SPEC §4 visibility as one dense boolean mask [R, A*B, T + A*B] (context keys, then block keys):
+    context as in `context_visibility`, block keys of the query's own block only."""
     r, a = anchors.shape
-    t = document_ids.shape[1]
     b = block_size
-    p = torch.arange(t, device=anchors.device)
-    anchor_doc = document_ids.gather(1, anchors.clamp(0, t - 1))  # [R, A]
-    ctx = (document_ids[:, None, :] == anchor_doc[:, :, None]) & (p[None, None, :] < anchors[:, :, None])
-    if window is not None:
-        ctx &= p[None, None, :] >= anchors[:, :, None] - window
-    ctx = ctx[:, :, None, :].expand(r, a, b, t)  # same for every slot of the block
-    j = torch.arange(b, device=anchors.device)
-    in_block = (j[None, :] <= j[:, None]) if causal_in_block else torch.ones(b, b, dtype=torch.bool, device=anchors.device)
+    ctx = context_visibility(anchors, anchor_valid, document_ids, window)[:, :, None, :].expand(-1, -1, b, -1)
     same_block = torch.eye(a, dtype=torch.bool, device=anchors.device)
-    blk = same_block[:, None, :, None] & in_block[None, :, None, :]  # [A, B, A, B]
-    blk = blk.reshape(1, a, b, a * b).expand(r, a, b, a * b)
-    mask = torch.cat([ctx, blk], dim=-1) & anchor_valid[:, :, None, None]
-    return mask.reshape(r, a * b, t + a * b)
+    blk = same_block[:, None, :, None] & block_visibility(b, causal_in_block, anchors.device)[None, :, None, :]
+    blk = blk.reshape(1, a, b, a * b) & anchor_valid[:, :, None, None]
+    return torch.cat([ctx, blk.expand(r, -1, -1, -1)], dim=-1).reshape(r, a * b, -1)
 
 
 def anchored_attention(
@@ -116,24 +126,31 @@ def anchored_attention(
     causal_in_block: bool = False,
     scale: Optional[float] = None,
 ) -> torch.Tensor:
-    """Anchored block attention of the drafter (SPEC §4), dense-mask reference.
+    """Anchored block attention of the drafter (SPEC §4), masked-softmax reference.
 
     q: [R, A*B, Hq, D]; k_ctx, v_ctx: [R, T, Hkv, D]; k_blk, v_blk: [R, A*B, Hkv, D];
     anchors: [R, A] int64, sorted, row positions; anchor_valid: [R, A] bool;
     document_ids: [R, T] (contiguous runs) -> out [R, A*B, Hq, D] in q.dtype.
     Rows of invalid anchors are zero. Hq must be a multiple of Hkv (GQA).
+    Scores are [R, Hq, A, B, T + B]: every block against the whole context (masked) and against its
+    own B slots; blocks never meet, so the [A*B, A*B] block-to-block scores are never formed.
     """
     r, n_q, hq, d = q.shape
-    hkv = k_ctx.shape[2]
+    a, b = anchors.shape[1], block_size
+    rep = hq // k_ctx.shape[2]
     scale = d ** -0.5 if scale is None else scale
-    mask = anchored_attention_mask(anchors, anchor_valid, document_ids, block_size, window, causal_in_block)
-    k = torch.cat([k_ctx, k_blk], dim=1).repeat_interleave(hq // hkv, dim=2)  # [R, S, Hq, D]
-    v = torch.cat([v_ctx, v_blk], dim=1).repeat_interleave(hq // hkv, dim=2)
-    scores = torch.einsum("rqhd,rshd->rhqs", q.float(), k.float()) * scale
-    scores = scores.masked_fill(~mask[:, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked rows -> 0
-    out = torch.einsum("rhqs,rshd->rqhd", probs, v.float())
-    return out.to(q.dtype)
+    qb = q.float().view(r, a, b, hq, d)
+    kc, vc = k_ctx.float().repeat_interleave(rep, dim=2), v_ctx.float().repeat_interleave(rep, dim=2)
+    kb = k_blk.float().view(r, a, b, -1, d).repeat_interleave(rep, dim=3)
+    vb = v_blk.float().view(r, a, b, -1, d).repeat_interleave(rep, dim=3)
+    s_ctx = torch.einsum("rajhd,rthd->rhajt", qb, kc).masked_fill(
+        ~context_visibility(anchors, anchor_valid, document_ids, window)[:, None, :, None, :], float("-inf"))
+    s_blk = torch.einsum("rajhd,rakhd->rhajk", qb, kb).masked_fill(
+        ~(block_visibility(b, causal_in_block, q.device) & anchor_valid[:, None, :, None, None]), float("-inf"))
+    probs = torch.softmax(torch.cat([s_ctx, s_blk], dim=-1) * scale, dim=-1).nan_to_num(0.0)  # invalid rows -> 0
+    t = k_ctx.shape[1]
+    out = torch.einsum("rhajt,rthd->rajhd", probs[..., :t], vc) + torch.einsum("rhajk,rakhd->rajhd", probs[..., t:], vb)
+    return out.reshape(r, n_q, hq, d).to(q.dtype)
 
 
 class LossOutput(NamedTuple):

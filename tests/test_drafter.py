@@ -340,3 +340,23 @@ def test_export_round_trip_names_and_layer_ids(tmp_path):
         assert n1 == n2 and torch.equal(p1, p2)
     batch = random_batch()
     assert torch.equal(d(batch, "kl").loss, back(batch, "kl").loss)
+
+
+@pytest.mark.parametrize("window, causal", [(None, False), (4, True)])
+def test_eager_attention_equals_softmax_over_the_dense_mask(window, causal):
+    torch.manual_seed(0)
+    r, a, t, hq, hkv, d = 2, 3, 14, 4, 2, 8
+    anchors = torch.tensor([[0, 5, 9], [3, 8, 8]])
+    valid = torch.tensor([[True, True, True], [True, True, False]])
+    doc = torch.tensor([[0] * 7 + [1] * 7, [0] * 4 + [1] * 10])
+    q = torch.randn(r, a * B, hq, d)
+    kc, vc = torch.randn(r, t, hkv, d), torch.randn(r, t, hkv, d)
+    kb, vb = torch.randn(r, a * B, hkv, d), torch.randn(r, a * B, hkv, d)
+    out = eager.anchored_attention(q, kc, vc, kb, vb, anchors, valid, doc, B, window, causal)
+    mask = eager.anchored_attention_mask(anchors, valid, doc, B, window, causal)
+    k = torch.cat([kc, kb], 1).repeat_interleave(hq // hkv, 2)
+    v = torch.cat([vc, vb], 1).repeat_interleave(hq // hkv, 2)
+    scores = torch.einsum("rqhd,rshd->rhqs", q, k) / d ** 0.5
+    probs = torch.softmax(scores.masked_fill(~mask[:, None], float("-inf")), -1).nan_to_num(0.0)
+    assert torch.allclose(out, torch.einsum("rhqs,rshd->rqhd", probs, v), atol=1e-5)
+    assert not out[1, 2 * B:].any(), "an invalid anchor's block is zero"
