@@ -301,8 +301,8 @@ def load_target(target, device, compute_dtype, trust_remote_code=False):
     from transformers import AutoModelForCausalLM
 
     kwargs = {}
-    if importlib.util.find_spec("accelerate") is not None:
-        # Loads straight onto the device; without accelerate the model passes through host memory.
+    if device.type == "cuda" and importlib.util.find_spec("accelerate") is not None:
+        # Loads straight onto the GPU; without accelerate the model passes through host memory.
         kwargs["device_map"] = {"": device}
     model = AutoModelForCausalLM.from_pretrained(
         target,
@@ -311,6 +311,7 @@ def load_target(target, device, compute_dtype, trust_remote_code=False):
         trust_remote_code=trust_remote_code,
         **kwargs,
     )
+    model.tie_weights()  # a tied lm_head left unmaterialised by a meta-device load is re-tied, not copied from meta
     return model.to(device).eval()
 
 
