@@ -26,6 +26,7 @@ import json
 import os
 import shutil
 import sys
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -297,6 +298,12 @@ def attention_implementation(device: torch.device) -> str:
     return "sdpa"
 
 
+# transformers' from_pretrained swaps PreTrainedModel.tie_weights for a no-op while it loads and
+# puts it back afterwards; two loads in parallel threads can restore the no-op for good, after
+# which every tied lm_head of the process stays on the meta device. Loads are serialised.
+_LOAD_LOCK = threading.Lock()
+
+
 def load_target(target, device, compute_dtype, trust_remote_code=False):
     from transformers import AutoModelForCausalLM
 
@@ -304,15 +311,33 @@ def load_target(target, device, compute_dtype, trust_remote_code=False):
     if device.type == "cuda" and importlib.util.find_spec("accelerate") is not None:
         # Loads straight onto the GPU; without accelerate the model passes through host memory.
         kwargs["device_map"] = {"": device}
-    model = AutoModelForCausalLM.from_pretrained(
-        target,
-        dtype=compute_dtype,
-        attn_implementation=attention_implementation(device),
-        trust_remote_code=trust_remote_code,
-        **kwargs,
-    )
-    model.tie_weights()  # a tied lm_head left unmaterialised by a meta-device load is re-tied, not copied from meta
+    with _LOAD_LOCK:
+        model = AutoModelForCausalLM.from_pretrained(
+            target,
+            dtype=compute_dtype,
+            attn_implementation=attention_implementation(device),
+            trust_remote_code=trust_remote_code,
+            **kwargs,
+        )
+        model.tie_weights()  # a tied lm_head left unmaterialised by a meta-device load is re-tied, not copied from meta
+    check_materialised(model, target)
     return model.to(device).eval()
+
+
+def check_materialised(model, target) -> None:
+    """Refuse a model with weights left on the meta device (never loaded), or an lm_head the config
+    ties to the embeddings that is not tied: both would give teacher logits from random numbers."""
+    on_meta = [name for name, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if on_meta:
+        raise RuntimeError(
+            f"{target}: weights left unloaded (on the meta device) after from_pretrained: {', '.join(on_meta[:5])}"
+            + (f" and {len(on_meta) - 5} more" if len(on_meta) > 5 else "")
+        )
+    config = getattr(model.config, "get_text_config", lambda: model.config)()
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    if getattr(config, "tie_word_embeddings", False) and head is not None and head.weight is not embed.weight:
+        if not torch.equal(head.weight.detach().cpu(), embed.weight.detach().cpu()):
+            raise RuntimeError(f"{target}: the config ties lm_head to embed_tokens but the loaded lm_head differs")
 
 
 def config_sha256(target) -> str:

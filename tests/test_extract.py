@@ -256,6 +256,43 @@ def test_ranks_write_their_own_shards_and_one_manifest_describes_all(targets, da
         assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_parallel_loads_leave_weight_tying_working(tmp_path):
+    """from_pretrained swaps PreTrainedModel.tie_weights for a no-op while it loads; loads racing in
+    threads (ranks as threads, above) once left the no-op in place, and every later tied target of
+    the process (the embedded one) kept its lm_head on the meta device. load_target serialises them."""
+    from transformers import PreTrainedModel
+
+    from dflash_fast.quickstart import TARGET
+
+    models, errors = [], []
+
+    def load():
+        try:
+            models.append(extract_module.load_target(TARGET, torch.device("cpu"), torch.float32))
+        except Exception as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=load) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(models) == 4
+    assert PreTrainedModel.tie_weights.__name__ == "tie_weights"
+    for m in models + [extract_module.load_target(TARGET, torch.device("cpu"), torch.float32)]:
+        assert m.lm_head.weight is m.model.embed_tokens.weight and not m.lm_head.weight.is_meta
+
+
+def test_a_target_with_unloaded_weights_is_refused(targets):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(targets["qwen3"], dtype=torch.float32)
+    with torch.device("meta"):
+        model.lm_head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False)
+    with pytest.raises(RuntimeError, match="lm_head.weight"):
+        extract_module.check_materialised(model, "tiny")
+
+
 # ---------------------------------------------------------------- input
 
 def test_chat_loss_mask_covers_assistant_replies_only(tmp_path):
