@@ -128,7 +128,8 @@ class RMSNorm(nn.Module):
 class Rope(nn.Module):
     """RoPE over the first `rotary_dim` channels of each head (partial_rotary_factor), HF's rotate-half layout."""
 
-    def __init__(self, cfg: DrafterConfig):
+    def __init__(self, cfg: DrafterConfig, frozen_dtype: torch.dtype = torch.float32):
+        """`frozen_dtype`: the dtype of embed_tokens and lm_head ([V, H] each); target_norm stays fp32."""
         super().__init__()
         params = cfg.rope_parameters
         rope_type = params.get("rope_type", params.get("type", "default"))
@@ -162,7 +163,8 @@ class Rope(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: DrafterConfig):
+    def __init__(self, cfg: DrafterConfig, frozen_dtype: torch.dtype = torch.float32):
+        """`frozen_dtype`: the dtype of embed_tokens and lm_head ([V, H] each); target_norm stays fp32."""
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         self.hq, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, d
@@ -189,7 +191,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: DrafterConfig):
+    def __init__(self, cfg: DrafterConfig, frozen_dtype: torch.dtype = torch.float32):
+        """`frozen_dtype`: the dtype of embed_tokens and lm_head ([V, H] each); target_norm stays fp32."""
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
@@ -261,7 +264,8 @@ class DrafterOutput(NamedTuple):
 class DFlashDrafter(nn.Module):
     """Trainable: fc, hidden_norm, layers, norm. Frozen buffers: embed_tokens, lm_head, target_norm."""
 
-    def __init__(self, cfg: DrafterConfig):
+    def __init__(self, cfg: DrafterConfig, frozen_dtype: torch.dtype = torch.float32):
+        """`frozen_dtype`: the dtype of embed_tokens and lm_head ([V, H] each); target_norm stays fp32."""
         super().__init__()
         self.config = cfg
         h = cfg.hidden_size
@@ -270,8 +274,8 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.rope = Rope(cfg)
-        self.register_buffer("embed_tokens", torch.zeros(cfg.vocab_size, h), persistent=False)
-        self.register_buffer("lm_head", torch.zeros(cfg.vocab_size, h), persistent=False)
+        self.register_buffer("embed_tokens", torch.zeros(cfg.vocab_size, h, dtype=frozen_dtype), persistent=False)
+        self.register_buffer("lm_head", torch.zeros(cfg.vocab_size, h, dtype=frozen_dtype), persistent=False)
         self.register_buffer("target_norm", torch.ones(h), persistent=False)  # effective weight (1 + w for zero-centred norms)
         self.reset_parameters()
 
@@ -386,8 +390,9 @@ FROZEN_NAMES = {
 def load_frozen_tensors(target_path: str, dtype: torch.dtype = torch.float32, norm_kind: Optional[str] = None) -> Dict[str, torch.Tensor]:
     """Read only embed_tokens, lm_head and the final norm from the target's safetensors (never the
     whole target). lm_head falls back to embed_tokens for tied embeddings; the final norm is returned
-    as its effective weight (1 + w when zero-centred). `norm_kind` is the kind extraction measured
-    (the store manifest's `final_norm.kind`); without it the model type decides."""
+    as its effective weight (1 + w when zero-centred), in fp32; embed_tokens and lm_head in `dtype`.
+    `norm_kind` is the kind extraction measured (the store manifest's `final_norm.kind`); without it
+    the model type decides."""
     from safetensors import safe_open
 
     from dflash_fast.store import final_norm_weight
@@ -414,18 +419,19 @@ def load_frozen_tensors(target_path: str, dtype: torch.dtype = torch.float32, no
         if key is None:
             raise KeyError(f"{target_path}: none of {candidates} found for the target's {name}")
         with safe_open(where[key], "pt") as f:
-            out[name] = f.get_tensor(key).to(dtype)
+            out[name] = f.get_tensor(key).to(torch.float32 if name == "target_norm" else dtype)
     if norm_kind is None:
         model_type = text_config.get("model_type", config.get("model_type", ""))
         norm_kind = "rmsnorm_zero_centred" if model_type in ZERO_CENTRED_NORM_MODELS else "rmsnorm"
-    out["target_norm"] = final_norm_weight(out["target_norm"].float(), norm_kind).to(dtype)
+    out["target_norm"] = final_norm_weight(out["target_norm"].float(), norm_kind)  # [H]: fp32 whatever `dtype`
     return out
 
 
 def build_drafter(target_path: str, layer_ids: List[int], mask_token_id: Optional[int] = None, norm_kind: Optional[str] = None,
-                  **options) -> DFlashDrafter:
-    """A fresh drafter for the target at `target_path` with its frozen tensors loaded
-    (`norm_kind`: see load_frozen_tensors)."""
+                  frozen_dtype: torch.dtype = torch.float32, **options) -> DFlashDrafter:
+    """A fresh drafter for the target at `target_path` with its frozen tensors loaded in `frozen_dtype`
+    (`norm_kind`: see load_frozen_tensors). Trainable weights are fp32 whatever `frozen_dtype` is;
+    loading the [V, H] embedding and lm_head straight in the compute dtype spares every rank an fp32 copy."""
     from transformers import AutoConfig, AutoTokenizer
 
     target_config = AutoConfig.from_pretrained(target_path)
@@ -437,6 +443,6 @@ def build_drafter(target_path: str, layer_ids: List[int], mask_token_id: Optiona
         except (OSError, ValueError):
             tokenizer = None
     cfg = DrafterConfig.from_target(target_config, layer_ids, resolve_mask_token_id(vocab, mask_token_id, tokenizer), **options)
-    drafter = DFlashDrafter(cfg)
-    drafter.set_frozen(**load_frozen_tensors(target_path, norm_kind=norm_kind))
+    drafter = DFlashDrafter(cfg, frozen_dtype)
+    drafter.set_frozen(**load_frozen_tensors(target_path, frozen_dtype, norm_kind=norm_kind))
     return drafter

@@ -387,10 +387,16 @@ class Trainer:
         self.target = cfg.model.target or manifest["target"]["path"]
         self.loss_kind = resolve_loss_kind(cfg.loss.kind, manifest)
         m = cfg.model
+        self.precision = cfg.precision
+        if self.precision == "auto":
+            self.precision = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
+        self.dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
         torch.manual_seed(cfg.seed)
         try:
+            # The frozen embedding and lm_head are [V, H] each: loaded in the compute dtype, never as an fp32 copy.
             drafter = build_drafter(self.target, m.layer_ids or manifest["layer_ids"], m.mask_token_id,
-                                    norm_kind=manifest["final_norm"]["kind"], num_layers=m.num_layers, block_size=m.block_size,
+                                    norm_kind=manifest["final_norm"]["kind"], frozen_dtype=self.dtype,
+                                    num_layers=m.num_layers, block_size=m.block_size,
                                     layer_types=m.layer_types, sliding_window=m.sliding_window, causal_in_block=m.causal_in_block)
         except (OSError, ValueError, KeyError) as e:
             raise ConfigError(f"cannot build the drafter from target {self.target!r} (model.target, default: the store's "
@@ -398,13 +404,6 @@ class Trainer:
         check_store_matches(cfg.data.store, manifest, drafter.config, self.target, self.loss_kind)
         self.block_size = drafter.config.block_size
 
-        self.precision = cfg.precision
-        if self.precision == "auto":
-            self.precision = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
-        self.dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
-        # The frozen embedding and lm_head are [V, H] each: keep them in the compute dtype, not fp32.
-        drafter.embed_tokens = drafter.embed_tokens.to(self.dtype)
-        drafter.lm_head = drafter.lm_head.to(self.dtype)
         ds = deepspeed_config(cfg.deepspeed, cfg, self.precision)
         # No register_external_parameter for fc, hidden_norm and norm (read by DFlashDrafter.forward, not by their
         # own forward): ZeRO-3 detects such reads and gathers the parameters itself.

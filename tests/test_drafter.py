@@ -194,6 +194,22 @@ def test_teacher_logits_from_last_equal_target_logits_without_double_norm(tmp_pa
     assert not torch.allclose(twice, out.logits, atol=1e-3), "HF's last hidden state is already normed"
 
 
+def test_frozen_tensors_load_in_the_compute_dtype_and_the_rest_stays_fp32(tmp_path):
+    torch.manual_seed(0)
+    cfg = Qwen3Config(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_hidden_layers=4,
+                      intermediate_size=64, vocab_size=V, tie_word_embeddings=True)
+    model = Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.model.norm.weight.normal_(1.0, 0.3)
+    model.save_pretrained(tmp_path)
+    d = build_drafter(str(tmp_path), [0, 1, 2], mask_token_id=V - 1, frozen_dtype=torch.bfloat16, num_layers=1, block_size=B)
+    embed = model.model.embed_tokens.weight.detach()
+    assert d.embed_tokens.dtype == d.lm_head.dtype == torch.bfloat16
+    assert torch.equal(d.embed_tokens, embed.bfloat16()) and torch.equal(d.lm_head, embed.bfloat16())  # tied
+    assert d.target_norm.dtype == torch.float32 and torch.equal(d.target_norm, model.model.norm.weight.detach())
+    assert all(p.dtype == torch.float32 for p in d.parameters())
+
+
 def test_zero_centred_final_norm_is_loaded_as_one_plus_w(tmp_path):
     torch.manual_seed(0)
     cfg = Qwen3NextConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_hidden_layers=4,
