@@ -105,9 +105,9 @@ class ChatTokenizer:
     `messages[:i]` + generation prompt and the rendered prefix `messages[:i+1]`:
     the reply and the template's end-of-turn marker, never the role header.
     Templates that re-render earlier turns differently (e.g. dropping reasoning
-    from old turns) break that prefix property; then the reply's content is
-    located in the full rendering and extended by the template's end-of-turn
-    text.
+    from old turns) break that prefix property; then the reply's content (or,
+    when the template dropped it, the part after `</think>`) is located in the
+    full rendering and extended by the template's end-of-turn text.
     """
 
     def __init__(self, tokenizer, vocab_size: int):
@@ -143,10 +143,16 @@ class ChatTokenizer:
                 spans.append((len(head), len(upto)))
                 cursor = len(upto)
                 continue
-            start = text.find(m["content"], cursor)
-            if not m["content"] or start < 0:
+            content = m["content"]
+            start = text.find(content, cursor) if content else -1
+            if start < 0 and "</think>" in content:
+                # Reasoning templates (Qwen3's) render earlier turns without their <think> part: the answer is what the
+                # target sees, and what the drafter trains on.
+                content = content.split("</think>")[-1].lstrip("\n")
+                start = text.find(content, cursor) if content else -1
+            if start < 0:
                 raise Skip("assistant turn not found in the chat template's output")
-            end = start + len(m["content"])
+            end = start + len(content)
             if text.startswith(self.turn_suffix(), end):
                 end += len(self.turn_suffix())
             spans.append((start, end))
