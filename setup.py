@@ -27,7 +27,7 @@ setup(
         "pyyaml",
     ],
     extras_require={
-        "test": ["pytest", "matplotlib"],
+        "test": ["pytest", "matplotlib", "tensorboard"],
         "plot": ["matplotlib"],
         "gpu": ["flash-attn", "liger-kernel"],
     },

@@ -153,6 +153,20 @@ def test_loss_falls_and_the_export_holds_the_trained_weights(tiny, tmp_path):
         assert torch.equal(p, weights[name]), name
 
 
+def test_tensorboard_holds_the_metrics_jsonl_scalars(tiny, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = str(tmp_path / "run")
+    run(tiny, out, schedule__steps=3, logging__tensorboard="true", data__val_fraction=0.1, validation__every=3, export="false")
+    events = EventAccumulator(os.path.join(out, "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/loss", "train/kl", "train/tau_offline", "train/lr", "val/loss", "val/tau_offline"} <= tags, tags
+    logged = {e.step: e.value for e in events.Scalars("train/loss")}
+    assert logged == pytest.approx(losses(out), rel=1e-6)
+    assert [e.step for e in events.Scalars("val/loss")] == [r["step"] for r in records(out, "val")]
+
+
 def test_stop_by_sigterm_and_resume_equals_an_uninterrupted_run(tiny, tmp_path, monkeypatch):
     # Two micro-batches a step, hidden-state noise, a loader worker, and an epoch boundary after the stop.
     common = dict(schedule__steps=9, schedule__grad_accum=2, data__noise_std=0.05, data__num_workers=1, checkpoint__every=2,
