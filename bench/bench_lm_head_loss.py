@@ -4,13 +4,17 @@
     python bench/bench_lm_head_loss.py --smoke        # tiny fp32 shapes on CPU (interpreter), for CI
 
 Kinds: `kl` against the full teacher (lm_head(final_norm(last))) and `ce` with stored
-labels (no teacher matmul). Peers: eager (materialised [N, V] logits, fp32
-log-softmax) and, when `liger_kernel` imports, LigerFusedLinearJSD(jsd_beta=0) (forward
-KL) for `kl` and LigerFusedLinearCrossEntropyLoss for `ce`; both get the normed states
+labels (no teacher matmul). Ours in both gradient strategies (kernels/lm_head_loss.py):
+`triton-recompute` (5 GEMM units for kl) and, for kl only (with stored labels the two
+are one path), `triton-store` (3 units, [C, V] fp32 buffers). Peers: eager
+(materialised [N, V] logits, fp32 log-softmax) and, when `liger_kernel` imports,
+LigerFusedLinearJSD(jsd_beta=0) (forward KL) for `kl` and
+LigerFusedLinearCrossEntropyLoss for `ce`; both get the normed states
 and include the norm in the timing (their loss is a plain token mean, so the `loss`
 column compares eager and triton only). Results: <out>/lm_head_loss.{json,md,png}.
 """
 import argparse
+import functools
 import os
 import sys
 
@@ -110,11 +114,12 @@ def main(argv=None):
     x = make_inputs(n, hid, v, dtype, device)
     rows = []
     for label, (kind, stored_labels) in KINDS.items():
-        impls = {
-            "eager": lambda: ours_or_eager(eager.lm_head_loss, x, kind, stored_labels),
-            "triton": lambda: ours_or_eager(lm_head_loss, x, kind, stored_labels),
-            "liger": lambda: liger_step(x, kind),
-        }
+        strategies = ("recompute",) if stored_labels else ("recompute", "store")  # one path without a teacher
+        impls = {"eager": lambda: ours_or_eager(eager.lm_head_loss, x, kind, stored_labels)}
+        for strategy in strategies:
+            ours = functools.partial(lm_head_loss, strategy=strategy)
+            impls[f"triton-{strategy}"] = lambda ours=ours: ours_or_eager(ours, x, kind, stored_labels)
+        impls["liger"] = lambda: liger_step(x, kind)
         base = {"kind": label, "N": n, "H": hid, "V": v, "dtype": str(dtype).replace("torch.", "")}
         eager_row = None
         for impl, make in impls.items():

@@ -30,8 +30,29 @@ Passes (each lm_head tile [BLOCK_V, BLOCK_K] is loaded once for drafter AND teac
      and writes d W_chunk = dlogits^T @ (w/denom * xd). `_rms_norm_backward_kernel`
      turns dxd into dh and d norm_weight.
 
+Two gradient strategies for the kinds with a full teacher (kl, and ce against
+argmax(t)); the other kinds have no teacher GEMM to save and always recompute.
+  recompute (the default): passes 1-3 above.
+  store: replaces passes 1-3 when a gradient is needed; for each chunk of
+     `_store_rows` rows (1024 at V = 151936 in bf16 on a GPU, 16 under the interpreter):
+     `_store_logits_kernel` writes s and t of the chunk as fp32 [C, V];
+     `_stored_dlogits_kernel` reads them twice per row: once for the statistics of
+     pass 1 (same online max / sum-exp / first-index argmax), once to write
+     dl/ds = q - p (p = softmax(t), or the one-hot of argmax(t) for ce), formed
+     in fp32 before rounding, into a [C, V] chunk in the input dtype (without
+     w/denom, as in pass 3, which would push fp16 entries into underflow); then
+     `_matmul_kernel` writes dxd[chunk] = dlogits @ W (K = V) and adds
+     dlogits^T @ (w/denom * xd[chunk]) into an fp32 d W accumulator.
+  A call that needs no gradient runs pass 1 alone (2 GEMMs) under either strategy.
+  The default stays `recompute` until a GPU measures both (bench_lm_head_loss.py
+  runs them side by side); pick per call with `strategy=` or for the process with
+  DFLASH_LM_HEAD_STRATEGY=recompute|store.
+
 FLOPs (one "GEMM" = 2 N V H, ~10 TFLOP at N=8192, H=4096, V=151936):
   kl (full teacher): 2 (pass 1: s, t) + 2 (recompute s, t) + 1 (dxd) = 5 GEMMs (+1 for d lm_head)
+  kl or ce with teacher, store: 2 (s, t) + 1 (dxd) = 3 GEMMs (+1), plus memory traffic
+    at N = 8192 in bf16: s, t written once and read twice (30 GB), dlogits (5 GB), W
+    read twice per chunk (20 GB): ~55 GB, ~11 ms at 4.8 TB/s, against ~30 ms of GEMMs saved
   ce with stored labels, ce_data, kl_topk: 1 + 1 + 1 = 3 GEMMs (+1); ce with teacher: 4 (+1)
   eager: kl 3 (+1), ce 2 (+1), but it streams [N, V] fp32 tensors a dozen times.
 Why recompute rather than accumulate sum_v q_v W_v online during pass 1 (flash-
@@ -46,8 +67,12 @@ fp32; one dlogits chunk [N, VOCAB_CHUNK] in the input dtype (128 MB at N = 8192
 in bf16), reused for every chunk. Never O(N * V). The chunk exists so that the
 dxd GEMM reduces over VOCAB_CHUNK ids in registers: fusing it into the tile
 kernel would read-modify-write the fp32 [N, H] dxd once per 128-id tile
-(~160 GB of traffic at the reference shape). Offsets that scale with N*V, V*H or
-N*H are int64: at N = 8192, V = 151936 the product N*V is already 1.2e9.
+(~160 GB of traffic at the reference shape). The store strategy instead holds
+s, t [C, V] fp32 and one dlogits [C, V] chunk (STORE_CHUNK_BYTES, ~1.5 GB in all),
+O(C * V) whatever N is, and, when lm_head trains, an fp32 d W accumulator [V, H]
+(2.5 GB; summing the row chunks in bf16 would round d W once per chunk).
+Offsets that scale with N*V, C*V, V*H or N*H are int64: at N = 8192, V = 151936
+the product N*V is already 1.2e9.
 """
 import os
 from typing import Optional, Tuple, Union
@@ -63,6 +88,9 @@ _ON_GPU = torch.cuda.is_available() and not _INTERPRET
 # Big tiles under the interpreter, where every program iteration costs milliseconds.
 VOCAB_CHUNK = 8192 if _ON_GPU else 256
 _STAT_FIELDS = 10  # m_s, l_s, best_s, m_t, l_t, a_ts, a_tt, best_t, m_rest, l_rest
+STRATEGIES = ("recompute", "store")
+# Bytes of the store strategy's per-chunk buffers (s, t fp32 and dlogits): 1024 rows at V = 151936 in bf16.
+STORE_CHUNK_BYTES = 3 << 29 if _ON_GPU else 1 << 16
 
 
 def _tile_configs(names, gpu_configs, interpret_shape):
@@ -81,6 +109,11 @@ _MATMUL_TILES = _tile_configs(
     ("BLOCK_M", "BLOCK_NC", "BLOCK_K"),
     [((128, 128, 64), 8, 3), ((128, 256, 64), 8, 3), ((64, 128, 64), 4, 4)],
     (64, 64, 64),
+)
+_ROW_TILES = _tile_configs(
+    ("BLOCK_N", "BLOCK_V"),
+    [((1, 4096), 8, 2), ((1, 2048), 4, 2), ((4, 1024), 4, 2), ((4, 2048), 8, 2)],  # (8, 2048) spills on sm_90
+    (16, 256),
 )
 
 
@@ -178,6 +211,21 @@ def _online_argmax(b_best, b_arg, b_x, v0):
     return tl.where(b_new, b_max, b_best), tl.where(b_new, v0 + b_idx, b_arg)
 
 
+@triton.jit
+def _online_teacher(b_m, b_l, b_a_ts, b_a_tt, b_t_in, b_s, b_t):
+    """Fold a tile into running max b_m of t, b_l = sum e^(t - b_m), b_a_ts = sum e^(t - b_m) s, b_a_tt = sum e^(t - b_m) t.
+
+    b_t_in is t with -inf on excluded columns, where b_s and b_t must be finite (0).
+    """
+    b_m_new = tl.maximum(b_m, tl.max(b_t_in, 1))
+    b_alpha = tl.exp(b_m - b_m_new)
+    b_p = tl.exp(b_t_in - b_m_new[:, None])
+    b_l = b_l * b_alpha + tl.sum(b_p, 1)
+    b_a_ts = b_a_ts * b_alpha + tl.sum(b_p * b_s, 1)
+    b_a_tt = b_a_tt * b_alpha + tl.sum(b_p * b_t, 1)
+    return b_m_new, b_l, b_a_ts, b_a_tt
+
+
 @triton.autotune(configs=_LOGIT_TILES, key=["H", "HAS_TEACHER", "HAS_REST"])
 @triton.jit
 def _vocab_stats_kernel(
@@ -212,14 +260,8 @@ def _vocab_stats_kernel(
         b_m_s, b_l_s = _online_lse(b_m_s, b_l_s, b_s_in)
         b_best_s, b_arg_s = _online_argmax(b_best_s, b_arg_s, b_s_in, v0)
         if HAS_TEACHER:
-            b_t_in = tl.where(m_v[None, :], b_t, float("-inf"))
-            b_m_new = tl.maximum(b_m_t, tl.max(b_t_in, 1))
-            b_alpha = tl.exp(b_m_t - b_m_new)
-            b_p = tl.exp(b_t_in - b_m_new[:, None])  # 0 on excluded columns, where s, t are 0
-            b_l_t = b_l_t * b_alpha + tl.sum(b_p, 1)
-            b_a_ts = b_a_ts * b_alpha + tl.sum(b_p * b_s, 1)
-            b_a_tt = b_a_tt * b_alpha + tl.sum(b_p * b_t, 1)
-            b_m_t = b_m_new
+            b_t_in = tl.where(m_v[None, :], b_t, float("-inf"))  # s, t are 0 on excluded columns
+            b_m_t, b_l_t, b_a_ts, b_a_tt = _online_teacher(b_m_t, b_l_t, b_a_ts, b_a_tt, b_t_in, b_s, b_t)
             b_best_t, b_arg_t = _online_argmax(b_best_t, b_arg_t, b_t_in, v0)
         if HAS_REST:
             b_top = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.int1)
@@ -304,6 +346,77 @@ def _dlogits_kernel(
         b_g -= tl.where(b_top, 0.0, b_rest[:, None] * tl.exp(b_s - b_lse_r[:, None]))
     o_g = o_n.to(tl.int64)[:, None] * stride_g + (o_v - v_lo)[None, :]
     tl.store(g_ptr + o_g, b_g.to(g_ptr.dtype.element_ty), mask=m_n[:, None] & m_v[None, :])
+
+
+@triton.autotune(configs=_LOGIT_TILES, key=["H"])
+@triton.jit
+def _store_logits_kernel(
+    xd_ptr, xt_ptr, w_ptr, s_ptr, t_ptr, N, V, H, stride_w, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """s = xd @ W^T and t = xt @ W^T as fp32 [N, V] for the N rows of one chunk; xd, xt: [N, H]; W: [V, H]."""
+    i_n, i_v = tl.program_id(0), tl.program_id(1)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    m_n, m_v = o_n < N, o_v < V
+    b_s, b_t = _logit_tiles(xd_ptr, xt_ptr, w_ptr, o_n, m_n, o_v, m_v, H, stride_w, True, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_K)
+    o_x = o_n.to(tl.int64)[:, None] * V + o_v[None, :]
+    m_x = m_n[:, None] & m_v[None, :]
+    tl.store(s_ptr + o_x, b_s, mask=m_x)
+    tl.store(t_ptr + o_x, b_t, mask=m_x)
+
+
+@triton.autotune(configs=_ROW_TILES, key=["V", "HARD"])
+@triton.jit
+def _stored_dlogits_kernel(
+    s_ptr, t_ptr, g_ptr, stat_ptr, arg_ptr, N, V, stride_stat,
+    HARD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Statistics and dl/ds of the N rows of one chunk from its stored logits s, t: [N, V] fp32.
+
+    stat: [4, N] fp32 = lse(s), lse(t), sum_v p_v s_v, sum_v p_v t_v; arg: [2, N] int64 = first
+    argmax of s, of t (both with plane stride stride_stat); g: [N, V] = q - p in g's dtype,
+    q = softmax(s), p = softmax(t), or with HARD the one-hot of argmax(t).
+    """
+    i_n = tl.program_id(0)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    o_row = o_n.to(tl.int64)[:, None] * V
+    b_m_s = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    b_l_s = tl.zeros([BLOCK_N], dtype=tl.float32)
+    b_best_s, b_arg_s = b_m_s, tl.zeros([BLOCK_N], dtype=tl.int32)
+    b_m_t, b_l_t, b_best_t, b_arg_t = b_m_s, b_l_s, b_best_s, b_arg_s
+    b_a_ts, b_a_tt = b_l_s, b_l_s
+    for v0 in range(0, V, BLOCK_V):
+        o_v = v0 + tl.arange(0, BLOCK_V)
+        m_v = o_v < V
+        m_x = m_n[:, None] & m_v[None, :]
+        b_s = tl.load(s_ptr + o_row + o_v[None, :], mask=m_x, other=0.0)
+        b_t = tl.load(t_ptr + o_row + o_v[None, :], mask=m_x, other=0.0)
+        b_s_in = tl.where(m_v[None, :], b_s, float("-inf"))
+        b_t_in = tl.where(m_v[None, :], b_t, float("-inf"))  # padded rows read 0: finite, never stored
+        b_m_s, b_l_s = _online_lse(b_m_s, b_l_s, b_s_in)
+        b_best_s, b_arg_s = _online_argmax(b_best_s, b_arg_s, b_s_in, v0)
+        b_m_t, b_l_t, b_a_ts, b_a_tt = _online_teacher(b_m_t, b_l_t, b_a_ts, b_a_tt, b_t_in, b_s, b_t)
+        b_best_t, b_arg_t = _online_argmax(b_best_t, b_arg_t, b_t_in, v0)
+    b_lse_s = b_m_s + tl.log(b_l_s)
+    b_lse_t = b_m_t + tl.log(b_l_t)
+    tl.store(stat_ptr + o_n, b_lse_s, mask=m_n)
+    tl.store(stat_ptr + stride_stat + o_n, b_lse_t, mask=m_n)
+    tl.store(stat_ptr + 2 * stride_stat + o_n, b_a_ts / b_l_t, mask=m_n)
+    tl.store(stat_ptr + 3 * stride_stat + o_n, b_a_tt / b_l_t, mask=m_n)
+    tl.store(arg_ptr + o_n, b_arg_s.to(tl.int64), mask=m_n)
+    tl.store(arg_ptr + stride_stat + o_n, b_arg_t.to(tl.int64), mask=m_n)
+    # The target is known only after the first sweep; q - p is formed in fp32, then rounded.
+    for v0 in range(0, V, BLOCK_V):
+        o_v = v0 + tl.arange(0, BLOCK_V)
+        m_x = m_n[:, None] & (o_v < V)[None, :]
+        b_g = tl.exp(tl.load(s_ptr + o_row + o_v[None, :], mask=m_x, other=0.0) - b_lse_s[:, None])
+        if HARD:
+            b_g -= tl.where(o_v[None, :] == b_arg_t[:, None], 1.0, 0.0)
+        else:
+            b_g -= tl.exp(tl.load(t_ptr + o_row + o_v[None, :], mask=m_x, other=0.0) - b_lse_t[:, None])
+        tl.store(g_ptr + o_row + o_v[None, :], b_g.to(g_ptr.dtype.element_ty), mask=m_x)
 
 
 @triton.autotune(configs=_MATMUL_TILES, key=["NC", "ACCUMULATE", "HAS_SCALE"], restore_value=["c_ptr"])
@@ -501,6 +614,58 @@ def dlogits_backprop(
     return dxd, dw
 
 
+def _store_rows(v: int, element_size: int) -> int:
+    """Rows per chunk of the store strategy: s, t (fp32) and dlogits [C, V] within STORE_CHUNK_BYTES."""
+    align = 128 if _ON_GPU else 16
+    return max(align, STORE_CHUNK_BYTES // (v * (8 + element_size)) // align * align)
+
+
+def stored_logits_backprop(
+    xd: torch.Tensor, xt: torch.Tensor, weight: torch.Tensor, hard: bool, row_scale: torch.Tensor, need_dx: bool, need_dw: bool,
+) -> Tuple[dict, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """The store strategy: pass 1 and pass 3 in one sweep over chunks of rows, 3 GEMMs instead of 5.
+
+    xd, xt: [N, H]; weight: [V, H]; hard: the target is argmax(t) (ce), else softmax(t) (kl);
+    row_scale: [N] = weights / denom. Returns the teacher fields of `vocab_stats` (lse_s,
+    draft_argmax, lse_t, sum_ps, sum_pt, teacher_argmax; [N] each), dxd_unit [N, H] fp32
+    (without row_scale, as `dlogits_backprop`) and dW [V, H] in weight's dtype.
+    """
+    n, hid = xd.shape
+    v = weight.shape[0]
+    rows = min(_store_rows(v, xd.element_size()), n)
+    logits = torch.empty(2, rows, v, dtype=torch.float32, device=xd.device)
+    dlogits = torch.empty(rows, v, dtype=xd.dtype, device=xd.device)
+    stats = torch.empty(4, n, dtype=torch.float32, device=xd.device)
+    arg = torch.empty(2, n, dtype=torch.int64, device=xd.device)
+    dxd = torch.empty(n, hid, dtype=torch.float32, device=xd.device) if need_dx else None
+    dw = torch.empty(v, hid, dtype=torch.float32, device=xd.device) if need_dw else None
+    for lo in range(0, n, rows):
+        hi = min(lo + rows, n)
+        s, t, g = logits[0, : hi - lo], logits[1, : hi - lo], dlogits[: hi - lo]
+        _store_logits_kernel[lambda meta: (triton.cdiv(hi - lo, meta["BLOCK_N"]), triton.cdiv(v, meta["BLOCK_V"]))](
+            xd[lo:hi], xt[lo:hi], weight, s, t, hi - lo, v, hid, weight.stride(0), DOT_PRECISION=_dot_precision(xd.dtype),
+        )
+        _stored_dlogits_kernel[lambda meta: (triton.cdiv(hi - lo, meta["BLOCK_N"]),)](
+            s, t, g, stats[:, lo:hi], arg[:, lo:hi], hi - lo, v, n, HARD=hard,
+        )
+        if need_dx:
+            _matmul(g, (v, 1), weight, dxd[lo:hi], accumulate=False)
+        if need_dw:
+            _matmul(g, (1, v), xd[lo:hi], dw, accumulate=lo > 0, scale=row_scale[lo:hi])
+    st = dict(lse_s=stats[0], lse_t=stats[1], sum_ps=stats[2], sum_pt=stats[3], draft_argmax=arg[0], teacher_argmax=arg[1])
+    return st, dxd, None if dw is None else dw.to(weight.dtype)
+
+
+def resolve_strategy(strategy: Optional[str]) -> str:
+    """The gradient strategy of a call: the argument, else DFLASH_LM_HEAD_STRATEGY, else "recompute"."""
+    source = "the strategy argument"
+    if strategy is None:
+        source, strategy = "DFLASH_LM_HEAD_STRATEGY", os.environ.get("DFLASH_LM_HEAD_STRATEGY") or "recompute"
+    if strategy not in STRATEGIES:
+        raise ValueError(f"lm_head_loss gradient strategy {strategy!r} (from {source}) is not one of {STRATEGIES}")
+    return strategy
+
+
 def _check_inputs(h, norm_weight, lm_head_weight, weights, kind, last, final_norm_weight, labels, topk_ids, topk_logits, topk_lse):
     n, hid = h.shape if h.dim() == 2 else (None, None)
     if kind not in LOSS_KINDS:
@@ -584,32 +749,39 @@ def lm_head_loss_forward(
     topk_ids: Optional[torch.Tensor] = None,
     topk_logits: Optional[torch.Tensor] = None,
     topk_lse: Optional[torch.Tensor] = None,
+    strategy: Optional[str] = None,
     need_grads: Tuple[bool, bool, bool] = (False, False, False),
 ):
     """Loss, metrics and, for the inputs flagged in need_grads (h, norm_weight, lm_head_weight), d loss.
 
-    Shapes as in `lm_head_loss`. Returns (loss [], kl [] or None, draft_argmax [N],
+    Shapes and strategy as in `lm_head_loss`. Returns (loss [], kl [] or None, draft_argmax [N],
     teacher_argmax [N], grads): grads = (dh [N, H] or None, dnorm [H] or None, dW [V, H] or None).
     """
     _check_inputs(h, norm_weight, lm_head_weight, weights, kind, last, final_norm_weight, labels, topk_ids, topk_logits, topk_lse)
+    strategy = resolve_strategy(strategy)
     h, weight = h.contiguous(), lm_head_weight if lm_head_weight.stride(1) == 1 else lm_head_weight.contiguous()
     xd, rstd = rms_norm_forward(h, norm_weight, eps)
     teacher = kind == "kl" or (kind == "ce" and labels is None)
     xt = rms_norm_forward(last.contiguous(), final_norm_weight, eps)[0] if teacher else None
     rest_ids = topk_ids.long().contiguous() if kind == "kl_topk" else None
-    st = vocab_stats(xd, xt, weight, rest_ids)
-    per_row, kl_row, teacher_argmax, ids, p, rows = _loss_terms(kind, st, xd, weight, labels, rest_ids, topk_logits, topk_lse)
     w = weights.float()
     denom = torch.as_tensor(normalizer, dtype=torch.float32, device=h.device).clamp(min=1)
+    row_scale = (w / denom).contiguous()
+    need_dx = need_grads[0] or need_grads[1]
+    store = strategy == "store" and teacher and any(need_grads)
+    if store:
+        st, dxd, dw = stored_logits_backprop(xd, xt, weight, kind == "ce", row_scale, need_dx, need_grads[2])
+    else:
+        st = vocab_stats(xd, xt, weight, rest_ids)
+    per_row, kl_row, teacher_argmax, ids, p, rows = _loss_terms(kind, st, xd, weight, labels, rest_ids, topk_logits, topk_lse)
     loss = (per_row * w).sum() / denom
     kl = None if kl_row is None else (kl_row * w).sum() / denom
     grads = (None, None, None)
     if any(need_grads):
-        row_scale = (w / denom).contiguous()
-        need_dx = need_grads[0] or need_grads[1]
-        dxd, dw = dlogits_backprop(
-            xd, xt if kind == "kl" else None, weight, ids, p, rows, kind == "kl_topk", row_scale, need_dx, need_grads[2]
-        )
+        if not store:
+            dxd, dw = dlogits_backprop(
+                xd, xt if kind == "kl" else None, weight, ids, p, rows, kind == "kl_topk", row_scale, need_dx, need_grads[2]
+            )
         dh, dnorm = rms_norm_backward(h, norm_weight, rstd, dxd, row_scale) if need_dx else (None, None)
         grads = (dh if need_grads[0] else None, dnorm if need_grads[1] else None, dw)
     return loss, kl, st["draft_argmax"], teacher_argmax, grads
@@ -651,6 +823,7 @@ def lm_head_loss(
     topk_ids: Optional[torch.Tensor] = None,
     topk_logits: Optional[torch.Tensor] = None,
     topk_lse: Optional[torch.Tensor] = None,
+    strategy: Optional[str] = None,
 ) -> LossOutput:
     """Drafter norm + lm_head + loss against the teacher (SPEC §5) without [N, V] logits.
 
@@ -658,8 +831,13 @@ def lm_head_loss(
     gradient only if it requires grad); weights: [N]; last: [N, H]; final_norm_weight: [H];
     labels: [N]; topk_ids, topk_logits: [N, k]; topk_lse: [N]. Semantics and kinds exactly
     as `dflash_fast.eager.lm_head_loss`; logits are accumulated in fp32.
+    strategy: how the gradient of a full-teacher loss is computed, "recompute" or "store"
+    (module docstring); None reads DFLASH_LM_HEAD_STRATEGY, default "recompute".
     """
-    args = (h, norm_weight, lm_head_weight, weights, kind, normalizer, eps, last, final_norm_weight, labels, topk_ids, topk_logits, topk_lse)
+    args = (
+        h, norm_weight, lm_head_weight, weights, kind, normalizer, eps, last, final_norm_weight, labels, topk_ids, topk_logits,
+        topk_lse, strategy,
+    )
     if torch.is_grad_enabled() and (h.requires_grad or norm_weight.requires_grad or lm_head_weight.requires_grad):
         loss, kl, draft_argmax, teacher_argmax = LmHeadLossFunction.apply(*args)
     else:  # the autograd Function would still see requires_grad under no_grad and compute gradients

@@ -2,7 +2,10 @@
 
 CPU runs go through the Triton interpreter (tests/conftest.py) in fp32 and fp16 with
 small H and V; bf16 numerics are checked on a GPU against an fp32 eager reference.
+Both gradient strategies are checked; "store" only differs for the kinds with a full
+teacher, and processes 16-row chunks under the interpreter, so N = 37 is 16 + 16 + 5.
 """
+import functools
 import json
 import os
 import subprocess
@@ -11,7 +14,9 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 
+import dflash_fast.kernels.lm_head_loss as kernel
 from dflash_fast import eager, ops
 from dflash_fast.kernels.lm_head_loss import lm_head_loss
 
@@ -24,6 +29,13 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 # (kind, stored labels?) -- every path through the kernel.
 KIND_CASES = [("kl", False), ("ce", False), ("ce", True), ("ce_data", True), ("kl_topk", False)]
+TEACHER_CASES = [("kl", False), ("ce", False)]  # the kinds the store strategy changes
+# (kind, stored labels?, strategy)
+STRATEGY_CASES = [case + ("recompute",) for case in KIND_CASES] + [case + ("store",) for case in TEACHER_CASES]
+
+
+def kernel_with(strategy):
+    return functools.partial(lm_head_loss, strategy=strategy)
 
 
 def make_inputs(n=37, hid=64, v=257, k=5, dtype=torch.float32, seed=0, w_scale=0.3, lm_head_grad=True):
@@ -89,10 +101,10 @@ def assert_matches(got, ref, dtype, check_argmax=True, grad_tol=None):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("kind,stored_labels", KIND_CASES)
-def test_loss_metrics_argmax_and_grads_match_eager(kind, stored_labels, dtype):
+@pytest.mark.parametrize("kind,stored_labels,strategy", STRATEGY_CASES)
+def test_loss_metrics_argmax_and_grads_match_eager(kind, stored_labels, strategy, dtype):
     inputs = make_inputs(dtype=dtype)
-    got = run(lm_head_loss, inputs, kind, stored_labels)
+    got = run(kernel_with(strategy), inputs, kind, stored_labels)
     # fp16 eager rounds logits to fp16 and breaks near-ties there; the kernel's argmaxes
     # are those of fp32 logits, so the teacher-argmax ce reference gets those as labels.
     draft_ref = fp32_argmax(inputs["h"], inputs["norm_weight"], inputs["lm_head_weight"])
@@ -108,31 +120,36 @@ def test_loss_metrics_argmax_and_grads_match_eager(kind, stored_labels, dtype):
         assert torch.equal(got[0].teacher_argmax, ref[0].teacher_argmax)
 
 
-@pytest.mark.parametrize("kind,stored_labels", [("kl", False), ("kl_topk", False), ("ce", True)])
-def test_vocab_not_a_multiple_of_the_tile_nor_the_chunk(kind, stored_labels):
-    inputs = make_inputs(n=70, hid=48, v=601, k=3, seed=1)
-    assert_matches(run(lm_head_loss, inputs, kind, stored_labels), run(eager.lm_head_loss, inputs, kind, stored_labels), torch.float32)
+@pytest.mark.parametrize(
+    "kind,stored_labels,strategy",
+    [("kl", False, "recompute"), ("kl_topk", False, "recompute"), ("ce", True, "recompute"), ("kl", False, "store")],
+)
+def test_vocab_not_a_multiple_of_the_tile_nor_the_chunk(kind, stored_labels, strategy):
+    inputs = make_inputs(n=70, hid=48, v=601, k=3, seed=1)  # store: 4 chunks of 16 rows and one of 6
+    got = run(kernel_with(strategy), inputs, kind, stored_labels)
+    assert_matches(got, run(eager.lm_head_loss, inputs, kind, stored_labels), torch.float32)
 
 
-def test_zero_weight_rows_get_no_gradient():
+@pytest.mark.parametrize("strategy", kernel.STRATEGIES)
+def test_zero_weight_rows_get_no_gradient(strategy):
     inputs = make_inputs()
-    (_, (dh, _, _)) = run(lm_head_loss, inputs, "kl", stored_labels=False)
+    (_, (dh, _, _)) = run(kernel_with(strategy), inputs, "kl", stored_labels=False)
     masked = inputs["weights"] == 0
     assert masked.any() and (dh[masked] == 0).all() and (dh[~masked] != 0).any(dim=-1).all()
 
 
-@pytest.mark.parametrize("kind,stored_labels", KIND_CASES)
-def test_all_masked_input_gives_zero_loss_and_zero_grads(kind, stored_labels):
+@pytest.mark.parametrize("kind,stored_labels,strategy", STRATEGY_CASES)
+def test_all_masked_input_gives_zero_loss_and_zero_grads(kind, stored_labels, strategy):
     inputs = make_inputs()
     inputs["weights"] = torch.zeros_like(inputs["weights"])
-    out, grads = run(lm_head_loss, inputs, kind, stored_labels, normalizer=0.0)
+    out, grads = run(kernel_with(strategy), inputs, kind, stored_labels, normalizer=0.0)
     assert out.loss.item() == 0.0
     assert out.kl is None or out.kl.item() == 0.0
     assert all(torch.count_nonzero(g) == 0 for g in grads)
 
 
-@pytest.mark.parametrize("kind,stored_labels", KIND_CASES)
-def test_extreme_logits_do_not_overflow(kind, stored_labels):
+@pytest.mark.parametrize("kind,stored_labels,strategy", STRATEGY_CASES)
+def test_extreme_logits_do_not_overflow(kind, stored_labels, strategy):
     # |logits| in the thousands: exp() of any unshifted logit overflows fp32.
     inputs = make_inputs(w_scale=300.0, seed=2)
     with torch.no_grad():
@@ -140,15 +157,16 @@ def test_extreme_logits_do_not_overflow(kind, stored_labels):
         inputs["last"].mul_(1e4)
         inputs["topk_logits"].mul_(1e3)
         inputs["topk_lse"].copy_(inputs["topk_logits"][:, 0] + 1e-3)
-    got = run(lm_head_loss, inputs, kind, stored_labels)
+    got = run(kernel_with(strategy), inputs, kind, stored_labels)
     assert torch.isfinite(got[0].loss) and all(torch.isfinite(g).all() for g in got[1])
     # fp32 rounding of logits in the thousands (~3e-4) moves the unsaturated softmax entries
     # in eager and kernel alike: the gradients agree to that conditioning, not to 2e-5.
     assert_matches(got, run(eager.lm_head_loss, inputs, kind, stored_labels), torch.float32, grad_tol=2e-3)
 
 
+@pytest.mark.parametrize("strategy", kernel.STRATEGIES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_argmax_ties_resolve_to_smallest_index(dtype):
+def test_argmax_ties_resolve_to_smallest_index(dtype, strategy):
     # h = +-1 with eps = 0 and a unit norm weight normalise exactly; integer lm_head rows make
     # integer logits, so maxima tie exactly, across tiles and vocab splits.
     gen = torch.Generator().manual_seed(3)
@@ -157,11 +175,11 @@ def test_argmax_ties_resolve_to_smallest_index(dtype):
     lm_head = torch.randint(-1, 2, (v, hid), generator=gen).to(dtype).to(DEVICE)
     lm_head[[500, 130, 7]] = lm_head[[0, 1, 2]]  # duplicates of early rows in later tiles
     ones = torch.ones(hid, dtype=dtype, device=DEVICE)
-    h, last = signs(), signs()
+    h, last = signs().requires_grad_(), signs()  # a gradient to compute: the store strategy runs only then
     weights = torch.ones(n, device=DEVICE)
-    out = lm_head_loss(h, ones, lm_head, weights, "kl", n, 0.0, last=last, final_norm_weight=ones)
+    out = lm_head_loss(h, ones, lm_head, weights, "kl", n, 0.0, last=last, final_norm_weight=ones, strategy=strategy)
     ref = eager.lm_head_loss(h, ones, lm_head, weights, "kl", n, 0.0, last=last, final_norm_weight=ones)
-    logits = F.linear(h.float(), lm_head.float())
+    logits = F.linear(h.detach().float(), lm_head.float())
     assert ((logits == logits.max(-1, keepdim=True).values).sum(-1) > 1).sum() >= 5, "the test needs tied rows"
     assert torch.equal(out.draft_argmax, ref.draft_argmax)
     assert torch.equal(out.teacher_argmax, ref.teacher_argmax)
@@ -182,11 +200,56 @@ def test_ce_with_stored_labels_never_reads_the_teacher():
     assert_matches(got, run(eager.lm_head_loss, inputs, "ce", stored_labels=True), torch.float32)
 
 
-def test_frozen_lm_head_gets_no_gradient():
+@pytest.mark.parametrize("kind,strategy", [("kl_topk", "recompute"), ("kl", "store")])
+def test_frozen_lm_head_gets_no_gradient(kind, strategy):
     inputs = make_inputs(lm_head_grad=False)
-    got = run(lm_head_loss, inputs, "kl_topk")
+    got = run(kernel_with(strategy), inputs, kind, stored_labels=False)
     assert got[1][2] is None
-    assert_matches(got, run(eager.lm_head_loss, inputs, "kl_topk"), torch.float32)
+    assert_matches(got, run(eager.lm_head_loss, inputs, kind, stored_labels=False), torch.float32)
+
+
+class LaunchLog:
+    """Stands in for a Triton kernel of the module: logs each launch by name, then launches the kernel."""
+
+    def __init__(self, kernel_fn, name, log):
+        self.kernel_fn, self.name, self.log = kernel_fn, name, log
+
+    def __getitem__(self, grid):
+        self.log.append(self.name)
+        return self.kernel_fn[grid]
+
+
+@pytest.mark.parametrize(
+    "strategy,env,expected",
+    [(None, None, "recompute"), (None, "store", "store"), ("recompute", "store", "recompute"), ("store", None, "store")],
+)
+def test_strategy_argument_then_env_selects_the_kernels_that_run(monkeypatch, strategy, env, expected):
+    launched = []
+    for name in ("_vocab_stats_kernel", "_dlogits_kernel", "_store_logits_kernel", "_stored_dlogits_kernel"):
+        monkeypatch.setattr(kernel, name, LaunchLog(getattr(kernel, name), name, launched))
+    if env is None:
+        monkeypatch.delenv("DFLASH_LM_HEAD_STRATEGY", raising=False)
+    else:
+        monkeypatch.setenv("DFLASH_LM_HEAD_STRATEGY", env)
+    inputs = make_inputs()
+    got = run(kernel_with(strategy), inputs, "kl", stored_labels=False)
+    if expected == "store":
+        chunks = triton.cdiv(37, kernel._store_rows(257, 4))
+        assert chunks >= 3, "the test needs several row chunks"
+        assert launched == ["_store_logits_kernel", "_stored_dlogits_kernel"] * chunks
+    else:
+        assert launched == ["_vocab_stats_kernel"] + ["_dlogits_kernel"] * triton.cdiv(257, kernel.VOCAB_CHUNK)
+    assert_matches(got, run(eager.lm_head_loss, inputs, "kl", stored_labels=False), torch.float32)
+
+
+@pytest.mark.parametrize("strategy,env,source", [("stored", None, "the strategy argument"), (None, "cache", "DFLASH_LM_HEAD_STRATEGY")])
+def test_unknown_strategy_names_the_value_and_the_choices(monkeypatch, strategy, env, source):
+    if env is None:
+        monkeypatch.delenv("DFLASH_LM_HEAD_STRATEGY", raising=False)
+    else:
+        monkeypatch.setenv("DFLASH_LM_HEAD_STRATEGY", env)
+    with pytest.raises(ValueError, match=rf"'{strategy or env}' \(from {source}\) is not one of \('recompute', 'store'\)"):
+        run(kernel_with(strategy), make_inputs(n=4), "kl", stored_labels=False)
 
 
 def test_gradients_scale_with_the_upstream_gradient():
@@ -230,8 +293,6 @@ def test_missing_inputs_raise_naming_the_input(kind, drop, message):
 
 
 def test_ops_switch_routes_to_the_kernel(monkeypatch):
-    import dflash_fast.kernels.lm_head_loss as kernel
-
     calls = []
     monkeypatch.setattr(kernel, "lm_head_loss", lambda *a, **k: calls.append(1) or lm_head_loss(*a, **k))
     inputs = make_inputs(n=8)
@@ -254,16 +315,18 @@ def test_bench_smoke_writes_results(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads((tmp_path / "lm_head_loss.json").read_text())["rows"]
-    assert {r["impl"] for r in rows} >= {"eager", "triton"}
+    assert {r["impl"] for r in rows} >= {"eager", "triton-recompute", "triton-store"}
+    assert {r["kind"] for r in rows if r["impl"] == "triton-store"} == {"kl"}
     assert {r["kind"] for r in rows} == {"kl", "ce (stored labels)"}
     assert all(r["ms"] is None or r["ms"] > 0 for r in rows)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind,stored_labels", KIND_CASES)
-def test_bf16_is_closer_to_fp32_than_bf16_eager(kind, stored_labels):
+@pytest.mark.parametrize("kind,stored_labels,strategy", STRATEGY_CASES)
+def test_bf16_is_closer_to_fp32_than_bf16_eager(monkeypatch, kind, stored_labels, strategy):
+    monkeypatch.setattr(kernel, "STORE_CHUNK_BYTES", 0)  # the smallest chunks, 128 rows: 257 = 128 + 128 + 1
     inputs = make_inputs(n=257, hid=512, v=4099, k=8, dtype=torch.bfloat16, seed=4, w_scale=0.05)
-    got = run(lm_head_loss, inputs, kind, stored_labels)
+    got = run(kernel_with(strategy), inputs, kind, stored_labels)
     bf16_eager = run(eager.lm_head_loss, inputs, kind, stored_labels)
     ref_inputs = {k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inputs.items()}
     for name in ("h", "norm_weight", "lm_head_weight"):
@@ -275,5 +338,5 @@ def test_bf16_is_closer_to_fp32_than_bf16_eager(kind, stored_labels):
     assert loss_err < 1e-2, loss_err
     for g, e, r in zip(got[1], bf16_eager[1], ref[1]):
         err, eager_err = rel_err(g, r), rel_err(e, r)
-        print(f"{kind}: kernel bf16 grad error {err:.2e}, eager bf16 {eager_err:.2e}")
+        print(f"{kind} ({strategy}): kernel bf16 grad error {err:.2e}, eager bf16 {eager_err:.2e}")
         assert err <= GRAD_TOL[torch.bfloat16] and err <= 1.5 * eager_err + 1e-3
