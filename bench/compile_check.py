@@ -1,0 +1,394 @@
+"""Compile every Triton kernel of kernels/ for a GPU (default: H200, sm_90) on a machine without one.
+
+The kernel modules are imported with the autotune lists they use on a GPU, and their public entry
+points (`fc_concat`, `anchored_attention`, `lm_head_loss`) run forward and backward on CPU tensors at
+the drafter's reference shape, in every variant their constexpr switches have. Triton's launch is
+intercepted: each (kernel, signature, constexprs, autotune config) that a GPU run would compile is
+compiled for `GPUTarget("cuda", arch, 32)` (TTIR -> TTGIR -> LLVM IR -> PTX -> ptxas cubin) and
+nothing is launched, so no CUDA driver is needed. Each compile records registers and spills (from
+`ptxas -v`), shared memory (Triton's allocation, checked against the arch's per-block opt-in limit,
+which a launch would enforce), compile seconds, or the error.
+
+    python bench/compile_check.py                                  # everything: bf16, fp16, fp32; reference and ragged shapes; every config
+    python bench/compile_check.py --dtypes bf16 --shapes reference --configs first \
+        --cases 'noise=0$|causal=False|kl_topk|kl, store$'       # each kernel once: what tests/test_compile_check.py runs
+    python bench/compile_check.py --arch 90 --out bench/results --fail-on-spills
+
+Writes <out>/compile_check_<triton version>.{json,md} (default out: bench/results) and prints the
+table. Exit 1 if any compile fails or overflows shared memory (or spills, with --fail-on-spills).
+Needs ptxas, which the triton wheel ships in triton/backends/nvidia/bin/ (TRITON_PTXAS_PATH
+overrides it), and TRITON_INTERPRET unset. Every compile starts from an empty Triton cache, so the
+seconds are real compile times.
+
+Shapes (`REFERENCE`): the Qwen3-8B drafter of bench_step.py, H = H_t = 4096, K = 5, Hq/Hkv = 32/8,
+D = 128, V = 151936, B = 16, A = 512, T = 3072. `RAGGED` changes the sizes that are free in training
+(token counts, anchors, a target width not a multiple of 64) so that the kernels' masked tails
+(EVEN_T / EVEN_N false) and unaligned integer arguments compile too. The attention window is not a
+kernel switch (it only moves the per-anchor bounds on the host), so it adds no variant.
+"""
+import argparse
+import contextlib
+import io
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from typing import Callable, Dict, List, Optional
+
+if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    sys.exit("compile_check compiles for a GPU: unset TRITON_INTERPRET (the interpreter never compiles a kernel)")
+# The cache must be empty so that every compile runs ptxas (its log is where registers come from).
+_CACHE_DIR = tempfile.mkdtemp(prefix="compile_check_cache_")
+os.environ["TRITON_CACHE_DIR"] = _CACHE_DIR
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton import knobs  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
+from triton.runtime.autotuner import Autotuner  # noqa: E402
+from triton.runtime.driver import driver  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.harness import write_results  # noqa: E402
+
+# Per-block shared memory a kernel may opt into, and SMs (which size some grids), per compute capability.
+ARCHS = {
+    80: dict(smem=166912, sms=108, gpu="A100"),
+    90: dict(smem=232448, sms=132, gpu="H100/H200"),
+    100: dict(smem=232448, sms=148, gpu="B200"),
+}
+REGISTERS_PER_SM = 65536
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+REFERENCE = dict(H=4096, H_t=4096, K=5, Hq=32, Hkv=8, D=128, V=151936, B=16, A=512, T=3072, docs=4)
+RAGGED = dict(REFERENCE, H_t=4000, A=509, T=3001)
+SHAPES = {"reference": REFERENCE, "ragged": RAGGED}
+EPS = 1e-6
+TOPK = 8
+
+
+class CompileOnlyDriver:
+    """Stands in for the CUDA driver: Triton asks it only for the device, stream and target."""
+
+    def __init__(self, target: GPUTarget):
+        self.target = target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return self.target
+
+
+class CompileRecorder:
+    """Makes every kernel launch compile for `target` instead of running, one record per compile.
+
+    `Autotuner.run` walks every config its pruning keeps (a GPU run benchmarks each one, so each
+    one is compiled there); `JITFunction.run` binds and specialises the arguments exactly as a
+    launch does, then stops where a launch would load the cubin; `JITFunction._do_compile`, called
+    once per new specialisation, is timed and its ptxas log captured.
+    """
+
+    def __init__(self, arch: int, configs: str):
+        self.arch = arch
+        self.configs = configs
+        self.case, self.dtype = "", ""
+        self.autotune: Optional[Dict[str, object]] = None
+        self.records: List[Dict[str, object]] = []
+        self._failed = set()
+
+    def install(self) -> None:
+        driver.set_active(CompileOnlyDriver(GPUTarget("cuda", self.arch, 32)))
+        knobs.nvidia.dump_ptxas_log = True  # printed to stdout by the CUDA backend, captured per compile
+        recorder, jit_run, do_compile = self, JITFunction.run, JITFunction._do_compile
+
+        def autotuner_run(tuner, *args, **kwargs):
+            tuner.nargs = dict(zip(tuner.arg_names, args))
+            configs = tuner.prune_configs(kwargs)
+            first = len(recorder.records)
+            for i, config in enumerate(configs if recorder.configs == "all" else configs[:1]):
+                recorder.autotune = dict(config.kwargs, index=f"{i + 1}/{len(configs)}")
+                try:
+                    tuner.fn.run(*args, **kwargs, **config.all_kwargs())
+                finally:
+                    recorder.autotune = None
+            tuner.nargs = None
+            launch = recorder.records[first:]
+            if recorder.configs == "all" and launch and not any(r["status"] in ("ok", "spills") for r in launch):
+                for r in launch:  # the autotuner has no config left to run: the launch fails on a GPU
+                    r["status"], r["error"] = "error", r["error"] + "; no config of this autotune list fits"
+
+        def run(fn, *args, grid, warmup, **kwargs):
+            try:
+                return jit_run(fn, *args, grid=grid, warmup=True, **kwargs)
+            except Exception as err:  # binding or specialising the arguments failed, before any compile
+                recorder.records.append(recorder.row(fn, {}, {}, None, 0.0, "", None, err))
+
+        def _do_compile(fn, key, signature, device, constexprs, options, attrs, warmup):
+            if (fn, key) in recorder._failed:
+                return None
+            log = io.StringIO()
+            t0 = time.perf_counter()
+            kernel, error = None, None
+            try:
+                with contextlib.redirect_stdout(log):
+                    kernel = do_compile(fn, key, signature, device, constexprs, options, attrs, warmup)
+            except Exception as err:  # a compile error, ptxas failure or compile-time assertion
+                error = err
+                recorder._failed.add((fn, key))
+            recorder.records.append(recorder.row(fn, signature, constexprs, options, time.perf_counter() - t0,
+                                                 log.getvalue(), kernel, error))
+            print(_progress(recorder.records[-1]), flush=True)
+            return kernel
+
+        Autotuner.run = autotuner_run
+        JITFunction.run = run
+        JITFunction._do_compile = _do_compile
+
+    def row(self, fn, signature, constexprs, options, seconds, log, kernel, error) -> Dict[str, object]:
+        names = list(signature)
+        consts = {_path_name(names, path): _value(v) for path, v in constexprs.items()}
+        tile = set(self.autotune or ()) - {"index"}
+        row = {
+            "op": fn.module.rsplit(".", 1)[-1],
+            "kernel": fn.__name__,
+            "case": self.case,
+            "dtype": self.dtype,
+            "variant": " ".join(f"{k}={v}" for k, v in consts.items() if k not in tile and not k.startswith("BLOCK_")),
+            "config": " ".join(f"{k}={v}" for k, v in consts.items() if k in tile or k.startswith("BLOCK_")),
+            "autotune": (self.autotune or {}).get("index", ""),
+            "warps": getattr(options, "num_warps", None),
+            "stages": getattr(options, "num_stages", None),
+            "n_regs": None,
+            "n_spills": None,
+            "spill_store_bytes": None,
+            "smem_bytes": None,
+            "compile_s": round(seconds, 2),
+            "status": "ok",
+            "error": "",
+        }
+        if error is None and kernel is not None:
+            row.update(_ptxas_usage(log))
+            row["smem_bytes"] = kernel.metadata.shared
+            limit = ARCHS[self.arch]["smem"]
+            if row["n_regs"] is None:
+                error = f"no register count in the ptxas log (knobs.nvidia.dump_ptxas_log): {log[-500:]!r}"
+            elif row["smem_bytes"] > limit:
+                row["error"] = f"OutOfResources: {row['smem_bytes']} bytes of shared memory, sm_{self.arch} allows {limit}"
+            elif row["n_regs"] * row["warps"] * 32 > REGISTERS_PER_SM:
+                row["error"] = f"OutOfResources: {row['n_regs']} registers x {row['warps'] * 32} threads > {REGISTERS_PER_SM}"
+            elif row["spill_store_bytes"] or row["n_spills"]:
+                row["status"] = "spills"
+            if row["error"]:
+                # A launch raises OutOfResources; the autotuner catches it and skips the config.
+                row["status"] = "out of resources" if self.autotune else "error"
+        if error is not None:
+            row["status"] = "error"
+            row["error"] = f"{type(error).__name__}: {error}" if isinstance(error, Exception) else error
+        return row
+
+
+def _path_name(names: List[str], path) -> str:
+    """(3,) -> 'K'; (0, 2) -> 'X[2]' (an element of a tuple argument)."""
+    return names[path[0]] + "".join(f"[{i}]" for i in path[1:]) if names else str(path)
+
+
+def _value(v):
+    v = getattr(v, "value", v)  # tl.constexpr
+    return v if isinstance(v, (int, float, bool, str)) else str(v)
+
+
+def _ptxas_usage(log: str) -> Dict[str, Optional[int]]:
+    """Registers and spills from `ptxas -v`. n_spills follows triton's CompiledKernel.n_spills:
+    local memory (the stack frame) in 4-byte words."""
+    regs = re.search(r"Used (\d+) registers", log)
+    frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    return {
+        "n_regs": int(regs.group(1)) if regs else None,
+        "n_spills": int(frame.group(1)) // 4 if frame else None,
+        "spill_store_bytes": int(frame.group(2)) if frame else None,
+    }
+
+
+def _one_line(text: str, limit: int = 600) -> str:
+    """An error as one Markdown table cell: whitespace collapsed, pipes escaped, the tail kept (where
+    Triton puts the message, after the source excerpt)."""
+    text = " ".join(text.split()).replace("|", "\\|")
+    return text if len(text) <= limit else "..." + text[-limit:]
+
+
+def _progress(r: Dict[str, object]) -> str:
+    usage = f"{r['n_regs']} regs, {r['n_spills']} spills, {r['smem_bytes']} B smem" if r["status"] != "error" else "ERROR"
+    return f"  {r['compile_s']:6.2f}s {r['kernel']} {r['dtype']} {r['variant']} {r['config']} w{r['warps']} s{r['stages']}: {usage}"
+
+
+def import_kernels_for_gpu(sms: int):
+    """Import the three kernel modules as on a GPU machine: their config lists (and GPU-only sizes
+    such as lm_head_loss.VOCAB_CHUNK) are chosen at import from torch.cuda.is_available().
+
+    Two host-side guards are lifted for this process only, because no CPU tensor reaches a kernel:
+    fc_concat refuses CPU tensors outside the interpreter, and lm_head_loss asks the CUDA device
+    for its SM count (which sizes the vocabulary splits and the norm-backward grid).
+    """
+    is_available = torch.cuda.is_available
+    torch.cuda.is_available = lambda: True
+    try:
+        from dflash_fast.kernels import anchored_attention, fc_concat, lm_head_loss
+    finally:
+        torch.cuda.is_available = is_available
+    modules = (fc_concat, anchored_attention, lm_head_loss)
+    stale = [m.__name__ for m in modules if not m._ON_GPU]
+    if stale:
+        raise RuntimeError(f"{stale} did not pick their GPU configs (_ON_GPU is False): compile_check expects a kernel "
+                           "module to decide from torch.cuda.is_available() at import, and must import it first")
+    fc_concat._INTERPRET = True
+    lm_head_loss._sm_count = lambda device: sms
+    return modules
+
+
+def _empty(*shape, dtype, grad=False):
+    return torch.empty(shape, dtype=dtype).requires_grad_(grad)
+
+
+def fc_concat_cases(mod, s, dtype) -> Dict[str, Callable[[], None]]:
+    """Forward (fc GEMM + norm) and backward (norm backward + weight-gradient GEMM per layer), noise off and on."""
+    n, k, h_t, h = s["T"], s["K"], s["H_t"], s["H"]
+
+    def step(noise_std):
+        ctx = mod.fc_concat(_empty(n, k, h_t, dtype=dtype), _empty(h, k * h_t, dtype=dtype, grad=True),
+                            _empty(h, dtype=dtype, grad=True), EPS, noise_std=noise_std, seed=1)
+        ctx.backward(torch.empty_like(ctx))
+
+    return {"noise=0": lambda: step(0.0), "noise=0.1": lambda: step(0.1)}
+
+
+def anchored_attention_cases(mod, s, dtype) -> Dict[str, Callable[[], None]]:
+    """Forward, backward preprocess, dq and dk/dv (context and block keys), causal in block off and on."""
+    r, a, b, t, hq, hkv, d = 1, s["A"], s["B"], s["T"], s["Hq"], s["Hkv"], s["D"]
+    anchors = torch.linspace(t // 8, t - 1, a).long()[None]
+    document_ids = (torch.arange(t) * s["docs"] // t)[None]
+
+    def step(causal):
+        q = _empty(r, a * b, hq, d, dtype=dtype, grad=True)
+        kv = [_empty(r, n, hkv, d, dtype=dtype, grad=True) for n in (t, t, a * b, a * b)]
+        out = mod.anchored_attention(q, *kv, anchors, torch.ones_like(anchors, dtype=torch.bool), document_ids, b,
+                                     causal_in_block=causal)
+        out.backward(torch.empty_like(out))
+
+    return {"causal=False": lambda: step(False), "causal=True": lambda: step(True)}
+
+
+def lm_head_loss_cases(mod, s, dtype) -> Dict[str, Callable[[], None]]:
+    """Every loss kind; both gradient strategies of the full-teacher kinds; a trainable lm_head (its
+    weight-gradient GEMM; the drafter's head is frozen).
+
+    Every launch happens in the forward, which computes the gradients; the backward only scales them
+    (no kernel), so it is not run: at V = 151936 it would write gigabytes of host memory for nothing.
+    """
+    n, h, v = s["A"] * s["B"], s["H"], s["V"]
+    labels = torch.randint(0, v, (n,))
+    topk_ids = torch.randint(0, v, (n, TOPK))
+
+    def step(kind, with_labels=True, strategy="recompute", train_head=False):
+        kw = dict(last=_empty(n, h, dtype=dtype), final_norm_weight=_empty(h, dtype=dtype))
+        if kind in ("ce", "ce_data") and with_labels:
+            kw = dict(labels=labels)
+        elif kind == "kl_topk":
+            kw = dict(topk_ids=topk_ids, topk_logits=torch.zeros(n, TOPK), topk_lse=torch.zeros(n))
+        mod.lm_head_loss(_empty(n, h, dtype=dtype, grad=True), _empty(h, dtype=dtype, grad=True),
+                         _empty(v, h, dtype=dtype, grad=train_head), torch.ones(n), kind, float(n), EPS,
+                         strategy=strategy, **kw)
+
+    return {
+        "kl": lambda: step("kl"),
+        "kl_topk": lambda: step("kl_topk"),
+        "ce(labels)": lambda: step("ce"),
+        "ce(teacher argmax)": lambda: step("ce", with_labels=False),
+        "ce_data": lambda: step("ce_data"),
+        "kl, lm_head trained": lambda: step("kl", train_head=True),
+        "kl, store": lambda: step("kl", strategy="store"),
+        "ce(teacher argmax), store": lambda: step("ce", with_labels=False, strategy="store"),
+        "kl, store, lm_head trained": lambda: step("kl", strategy="store", train_head=True),
+    }
+
+
+CASES = {"fc_concat": fc_concat_cases, "anchored_attention": anchored_attention_cases, "lm_head_loss": lm_head_loss_cases}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=os.path.join("bench", "results"), help="results folder (default bench/results)")
+    p.add_argument("--arch", type=int, default=90, choices=sorted(ARCHS), help="CUDA compute capability (90: H100/H200)")
+    p.add_argument("--dtypes", default="bf16,fp16,fp32", help="comma-separated, of bf16, fp16, fp32")
+    p.add_argument("--shapes", default="reference,ragged", help="comma-separated, of reference, ragged")
+    p.add_argument("--configs", default="all", choices=["all", "first"], help="every autotune config, or the first of each list")
+    p.add_argument("--cases", default="", help="regex: run only the cases whose label ('<op> <dtype> <shape> <case>') matches")
+    p.add_argument("--ops", default=",".join(CASES), help="comma-separated subset of " + ", ".join(CASES))
+    p.add_argument("--fail-on-spills", action="store_true", help="exit 1 when any kernel spills registers")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    try:
+        tool = get_ptxas(args.arch)  # the ptxas triton itself will call for this arch
+        ptxas = f"{tool.path} (CUDA {tool.version})"
+    except Exception as err:  # knobs raise when the binary is missing or does not run
+        sys.exit(f"no ptxas for sm_{args.arch}: {err}. The triton wheel ships it in triton/backends/nvidia/bin/; "
+                 "set TRITON_PTXAS_PATH to a CUDA toolkit's ptxas otherwise")
+    modules = {m.__name__.rsplit(".", 1)[-1]: m for m in import_kernels_for_gpu(ARCHS[args.arch]["sms"])}
+    recorder = CompileRecorder(args.arch, args.configs)
+    recorder.install()
+    t0 = time.perf_counter()
+    try:
+        for shape in args.shapes.split(","):
+            for dtype in args.dtypes.split(","):
+                if shape == "ragged" and dtype != "bf16":
+                    continue  # the masked tails are dtype-independent code; bf16 is the training dtype
+                for op in args.ops.split(","):
+                    for name, step in CASES[op](modules[op], SHAPES[shape], DTYPES[dtype]).items():
+                        recorder.case, recorder.dtype = f"{op} {dtype} {shape} {name}", dtype
+                        if re.search(args.cases, recorder.case):
+                            print(recorder.case, flush=True)
+                            step()
+    finally:
+        shutil.rmtree(_CACHE_DIR, ignore_errors=True)
+    seconds = time.perf_counter() - t0
+
+    rows = recorder.records
+    errors = [r for r in rows if r["status"] == "error"]
+    spills = [r for r in rows if r["status"] == "spills"]
+    too_big = [r for r in rows if r["status"] == "out of resources"]
+    meta = {
+        "target": f"cuda sm_{args.arch} ({ARCHS[args.arch]['gpu']}), warp 32, smem limit {ARCHS[args.arch]['smem']} B",
+        "ptxas": ptxas,
+        "dtypes": args.dtypes, "shapes": args.shapes, "configs": args.configs,
+        "compiles": len(rows), "errors": len(errors), "spilling": len(spills), "out_of_resources": len(too_big),
+        "total_s": round(seconds, 1),
+    }
+    name = f"compile_check_{triton.__version__}"
+    print(write_results(name, [dict(r, error=_one_line(r["error"])) for r in rows], args.out, meta=meta))
+    for r in spills:
+        print(f"WARNING: {r['kernel']} {r['dtype']} {r['variant']} {r['config']} w{r['warps']} s{r['stages']} spills "
+              f"({r['spill_store_bytes']} bytes of spill stores, {r['n_regs']} registers)", file=sys.stderr)
+    for r in too_big:
+        print(f"WARNING: {r['kernel']} {r['dtype']} {r['variant']} {r['config']} w{r['warps']} s{r['stages']} is a dead "
+              f"autotune config (the autotuner skips it): {r['error']}", file=sys.stderr)
+    for r in errors:
+        print(f"ERROR: {r['kernel']} {r['dtype']} {r['variant']} {r['config']} w{r['warps']} s{r['stages']}: {r['error'][:2000]}",
+              file=sys.stderr)
+    print(f"{len(rows)} compiles for sm_{args.arch} with triton {triton.__version__} in {seconds:.0f} s: {len(errors)} failed, "
+          f"{len(spills)} spill, {len(too_big)} autotune configs out of resources; results in {os.path.join(args.out, name)}.{{json,md}}")
+    return 1 if errors or (spills and args.fail_on_spills) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
