@@ -15,7 +15,9 @@ which a launch would enforce), compile seconds, or the error.
     python bench/compile_check.py --arch 90 --out bench/results --fail-on-spills
 
 Writes <out>/compile_check_<triton version>.{json,md} (default out: bench/results) and prints the
-table. Exit 1 if any compile fails or overflows shared memory (or spills, with --fail-on-spills).
+table. Exit 1 if any compile fails, or a launch would raise OutOfResources (shared memory above the
+limit) where no autotune config is left to take its place; an autotune config the autotuner would
+skip, and every spill, is a WARNING line (spills fail with --fail-on-spills).
 Needs ptxas, which the triton wheel ships in triton/backends/nvidia/bin/ (TRITON_PTXAS_PATH
 overrides it), and TRITON_INTERPRET unset. Every compile starts from an empty Triton cache, so the
 seconds are real compile times.
@@ -28,6 +30,7 @@ kernel switch (it only moves the per-anchor bounds on the host), so it adds no v
 """
 import argparse
 import contextlib
+import hashlib
 import io
 import os
 import re
@@ -217,6 +220,11 @@ def _ptxas_usage(log: str) -> Dict[str, Optional[int]]:
     }
 
 
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()[:16]
+
+
 def _one_line(text: str, limit: int = 600) -> str:
     """An error as one Markdown table cell: whitespace collapsed, pipes escaped, the tail kept (where
     Triton puts the message, after the source excerpt)."""
@@ -370,6 +378,8 @@ def main(argv=None) -> int:
     meta = {
         "target": f"cuda sm_{args.arch} ({ARCHS[args.arch]['gpu']}), warp 32, smem limit {ARCHS[args.arch]['smem']} B",
         "ptxas": ptxas,
+        # The tree may be dirty: these name the kernel sources the rows belong to.
+        "kernel_sha256": {os.path.basename(m.__file__): _sha256(m.__file__) for m in modules.values()},
         "dtypes": args.dtypes, "shapes": args.shapes, "configs": args.configs,
         "compiles": len(rows), "errors": len(errors), "spilling": len(spills), "out_of_resources": len(too_big),
         "total_s": round(seconds, 1),
