@@ -27,7 +27,7 @@ setup(
         "pyyaml",
     ],
     extras_require={
-        "test": ["pytest", "matplotlib", "tensorboard"],
+        "test": ["pytest", "matplotlib", "tensorboard", "ruff"],
         "plot": ["matplotlib"],
         "gpu": ["flash-attn", "liger-kernel"],
     },

@@ -28,7 +28,7 @@ FLOP_NOTE = (
 )
 
 
-def make_row(t, n_anchor, block_size, seed=0):
+def make_row(t, n_anchor, seed=0):
     """One packed row: document_ids [1, T] of random lengths, sorted anchors [1, A] (never a document's last token)."""
     gen = torch.Generator().manual_seed(seed)
     lengths = []
@@ -51,7 +51,7 @@ def visible_pairs(plan, block_size, causal):
     return int(ctx.sum()) * block_size + int(plan.valid.sum()) * blk
 
 
-def visited_tile_pairs(plan, n_q, n_ctx, block_size, causal, block_m, block_n):
+def visited_tile_pairs(plan, n_q, block_size, causal, block_m, block_n):
     """BLOCK_M x BLOCK_N for every key tile the forward kernel visits (its `_query_tile_ranges`), one head."""
     total = 0
     for r in range(plan.lo.shape[0]):
@@ -65,7 +65,9 @@ def visited_tile_pairs(plan, n_q, n_ctx, block_size, causal, block_m, block_n):
             c_hi = max(hi[i] for i in rows)
             b_lo = m0 // block_size * block_size
             b_hi = min(((m1 - 1) // block_size + 1) * block_size, n_q, m1 if causal else n_q)
-            total += block_m * block_n * (max(math.ceil((c_hi - c_lo) / block_n), 0) + math.ceil((b_hi - b_lo) / block_n))
+            total += (
+                block_m * block_n * (max(math.ceil((c_hi - c_lo) / block_n), 0) + math.ceil((b_hi - b_lo) / block_n))
+            )
     return total
 
 
@@ -73,7 +75,7 @@ def flex_mask_mod(anchors, anchor_valid, document_ids, block_size, window, causa
     """SPEC §4 as a FlexAttention mask_mod over keys [context T ; block A*B]."""
     t = document_ids.shape[1]
 
-    def mask_mod(b, h, q_idx, kv_idx):
+    def mask_mod(b, _h, q_idx, kv_idx):
         i = q_idx // block_size
         a = anchors[b, i]
         ctx = (kv_idx < t) & (document_ids[b, torch.clamp(kv_idx, max=t - 1)] == document_ids[b, a]) & (kv_idx < a)
@@ -89,14 +91,14 @@ def flex_mask_mod(anchors, anchor_valid, document_ids, block_size, window, causa
 
 
 def bench_shape(t, args, device, dtype, timing):
+    from dflash_fast.kernels import anchored_attention as kernel
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     from dflash_fast.eager import anchored_attention_mask
-    from dflash_fast.kernels import anchored_attention as kernel
 
     r, hq, hkv, d, b, a = 1, args.hq, args.hkv, args.head_dim, args.block_size, args.anchors
     n_q, window, causal = a * b, args.window, args.causal_in_block
-    docs, anchors, valid = (x.to(device) for x in make_row(t, a, b))
+    docs, anchors, valid = (x.to(device) for x in make_row(t, a))
     gen = torch.Generator(device="cpu").manual_seed(1)
 
     def rand(n, h):
@@ -156,11 +158,15 @@ def bench_shape(t, args, device, dtype, timing):
         row = dict(T=t, impl=name, mask_build_ms=mask_ms, fwd_ms=fwd_ms, max_abs_diff_vs_sdpa=diff)
         if has_backward:
             fwd_bwd_ms = time_ms(fwd_bwd, **timing)
-            row.update(fwd_bwd_ms=fwd_bwd_ms, step_ms=mask_ms + fwd_bwd_ms, peak_mb=peak_memory_mb(fwd_bwd),
-                       tflops_visible=14 * d * hq * pairs / fwd_bwd_ms * 1e-9)
+            row.update(
+                fwd_bwd_ms=fwd_bwd_ms,
+                step_ms=mask_ms + fwd_bwd_ms,
+                peak_mb=peak_memory_mb(fwd_bwd),
+                tflops_visible=14 * d * hq * pairs / fwd_bwd_ms * 1e-9,
+            )
         if name == "triton":
             cfg = kernel._attn_fwd_kernel.best_config.kwargs
-            tiles = visited_tile_pairs(plan, n_q, t, b, causal, cfg["BLOCK_M"], cfg["BLOCK_N"])
+            tiles = visited_tile_pairs(plan, n_q, b, causal, cfg["BLOCK_M"], cfg["BLOCK_N"])
             row.update(tflops_tiles=14 * d * hq * tiles / fwd_bwd_ms * 1e-9, tiles=f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}")
         rows.append(row)
     flex_row = rows[1]
@@ -181,7 +187,9 @@ def matmul_tflops(device, timing):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny fp32 shapes that run on CPU (Triton interpreter)")
-    parser.add_argument("--out", default=os.path.join("bench", "results"), help="directory for bench_attention.{json,md,png}")
+    parser.add_argument(
+        "--out", default=os.path.join("bench", "results"), help="directory for bench_attention.{json,md,png}"
+    )
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[3072, 8192], help="context tokens T per row")
     parser.add_argument("--anchors", type=int, default=512)
     parser.add_argument("--block-size", type=int, default=16)
@@ -211,7 +219,10 @@ def main(argv=None):
             if "tflops_tiles" in row:
                 row["pct_of_matmul"] = 100 * row["tflops_tiles"] / peak
     else:
-        notes.append("CPU smoke run: FlexAttention runs uncompiled and forward only (it has no CPU backward); times are no claim.")
+        notes.append(
+            "CPU smoke run: FlexAttention runs uncompiled and forward only (it has no CPU backward); "
+            "times are no claim."
+        )
     md = write_results("bench_attention", rows, args.out, plot={"x": "T", "y": "step_ms", "group": "impl"})
     with open(os.path.join(args.out, "bench_attention.md"), "a") as f:
         f.write("\n" + "".join(f"- {n}\n" for n in notes))

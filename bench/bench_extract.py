@@ -51,7 +51,9 @@ def build_target(sizes, dtype, device):
     """A random Qwen3ForCausalLM with `sizes`, in eval mode on `device`."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(**sizes, max_position_embeddings=40960, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    config = Qwen3Config(
+        **sizes, max_position_embeddings=40960, rope_parameters={"rope_type": "default", "rope_theta": 1e6}
+    )
     torch.manual_seed(0)
     with torch.device(device):
         model = Qwen3ForCausalLM._from_config(config, dtype=dtype, attn_implementation=attention_implementation(device))
@@ -115,12 +117,19 @@ def main(argv=None):
     }
     out_name = "extract_smoke" if args.smoke else "extract"
     rows = []
-    base = {"model": name, "seq_len": args.seq_len, "batch_tokens": batch_tokens, "dtype": str(dtype).replace("torch.", "")}
+    base = {
+        "model": name,
+        "seq_len": args.seq_len,
+        "batch_tokens": batch_tokens,
+        "dtype": str(dtype).replace("torch.", ""),
+    }
     for path, fn in paths.items():
         row = {"path": path, **base}
         try:
             ms = sorted(time_calls_ms(fn, **reps))[args.batches // 2]
-            row.update(ms_per_batch=ms, tokens_per_s=batch_tokens / (ms / 1e3), peak_gb=_gb(peak_memory_mb(fn, resident=True)))
+            row.update(
+                ms_per_batch=ms, tokens_per_s=batch_tokens / (ms / 1e3), peak_gb=_gb(peak_memory_mb(fn, resident=True))
+            )
         except Exception as err:  # noqa: BLE001 -- a failure is a result: record it, time the other paths
             traceback.print_exc()
             row["note"] = f"failed: {type(err).__name__}: {err}"

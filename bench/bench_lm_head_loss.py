@@ -24,9 +24,10 @@ if "--smoke" in sys.argv or not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any @triton.jit module is imported
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from dflash_fast.kernels.lm_head_loss import lm_head_loss  # noqa: E402
+
 from bench.harness import peak_memory_mb, time_ms, write_results  # noqa: E402
 from dflash_fast import eager  # noqa: E402
-from dflash_fast.kernels.lm_head_loss import lm_head_loss  # noqa: E402
 
 EPS = 1e-6
 KINDS = {"kl": ("kl", False), "ce (stored labels)": ("ce", True)}
@@ -99,7 +100,9 @@ def measure(step, warmup, rep):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny fp32 shapes on CPU; CPU times are not a performance claim")
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny fp32 shapes on CPU; CPU times are not a performance claim"
+    )
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     parser.add_argument("--n", type=int, default=8192)
     parser.add_argument("--hidden", type=int, default=4096)
@@ -131,7 +134,9 @@ def main(argv=None):
             except Exception as err:  # a peer's version may reject beta=0 or these shapes: record why
                 if impl != "liger":
                     raise
-                rows.append({**base, "impl": impl, "ms": None, "peak_mb": None, "note": f"failed: {type(err).__name__}: {err}"})
+                rows.append(
+                    {**base, "impl": impl, "ms": None, "peak_mb": None, "note": f"failed: {type(err).__name__}: {err}"}
+                )
                 continue
             row = {**base, "impl": impl, "ms": ms, "peak_mb": peak, "loss": loss, "note": note}
             if impl == "eager":

@@ -68,10 +68,20 @@ DATASHEET_BF16 = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A
 def drafter_config(s) -> DrafterConfig:
     k = s["K"]
     return DrafterConfig(
-        hidden_size=s["H"], num_attention_heads=s["Hq"], num_key_value_heads=s["Hkv"], head_dim=s["D"],
-        intermediate_size=s["I"], vocab_size=s["V"], layer_ids=list(range(1, 1 + 8 * k, 8)), target_num_layers=8 * k + 4,
-        target_hidden_size=s["H"], mask_token_id=s["V"] - 1, rms_norm_eps=EPS,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, num_layers=s["L"], block_size=s["B"],
+        hidden_size=s["H"],
+        num_attention_heads=s["Hq"],
+        num_key_value_heads=s["Hkv"],
+        head_dim=s["D"],
+        intermediate_size=s["I"],
+        vocab_size=s["V"],
+        layer_ids=list(range(1, 1 + 8 * k, 8)),
+        target_num_layers=8 * k + 4,
+        target_hidden_size=s["H"],
+        mask_token_id=s["V"] - 1,
+        rms_norm_eps=EPS,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        num_layers=s["L"],
+        block_size=s["B"],
     )
 
 
@@ -193,8 +203,12 @@ def use_liger(drafter: DFlashDrafter) -> None:
     from liger_kernel.transformers import LigerRMSNorm
 
     for layer in drafter.layers:
-        for parent, name in ((layer, "input_layernorm"), (layer, "post_attention_layernorm"),
-                             (layer.self_attn, "q_norm"), (layer.self_attn, "k_norm")):
+        for parent, name in (
+            (layer, "input_layernorm"),
+            (layer, "post_attention_layernorm"),
+            (layer.self_attn, "q_norm"),
+            (layer.self_attn, "k_norm"),
+        ):
             old = getattr(parent, name)
             new = LigerRMSNorm(old.weight.shape[0], eps=old.eps)
             new.weight = old.weight
@@ -234,9 +248,16 @@ def build_speculators(s, frozen, device, lr, loss_kind, batch, smoke):
 
     cfg = drafter_config(s)
     layer_config = Qwen3Config(
-        vocab_size=s["V"], hidden_size=s["H"], intermediate_size=s["I"], num_hidden_layers=s["L"],
-        num_attention_heads=s["Hq"], num_key_value_heads=s["Hkv"], head_dim=s["D"], rms_norm_eps=EPS,
-        max_position_embeddings=cfg.max_position_embeddings, rope_parameters=dict(cfg.rope_parameters),
+        vocab_size=s["V"],
+        hidden_size=s["H"],
+        intermediate_size=s["I"],
+        num_hidden_layers=s["L"],
+        num_attention_heads=s["Hq"],
+        num_key_value_heads=s["Hkv"],
+        head_dim=s["D"],
+        rms_norm_eps=EPS,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rope_parameters=dict(cfg.rope_parameters),
     )
     # On CPU FlexAttention has no backward: the smoke run uses its eager attention with a dense mask.
     layer_config._attn_implementation = "eager" if smoke else "simple_flex_attention"
@@ -296,7 +317,7 @@ def is_oom(err: BaseException) -> bool:
     return isinstance(err, torch.cuda.OutOfMemoryError) or "out of memory" in str(err).lower()
 
 
-def run_contender(impl, build, reps):
+def run_contender(build, reps):
     """Build, first step (one-off compile/autotune), second step, timed steps, peak memory -> row fields."""
     row = {}
     t0 = time.perf_counter()
@@ -324,7 +345,9 @@ def run_contender(impl, build, reps):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--smoke", action="store_true", help="tiny fp32 shapes on CPU through the Triton interpreter (CI only)")
+    p.add_argument(
+        "--smoke", action="store_true", help="tiny fp32 shapes on CPU through the Triton interpreter (CI only)"
+    )
     p.add_argument("--loss", choices=LOSSES, default="kl", help="loss kind (default kl: full teacher)")
     p.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated contenders from {IMPLS}")
     p.add_argument("--seq-len", type=int, default=FULL["T"], help="T, tokens in the row (GPU run)")
@@ -368,20 +391,25 @@ def main(argv=None):
         "visible_pairs_per_head": pairs,
         "flops_by_part": {k: f"{v:.4g}" for k, v in step_flops(s, pairs, ours_teacher).items()},
         "flop_formula": "6*P*L*Q + 12*H*Hkv*D*L*T + 4*K*H_t*H*T + 4*H*V*Q + [2*H*V*Q teacher] + 14*D*Hq*S*L, "
-                        "P = H*Hq*D + 2*H*Hkv*D + Hq*D*H + 3*H*I, Q = A*B, S = visible pairs per head",
+        "P = H*Hq*D + 2*H*Hkv*D + Hq*D*H + 3*H*I, Q = A*B, S = visible pairs per head",
         "mfu_peak_tflops": peak_rate and peak_rate / 1e12,
         "measured_matmul_tflops": matmul_rate and matmul_rate / 1e12,
         "shared_gb": shared_gb,
-        "optimizer": "ours: bf16 weights + fp32 master AdamW; speculators: fp32 weights + bf16 autocast AdamW; clip 1.0",
+        "optimizer": "ours: bf16 weights + fp32 master AdamW; speculators: fp32 weights + bf16 autocast "
+        "AdamW; clip 1.0",
     }
     name = f"step_{args.loss}_smoke" if args.smoke else f"step_{args.loss}"
     rows = []
     for impl in args.impls:
         flops = step_flops(s, pairs, teacher=ours_teacher or impl == "speculators")
-        row = {"impl": impl, "loss_kind": PEER_LOSS[args.loss] if impl == "speculators" else args.loss,
-               "dtype": str(dtype).replace("torch.", ""), "tflop_per_step": flops["total"] / 1e12}
+        row = {
+            "impl": impl,
+            "loss_kind": PEER_LOSS[args.loss] if impl == "speculators" else args.loss,
+            "dtype": str(dtype).replace("torch.", ""),
+            "tflop_per_step": flops["total"] / 1e12,
+        }
         try:
-            row.update(run_contender(impl, builders[impl], reps))
+            row.update(run_contender(builders[impl], reps))
         except ImportError as err:
             row["note"] = f"not installed ({err})"
         except Exception as err:  # noqa: BLE001 -- on a GPU an OOM or a peer's API change is a result, not a crash
@@ -406,7 +434,9 @@ def main(argv=None):
         rows.append(row)
         compare(rows)
         # Written after every contender, so a run stopped by a timeout keeps what it measured.
-        md = write_results(name, rows, args.out, plot={"x": "impl", "y": "anchors_per_s", "group": "loss_kind"}, meta=meta)
+        md = write_results(
+            name, rows, args.out, plot={"x": "impl", "y": "anchors_per_s", "group": "loss_kind"}, meta=meta
+        )
     print(md)
 
 

@@ -9,9 +9,9 @@ nothing is launched, so no CUDA driver is needed. Each compile records registers
 `ptxas -v`), shared memory (Triton's allocation, checked against the arch's per-block opt-in limit,
 which a launch would enforce), compile seconds, or the error.
 
-    python bench/compile_check.py                                  # everything: bf16, fp16, fp32; reference and ragged shapes; every config
+    python bench/compile_check.py        # everything: bf16, fp16, fp32; reference and ragged shapes; every config
     python bench/compile_check.py --dtypes bf16 --shapes reference --configs first \
-        --cases 'noise=0$|causal=False|kl_topk|kl, store$'       # each kernel once: what tests/test_compile_check.py runs
+        --cases 'noise=0$|causal=False|kl_topk|kl, store$'   # each kernel once: what tests/test_compile_check.py runs
     python bench/compile_check.py --arch 90 --out bench/results --fail-on-spills
 
 Writes <out>/compile_check_<triton version>.{json,md} (default out: bench/results) and prints the
@@ -28,6 +28,7 @@ D = 128, V = 151936, B = 16, A = 512, T = 3072. `RAGGED` changes the sizes that 
 (EVEN_T / EVEN_N false) and unaligned integer arguments compile too. The attention window is not a
 kernel switch (it only moves the per-anchor bounds on the host), so it adds no variant.
 """
+
 import argparse
 import contextlib
 import hashlib
@@ -38,6 +39,7 @@ import shutil
 import sys
 import tempfile
 import time
+import types
 from typing import Callable, Dict, List, Optional
 
 if os.environ.get("TRITON_INTERPRET", "0") == "1":
@@ -66,6 +68,7 @@ ARCHS = {
     100: dict(smem=232448, sms=148, gpu="B200"),
 }
 REGISTERS_PER_SM = 65536
+KERNELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 REFERENCE = dict(H=4096, H_t=4096, K=5, Hq=32, Hkv=8, D=128, V=151936, B=16, A=512, T=3072, docs=4)
 RAGGED = dict(REFERENCE, H_t=4000, A=509, T=3001)
@@ -83,7 +86,7 @@ class CompileOnlyDriver:
     def get_current_device(self):
         return 0
 
-    def get_current_stream(self, device=None):
+    def get_current_stream(self, _device=None):
         return 0
 
     def get_current_target(self):
@@ -128,7 +131,7 @@ class CompileRecorder:
                 for r in launch:  # the autotuner has no config left to run: the launch fails on a GPU
                     r["status"], r["error"] = "error", r["error"] + "; no config of this autotune list fits"
 
-        def run(fn, *args, grid, warmup, **kwargs):
+        def run(fn, *args, grid, warmup, **kwargs):  # noqa: ARG001 (a launch never warms up here)
             try:
                 return jit_run(fn, *args, grid=grid, warmup=True, **kwargs)
             except Exception as err:  # binding or specialising the arguments failed, before any compile
@@ -146,8 +149,11 @@ class CompileRecorder:
             except Exception as err:  # a compile error, ptxas failure or compile-time assertion
                 error = err
                 recorder._failed.add((fn, key))
-            recorder.records.append(recorder.row(fn, signature, constexprs, options, time.perf_counter() - t0,
-                                                 log.getvalue(), kernel, error))
+            recorder.records.append(
+                recorder.row(
+                    fn, signature, constexprs, options, time.perf_counter() - t0, log.getvalue(), kernel, error
+                )
+            )
             print(_progress(recorder.records[-1]), flush=True)
             return kernel
 
@@ -184,9 +190,13 @@ class CompileRecorder:
             if row["n_regs"] is None:
                 error = f"no register count in the ptxas log (knobs.nvidia.dump_ptxas_log): {log[-500:]!r}"
             elif row["smem_bytes"] > limit:
-                row["error"] = f"OutOfResources: {row['smem_bytes']} bytes of shared memory, sm_{self.arch} allows {limit}"
+                row["error"] = (
+                    f"OutOfResources: {row['smem_bytes']} bytes of shared memory, sm_{self.arch} allows {limit}"
+                )
             elif row["n_regs"] * row["warps"] * 32 > REGISTERS_PER_SM:
-                row["error"] = f"OutOfResources: {row['n_regs']} registers x {row['warps'] * 32} threads > {REGISTERS_PER_SM}"
+                row["error"] = (
+                    f"OutOfResources: {row['n_regs']} registers x {row['warps'] * 32} threads > {REGISTERS_PER_SM}"
+                )
             elif row["spill_store_bytes"] or row["n_spills"]:
                 row["status"] = "spills"
             if row["error"]:
@@ -233,8 +243,11 @@ def _one_line(text: str, limit: int = 600) -> str:
 
 
 def _progress(r: Dict[str, object]) -> str:
-    usage = f"{r['n_regs']} regs, {r['n_spills']} spills, {r['smem_bytes']} B smem" if r["status"] != "error" else "ERROR"
-    return f"  {r['compile_s']:6.2f}s {r['kernel']} {r['dtype']} {r['variant']} {r['config']} w{r['warps']} s{r['stages']}: {usage}"
+    usage = (
+        f"{r['n_regs']} regs, {r['n_spills']} spills, {r['smem_bytes']} B smem" if r["status"] != "error" else "ERROR"
+    )
+    return f"  {r['compile_s']:6.2f}s {r['kernel']} {r['dtype']} {r['variant']} {r['config']} "
+    f"w{r['warps']} s{r['stages']}: {usage}"
 
 
 def import_kernels_for_gpu(sms: int):
@@ -242,23 +255,23 @@ def import_kernels_for_gpu(sms: int):
     such as lm_head_loss.VOCAB_CHUNK) are chosen at import from torch.cuda.is_available().
 
     Two host-side guards are lifted for this process only, because no CPU tensor reaches a kernel:
-    fc_concat refuses CPU tensors outside the interpreter, and lm_head_loss asks the CUDA device
-    for its SM count (which sizes the vocabulary splits and the norm-backward grid).
+    the kernels refuse CPU tensors outside the interpreter (`_common.check_device`), and the host
+    code asks the CUDA device for its SM count (which sizes split and persistent grids).
     """
     is_available = torch.cuda.is_available
     torch.cuda.is_available = lambda: True
     try:
-        from dflash_fast.kernels import anchored_attention, fc_concat, lm_head_loss
+        from dflash_fast.kernels import _common, anchored_attention, fc_concat, lm_head_loss
     finally:
         torch.cuda.is_available = is_available
-    modules = (fc_concat, anchored_attention, lm_head_loss)
-    stale = [m.__name__ for m in modules if not m._ON_GPU]
-    if stale:
-        raise RuntimeError(f"{stale} did not pick their GPU configs (_ON_GPU is False): compile_check expects a kernel "
-                           "module to decide from torch.cuda.is_available() at import, and must import it first")
-    fc_concat._INTERPRET = True
-    lm_head_loss._sm_count = lambda device: sms
-    return modules
+    if not _common.ON_GPU:
+        raise RuntimeError(
+            "dflash_fast.kernels._common did not pick the GPU configs (ON_GPU is False): compile_check "
+            "expects it to decide from torch.cuda.is_available() at import, and must import it first"
+        )
+    _common.INTERPRET = True
+    torch.cuda.get_device_properties = lambda _device=None: types.SimpleNamespace(multi_processor_count=sms)
+    return fc_concat, anchored_attention, lm_head_loss
 
 
 def _empty(*shape, dtype, grad=False):
@@ -270,8 +283,14 @@ def fc_concat_cases(mod, s, dtype) -> Dict[str, Callable[[], None]]:
     n, k, h_t, h = s["T"], s["K"], s["H_t"], s["H"]
 
     def step(noise_std):
-        ctx = mod.fc_concat(_empty(n, k, h_t, dtype=dtype), _empty(h, k * h_t, dtype=dtype, grad=True),
-                            _empty(h, dtype=dtype, grad=True), EPS, noise_std=noise_std, seed=1)
+        ctx = mod.fc_concat(
+            _empty(n, k, h_t, dtype=dtype),
+            _empty(h, k * h_t, dtype=dtype, grad=True),
+            _empty(h, dtype=dtype, grad=True),
+            EPS,
+            noise_std=noise_std,
+            seed=1,
+        )
         ctx.backward(torch.empty_like(ctx))
 
     return {"noise=0": lambda: step(0.0), "noise=0.1": lambda: step(0.1)}
@@ -286,8 +305,9 @@ def anchored_attention_cases(mod, s, dtype) -> Dict[str, Callable[[], None]]:
     def step(causal):
         q = _empty(r, a * b, hq, d, dtype=dtype, grad=True)
         kv = [_empty(r, n, hkv, d, dtype=dtype, grad=True) for n in (t, t, a * b, a * b)]
-        out = mod.anchored_attention(q, *kv, anchors, torch.ones_like(anchors, dtype=torch.bool), document_ids, b,
-                                     causal_in_block=causal)
+        out = mod.anchored_attention(
+            q, *kv, anchors, torch.ones_like(anchors, dtype=torch.bool), document_ids, b, causal_in_block=causal
+        )
         out.backward(torch.empty_like(out))
 
     return {"causal=False": lambda: step(False), "causal=True": lambda: step(True)}
@@ -310,9 +330,17 @@ def lm_head_loss_cases(mod, s, dtype) -> Dict[str, Callable[[], None]]:
             kw = dict(labels=labels)
         elif kind == "kl_topk":
             kw = dict(topk_ids=topk_ids, topk_logits=torch.zeros(n, TOPK), topk_lse=torch.zeros(n))
-        mod.lm_head_loss(_empty(n, h, dtype=dtype, grad=True), _empty(h, dtype=dtype, grad=True),
-                         _empty(v, h, dtype=dtype, grad=train_head), torch.ones(n), kind, float(n), EPS,
-                         strategy=strategy, **kw)
+        mod.lm_head_loss(
+            _empty(n, h, dtype=dtype, grad=True),
+            _empty(h, dtype=dtype, grad=True),
+            _empty(v, h, dtype=dtype, grad=train_head),
+            torch.ones(n),
+            kind,
+            float(n),
+            EPS,
+            strategy=strategy,
+            **kw,
+        )
 
     return {
         "kl": lambda: step("kl"),
@@ -327,17 +355,27 @@ def lm_head_loss_cases(mod, s, dtype) -> Dict[str, Callable[[], None]]:
     }
 
 
-CASES = {"fc_concat": fc_concat_cases, "anchored_attention": anchored_attention_cases, "lm_head_loss": lm_head_loss_cases}
+CASES = {
+    "fc_concat": fc_concat_cases,
+    "anchored_attention": anchored_attention_cases,
+    "lm_head_loss": lm_head_loss_cases,
+}
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=os.path.join("bench", "results"), help="results folder (default bench/results)")
-    p.add_argument("--arch", type=int, default=90, choices=sorted(ARCHS), help="CUDA compute capability (90: H100/H200)")
+    p.add_argument(
+        "--arch", type=int, default=90, choices=sorted(ARCHS), help="CUDA compute capability (90: H100/H200)"
+    )
     p.add_argument("--dtypes", default="bf16,fp16,fp32", help="comma-separated, of bf16, fp16, fp32")
     p.add_argument("--shapes", default="reference,ragged", help="comma-separated, of reference, ragged")
-    p.add_argument("--configs", default="all", choices=["all", "first"], help="every autotune config, or the first of each list")
-    p.add_argument("--cases", default="", help="regex: run only the cases whose label ('<op> <dtype> <shape> <case>') matches")
+    p.add_argument(
+        "--configs", default="all", choices=["all", "first"], help="every autotune config, or the first of each list"
+    )
+    p.add_argument(
+        "--cases", default="", help="regex: run only the cases whose label ('<op> <dtype> <shape> <case>') matches"
+    )
     p.add_argument("--ops", default=",".join(CASES), help="comma-separated subset of " + ", ".join(CASES))
     p.add_argument("--fail-on-spills", action="store_true", help="exit 1 when any kernel spills registers")
     return p.parse_args(argv)
@@ -350,8 +388,10 @@ def main(argv=None) -> int:
         tool = get_ptxas(args.arch)  # the ptxas triton itself will call for this arch
         ptxas = f"{tool.path} (CUDA {tool.version})"
     except Exception as err:  # knobs raise when the binary is missing or does not run
-        sys.exit(f"no ptxas for sm_{args.arch}: {err}. The triton wheel ships it in triton/backends/nvidia/bin/; "
-                 "set TRITON_PTXAS_PATH to a CUDA toolkit's ptxas otherwise")
+        sys.exit(
+            f"no ptxas for sm_{args.arch}: {err}. The triton wheel ships it in triton/backends/nvidia/bin/; "
+            "set TRITON_PTXAS_PATH to a CUDA toolkit's ptxas otherwise"
+        )
     modules = {m.__name__.rsplit(".", 1)[-1]: m for m in import_kernels_for_gpu(ARCHS[args.arch]["sms"])}
     recorder = CompileRecorder(args.arch, args.configs)
     recorder.install()
@@ -379,24 +419,46 @@ def main(argv=None) -> int:
         "target": f"cuda sm_{args.arch} ({ARCHS[args.arch]['gpu']}), warp 32, smem limit {ARCHS[args.arch]['smem']} B",
         "ptxas": ptxas,
         # The tree may be dirty: these name the kernel sources the rows belong to.
-        "kernel_sha256": {os.path.basename(m.__file__): _sha256(m.__file__) for m in modules.values()},
-        "dtypes": args.dtypes, "shapes": args.shapes, "configs": args.configs,
-        "compiles": len(rows), "errors": len(errors), "spilling": len(spills), "out_of_resources": len(too_big),
+        "kernel_sha256": {
+            name: _sha256(os.path.join(KERNELS_DIR, name))
+            for name in sorted(os.listdir(KERNELS_DIR))
+            if name.endswith(".py") and name != "__init__.py"
+        },
+        "dtypes": args.dtypes,
+        "shapes": args.shapes,
+        "configs": args.configs,
+        "compiles": len(rows),
+        "errors": len(errors),
+        "spilling": len(spills),
+        "out_of_resources": len(too_big),
         "total_s": round(seconds, 1),
     }
     name = f"compile_check_{triton.__version__}"
     print(write_results(name, [dict(r, error=_one_line(r["error"])) for r in rows], args.out, meta=meta))
     for r in spills:
-        print(f"WARNING: {r['kernel']} {r['dtype']} {r['variant']} {r['config']} w{r['warps']} s{r['stages']} spills "
-              f"({r['spill_store_bytes']} bytes of spill stores, {r['n_regs']} registers)", file=sys.stderr)
+        print(
+            f"WARNING: {r['kernel']} {r['dtype']} {r['variant']} {r['config']} w{r['warps']} s{r['stages']} spills "
+            f"({r['spill_store_bytes']} bytes of spill stores, {r['n_regs']} registers)",
+            file=sys.stderr,
+        )
     for r in too_big:
-        print(f"WARNING: {r['kernel']} {r['dtype']} {r['variant']} {r['config']} w{r['warps']} s{r['stages']} is a dead "
-              f"autotune config (the autotuner skips it): {r['error']}", file=sys.stderr)
+        print(
+            f"WARNING: {r['kernel']} {r['dtype']} {r['variant']} {r['config']} w{r['warps']} s{r['stages']} is a dead "
+            f"autotune config (the autotuner skips it): {r['error']}",
+            file=sys.stderr,
+        )
     for r in errors:
-        print(f"ERROR: {r['kernel']} {r['dtype']} {r['variant']} {r['config']} w{r['warps']} s{r['stages']}: {r['error'][:2000]}",
-              file=sys.stderr)
-    print(f"{len(rows)} compiles for sm_{args.arch} with triton {triton.__version__} in {seconds:.0f} s: {len(errors)} failed, "
-          f"{len(spills)} spill, {len(too_big)} autotune configs out of resources; results in {os.path.join(args.out, name)}.{{json,md}}")
+        print(
+            f"ERROR: {r['kernel']} {r['dtype']} {r['variant']} {r['config']} w{r['warps']} "
+            f"s{r['stages']}: {r['error'][:2000]}",
+            file=sys.stderr,
+        )
+    print(
+        f"{len(rows)} compiles for sm_{args.arch} with triton {triton.__version__} in {seconds:.0f} s: "
+        f"{len(errors)} failed, "
+        f"{len(spills)} spill, {len(too_big)} autotune configs out of resources; results in "
+        f"{os.path.join(args.out, name)}.{{json,md}}"
+    )
     return 1 if errors or (spills and args.fail_on_spills) else 0
 
 

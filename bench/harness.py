@@ -140,9 +140,30 @@ def write_results(name: str, rows: List[Dict[str, object]], out_dir: str, plot: 
     return md
 
 
-SUMMARY_COLUMNS = ("impl", "path", "kind", "loss_kind", "layout", "N", "T", "ms", "fwd_bwd_ms", "step_ms", "tokens_per_s",
-                   "gb_per_s", "anchors_per_s", "mfu", "peak_mb", "peak_gb", "ratio_vs_bare", "speedup_vs_eager",
-                   "anchors_vs_speculators", "peak_vs_speculators", "speedup_vs_triton", "note")
+SUMMARY_COLUMNS = (
+    "impl",
+    "path",
+    "kind",
+    "loss_kind",
+    "layout",
+    "N",
+    "T",
+    "ms",
+    "fwd_bwd_ms",
+    "step_ms",
+    "tokens_per_s",
+    "gb_per_s",
+    "anchors_per_s",
+    "mfu",
+    "peak_mb",
+    "peak_gb",
+    "ratio_vs_bare",
+    "speedup_vs_eager",
+    "anchors_vs_speculators",
+    "peak_vs_speculators",
+    "speedup_vs_triton",
+    "note",
+)
 
 
 def summary_table(results_dir: str) -> str:
@@ -173,7 +194,17 @@ def _plot(rows, spec, path, title):
     labels = list(dict.fromkeys(str(r.get(spec["x"])) for r in rows))
     width = 0.8 / max(len(groups), 1)
     for gi, g in enumerate(groups):
-        vals = [next((r[spec["y"]] for r in rows if r.get(spec["group"]) == g and str(r.get(spec["x"])) == lab and r.get(spec["y"]) is not None), 0) for lab in labels]
+        vals = [
+            next(
+                (
+                    r[spec["y"]]
+                    for r in rows
+                    if r.get(spec["group"]) == g and str(r.get(spec["x"])) == lab and r.get(spec["y"]) is not None
+                ),
+                0,
+            )
+            for lab in labels
+        ]
         ax.bar([i + gi * width for i in range(len(labels))], vals, width, label=str(g))
     ax.set_xticks([i + width * (len(groups) - 1) / 2 for i in range(len(labels))], labels)
     ax.set_ylabel(spec["y"])
@@ -185,4 +216,8 @@ def _plot(rows, spec, path, title):
 
 
 if __name__ == "__main__":
-    print(summary_table(sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")))
+    print(
+        summary_table(
+            sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+        )
+    )

@@ -129,7 +129,12 @@ def split_documents(num_docs: int, val_fraction: float, split_seed: int = 0) -> 
 
 
 def split_rows(
-    lengths: Sequence[int], seq_len: int, seed: int, split: str = "train", val_fraction: float = 0.0, split_seed: int = 0
+    lengths: Sequence[int],
+    seq_len: int,
+    seed: int,
+    split: str = "train",
+    val_fraction: float = 0.0,
+    split_seed: int = 0,
 ) -> List[Row]:
     """The packed rows of one split: train rows packed with `seed`, val rows with `split_seed`."""
     if split not in SPLITS:
@@ -137,7 +142,9 @@ def split_rows(
     train, val = split_documents(len(lengths), val_fraction, split_seed)
     if split == "val" and len(val) == 0:
         raise ValueError("split='val' needs val_fraction > 0 (the fraction of documents held out)")
-    return pack_rows(lengths, seq_len, seed, train) if split == "train" else pack_rows(lengths, seq_len, split_seed, val)
+    return (
+        pack_rows(lengths, seq_len, seed, train) if split == "train" else pack_rows(lengths, seq_len, split_seed, val)
+    )
 
 
 def epoch_schedule(
@@ -194,7 +201,9 @@ def row_fields(store, with_last: bool = False) -> Dict[str, Tuple[Tuple[int, ...
             "with_last=True but the store has no `last` (the target's final pre-norm residual): "
             "re-extract with it, or use a loss kind that reads the stored teacher (ce, kl_topk)"
         )
-    keys = ["input_ids", "loss_mask", "hidden"] + [k for k in OPTIONAL_FIELDS if k in sample and (k != "last" or with_last)]
+    keys = ["input_ids", "loss_mask", "hidden"] + [
+        k for k in OPTIONAL_FIELDS if k in sample and (k != "last" or with_last)
+    ]
     fields = {}
     for key in keys:
         x = torch.as_tensor(sample[key])
@@ -231,7 +240,9 @@ def collate_rows(
         for doc, (item, start, end) in enumerate(row):
             n = end - start
             if offset + n > t:
-                raise ValueError(f"row {i} holds more than seq_len={t} tokens: pack it with pack_rows(..., seq_len={t})")
+                raise ValueError(
+                    f"row {i} holds more than seq_len={t} tokens: pack it with pack_rows(..., seq_len={t})"
+                )
             src = store[item]
             for key in fields:
                 batch[key][i, offset : offset + n] = torch.as_tensor(src[key][start:end])
@@ -258,8 +269,17 @@ class RowBatches(Dataset):
     derive_seed(*prefix, row id), so it does not depend on who loads the row or when.
     """
 
-    def __init__(self, store, rows: List[Row], schedule: np.ndarray, seq_len: int, num_anchors: int,
-                 anchor_seed_prefix: Tuple[int, ...], with_last: bool = False, pad_id: int = 0):
+    def __init__(
+        self,
+        store,
+        rows: List[Row],
+        schedule: np.ndarray,
+        seq_len: int,
+        num_anchors: int,
+        anchor_seed_prefix: Tuple[int, ...],
+        with_last: bool = False,
+        pad_id: int = 0,
+    ):
         self.store, self.rows, self.schedule = store, rows, schedule
         self.seq_len, self.num_anchors = seq_len, num_anchors
         self.anchor_seed_prefix, self.pad_id = anchor_seed_prefix, pad_id
@@ -275,7 +295,9 @@ class RowBatches(Dataset):
         return collate_rows(self.store, rows, seeds, self.seq_len, self.num_anchors, self.fields, self.pad_id)
 
 
-def _check(seq_len: int, num_anchors: int, batch_rows: int, seed: int, rank: int, world_size: int, epoch: int, split: str):
+def _check(
+    seq_len: int, num_anchors: int, batch_rows: int, seed: int, rank: int, world_size: int, epoch: int, split: str
+):
     if seq_len < 2:
         raise ValueError(f"seq_len={seq_len}: a row needs at least 2 tokens to hold an anchor and its next token")
     if num_anchors < 1 or batch_rows < 1:
@@ -288,20 +310,30 @@ def _check(seq_len: int, num_anchors: int, batch_rows: int, seed: int, rank: int
         raise ValueError(f"split={split!r} must be one of {SPLITS}")
 
 
-def rows_per_epoch(store, seq_len: int, seed: int, split: str = "train", val_fraction: float = 0.0, split_seed: int = 0) -> int:
+def rows_per_epoch(
+    store, seq_len: int, seed: int, split: str = "train", val_fraction: float = 0.0, split_seed: int = 0
+) -> int:
     """Packed rows in the split, all ranks together (from the token counts only; no token is read)."""
     return len(split_rows(store.lengths, seq_len, seed, split, val_fraction, split_seed))
 
 
-def steps_per_epoch(store, seq_len: int, batch_rows: int, seed: int, world_size: int = 1, split: str = "train",
-                    val_fraction: float = 0.0, split_seed: int = 0) -> int:
+def steps_per_epoch(
+    store,
+    seq_len: int,
+    batch_rows: int,
+    seed: int,
+    world_size: int = 1,
+    split: str = "train",
+    val_fraction: float = 0.0,
+    split_seed: int = 0,
+) -> int:
     """Steps each rank takes per epoch (train drops the tail, val pads it); the same every epoch."""
     _check(seq_len, 1, batch_rows, seed, 0, world_size, 0, split)
     num_rows = rows_per_epoch(store, seq_len, seed, split, val_fraction, split_seed)
     return len(epoch_schedule(num_rows, batch_rows, seed, 0, 0, world_size, split))
 
 
-def leave_signals_to_the_main_process(worker_id: int) -> None:
+def leave_signals_to_the_main_process(_worker_id: int) -> None:
     """DataLoader worker init: ignore SIGTERM/SIGINT. A launcher or scheduler signals the whole process
     tree; torch's worker handler would die on it mid-step, while the main process wants to finish the step,
     save and then shut its workers down."""

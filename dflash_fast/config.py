@@ -118,7 +118,7 @@ class TrainConfig:
     kernels: str = "auto"  # dflash_fast.ops backend spec: auto | eager | triton | fc_concat=triton,...
     output_dir: str = "runs/dflash"
     deepspeed: str = "configs/ds_zero2.json"  # ZeRO / offload / communication settings only
-    precision: str = "auto"  # auto = bf16 on a GPU that supports it, else fp32 (no fp16: loss scaling is not worth it here)
+    precision: str = "auto"
     seed: int = 0
     export: bool = True  # write OUT/export (speculators format) at the end
     export_dtype: str = "bf16"
@@ -128,6 +128,7 @@ class TrainConfig:
 
 
 # ---------------------------------------------------------------- loading
+
 
 def _fields(cls) -> Dict[str, Any]:
     hints = typing.get_type_hints(cls)
@@ -257,6 +258,7 @@ def config_from_dict(data: Dict[str, Any]) -> TrainConfig:
 
 # ---------------------------------------------------------------- validation
 
+
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
@@ -270,12 +272,18 @@ def validate(cfg: TrainConfig) -> None:
     _check(bool(d.store), "data.store is not set: pass data.store=PATH (a directory written by `dflash-fast extract`)")
     _check(m.num_layers >= 1, f"model.num_layers={m.num_layers} must be >= 1")
     _check(m.block_size >= 2, f"model.block_size={m.block_size} must be >= 2 (slot 0 is the given token)")
-    _check(m.layer_types is None or len(m.layer_types) == m.num_layers,
-           f"model.layer_types has {len(m.layer_types or [])} entries for model.num_layers={m.num_layers}")
-    _check(m.layer_types is None or set(m.layer_types) <= {"full", "sliding"},
-           f"model.layer_types={m.layer_types}: each entry is 'full' or 'sliding'")
-    _check("sliding" not in (m.layer_types or []) or bool(m.sliding_window and m.sliding_window > 0),
-           "model.layer_types has 'sliding' layers: set model.sliding_window > 0")
+    _check(
+        m.layer_types is None or len(m.layer_types) == m.num_layers,
+        f"model.layer_types has {len(m.layer_types or [])} entries for model.num_layers={m.num_layers}",
+    )
+    _check(
+        m.layer_types is None or set(m.layer_types) <= {"full", "sliding"},
+        f"model.layer_types={m.layer_types}: each entry is 'full' or 'sliding'",
+    )
+    _check(
+        "sliding" not in (m.layer_types or []) or bool(m.sliding_window and m.sliding_window > 0),
+        "model.layer_types has 'sliding' layers: set model.sliding_window > 0",
+    )
     _check(d.seq_len >= 2, f"data.seq_len={d.seq_len} must be >= 2")
     _check(d.num_anchors >= 1, f"data.num_anchors={d.num_anchors} must be >= 1")
     _check(d.batch_rows >= 1, f"data.batch_rows={d.batch_rows} must be >= 1")
@@ -286,8 +294,10 @@ def validate(cfg: TrainConfig) -> None:
     _check(cfg.loss.gamma > 0, f"loss.gamma={cfg.loss.gamma} must be > 0")
     _check(o.lr > 0, f"optimizer.lr={o.lr} must be > 0")
     _check(all(0 <= b < 1 for b in o.betas), f"optimizer.betas={list(o.betas)}: each must be in [0, 1)")
-    _check(o.eps > 0 and o.weight_decay >= 0 and o.grad_clip >= 0,
-           "optimizer.eps must be > 0, optimizer.weight_decay and optimizer.grad_clip >= 0")
+    _check(
+        o.eps > 0 and o.weight_decay >= 0 and o.grad_clip >= 0,
+        "optimizer.eps must be > 0, optimizer.weight_decay and optimizer.grad_clip >= 0",
+    )
     _check(s.kind in SCHEDULES, f"schedule.kind={s.kind!r} is not one of {SCHEDULES}")
     _check(0 <= s.warmup_ratio < 1, f"schedule.warmup_ratio={s.warmup_ratio} must be in [0, 1)")
     _check(0 <= s.min_lr_ratio <= 1, f"schedule.min_lr_ratio={s.min_lr_ratio} must be in [0, 1]")
@@ -297,10 +307,14 @@ def validate(cfg: TrainConfig) -> None:
     _check(cfg.logging.every >= 1, f"logging.every={cfg.logging.every} must be >= 1")
     _check(cfg.checkpoint.every >= 0, f"checkpoint.every={cfg.checkpoint.every} must be >= 0")
     _check(cfg.checkpoint.keep_last >= 1, f"checkpoint.keep_last={cfg.checkpoint.keep_last} must be >= 1")
-    _check(cfg.validation.every >= 0 and cfg.validation.max_batches >= 0,
-           "validation.every and validation.max_batches must be >= 0")
-    _check(cfg.validation.every == 0 or d.val_fraction > 0,
-           f"validation.every={cfg.validation.every} needs a held-out split: set data.val_fraction > 0")
+    _check(
+        cfg.validation.every >= 0 and cfg.validation.max_batches >= 0,
+        "validation.every and validation.max_batches must be >= 0",
+    )
+    _check(
+        cfg.validation.every == 0 or d.val_fraction > 0,
+        f"validation.every={cfg.validation.every} needs a held-out split: set data.val_fraction > 0",
+    )
     _check(cfg.precision in PRECISIONS, f"precision={cfg.precision!r} is not one of {PRECISIONS}")
     _check(cfg.export_dtype in EXPORT_DTYPES, f"export_dtype={cfg.export_dtype!r} is not one of {EXPORT_DTYPES}")
     _check(bool(cfg.output_dir), "output_dir is empty")
@@ -315,4 +329,6 @@ def validate(cfg: TrainConfig) -> None:
         try:
             import torch.utils.tensorboard  # noqa: F401
         except ImportError:
-            raise ConfigError("logging.tensorboard=true needs the tensorboard package: pip install tensorboard") from None
+            raise ConfigError(
+                "logging.tensorboard=true needs the tensorboard package: pip install tensorboard"
+            ) from None

@@ -9,7 +9,6 @@ The three hot ops go through `dflash_fast.ops`; everything else is plain torch.
 """
 import dataclasses
 import json
-import math
 import os
 from typing import Dict, List, NamedTuple, Optional
 
@@ -22,7 +21,17 @@ from dflash_fast.eager import rms_norm
 
 LAYER_KINDS = ("full", "sliding")
 # Models whose RMSNorm scales by (1 + w): the frozen final norm is stored as the effective weight.
-ZERO_CENTRED_NORM_MODELS = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "gemma", "gemma2", "gemma3", "gemma3_text")
+ZERO_CENTRED_NORM_MODELS = (
+    "qwen3_next",
+    "qwen3_5",
+    "qwen3_5_text",
+    "qwen3_5_moe",
+    "qwen3_5_moe_text",
+    "gemma",
+    "gemma2",
+    "gemma3",
+    "gemma3_text",
+)
 
 
 @dataclasses.dataclass
@@ -60,7 +69,9 @@ class DrafterConfig:
         if "sliding" in self.layer_types and not self.sliding_window:
             raise ValueError("a 'sliding' drafter layer needs sliding_window > 0")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"{self.num_attention_heads} query heads are not a multiple of {self.num_key_value_heads} kv heads")
+            raise ValueError(
+                f"{self.num_attention_heads} query heads are not a multiple of {self.num_key_value_heads} kv heads"
+            )
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask token id {self.mask_token_id} is outside the embedding (0..{self.vocab_size - 1})")
 
@@ -73,7 +84,10 @@ class DrafterConfig:
         """Copy sizes, RoPE and eps from an HF target config (text sub-config of multimodal ones)."""
         tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
         head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
-        rope = dict(getattr(tc, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(tc, "rope_theta", 10000.0)})
+        rope = dict(
+            getattr(tc, "rope_parameters", None)
+            or {"rope_type": "default", "rope_theta": getattr(tc, "rope_theta", 10000.0)}
+        )
         if getattr(tc, "partial_rotary_factor", None) is not None:
             rope.setdefault("partial_rotary_factor", tc.partial_rotary_factor)
         intermediate = getattr(tc, "intermediate_size", None) or 4 * tc.hidden_size
@@ -108,7 +122,8 @@ def resolve_mask_token_id(vocab_size: int, mask_token_id: Optional[int] = None, 
         mask_token_id = vocab_size - 1
     if mask_token_id is None:
         raise ValueError(
-            f"no mask token: the tokenizer has no mask token and uses all {vocab_size} embedding rows; pass --mask-token-id"
+            f"no mask token: the tokenizer has no mask token and uses all {vocab_size} embedding rows; "
+            f"pass --mask-token-id"
         )
     if not 0 <= mask_token_id < vocab_size:
         raise ValueError(f"mask token id {mask_token_id} is outside the target embedding (0..{vocab_size - 1})")
@@ -128,8 +143,7 @@ class RMSNorm(nn.Module):
 class Rope(nn.Module):
     """RoPE over the first `rotary_dim` channels of each head (partial_rotary_factor), HF's rotate-half layout."""
 
-    def __init__(self, cfg: DrafterConfig, frozen_dtype: torch.dtype = torch.float32):
-        """`frozen_dtype`: the dtype of embed_tokens and lm_head ([V, H] each); target_norm stays fp32."""
+    def __init__(self, cfg: DrafterConfig):
         super().__init__()
         params = cfg.rope_parameters
         rope_type = params.get("rope_type", params.get("type", "default"))
@@ -142,8 +156,13 @@ class Rope(nn.Module):
             from transformers import Qwen3Config
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-            hf = Qwen3Config(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads, head_dim=self.rotary_dim,
-                             max_position_embeddings=cfg.max_position_embeddings, rope_parameters=dict(params, partial_rotary_factor=1.0))
+            hf = Qwen3Config(
+                hidden_size=cfg.hidden_size,
+                num_attention_heads=cfg.num_attention_heads,
+                head_dim=self.rotary_dim,
+                max_position_embeddings=cfg.max_position_embeddings,
+                rope_parameters=dict(params, partial_rotary_factor=1.0),
+            )
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, None)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.scaling = scaling
@@ -163,8 +182,7 @@ class Rope(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: DrafterConfig, frozen_dtype: torch.dtype = torch.float32):
-        """`frozen_dtype`: the dtype of embed_tokens and lm_head ([V, H] each); target_norm stays fp32."""
+    def __init__(self, cfg: DrafterConfig):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         self.hq, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, d
@@ -186,13 +204,12 @@ class Attention(nn.Module):
         q = rope.rotate(self.q_norm(self.q_proj(x).view(r, q_len, self.hq, self.d)), *blk_cos_sin)
         k_blk, v_blk = self.kv(x, rope, blk_cos_sin)
         k_ctx, v_ctx = self.kv(ctx, rope, ctx_cos_sin)  # ctx gets no input_layernorm (SPEC §4)
-        out = ops.anchored_attention(q, k_ctx, v_ctx, k_blk, v_blk, scale=self.d ** -0.5, **attn)
+        out = ops.anchored_attention(q, k_ctx, v_ctx, k_blk, v_blk, scale=self.d**-0.5, **attn)
         return self.o_proj(out.reshape(r, q_len, self.hq * self.d))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: DrafterConfig, frozen_dtype: torch.dtype = torch.float32):
-        """`frozen_dtype`: the dtype of embed_tokens and lm_head ([V, H] each); target_norm stays fp32."""
+    def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
@@ -242,7 +259,13 @@ def slot_targets(batch: Dict[str, torch.Tensor], block_size: int) -> Targets:
     flat = lambda x: x.flatten(1)
     gather = lambda src: src.gather(1, flat(pc)).view(pc.shape)
     anchor_doc = batch["document_ids"].gather(1, anchors)[:, :, None]
-    mask = (j >= 1) & valid[:, :, None] & (p < t) & (gather(batch["document_ids"]) == anchor_doc) & gather(batch["loss_mask"].bool())
+    mask = (
+        (j >= 1)
+        & valid[:, :, None]
+        & (p < t)
+        & (gather(batch["document_ids"]) == anchor_doc)
+        & gather(batch["loss_mask"].bool())
+    )
     return Targets(mask, pc, (p - 1).clamp(0, t - 1))
 
 
@@ -276,7 +299,9 @@ class DFlashDrafter(nn.Module):
         self.rope = Rope(cfg)
         self.register_buffer("embed_tokens", torch.zeros(cfg.vocab_size, h, dtype=frozen_dtype), persistent=False)
         self.register_buffer("lm_head", torch.zeros(cfg.vocab_size, h, dtype=frozen_dtype), persistent=False)
-        self.register_buffer("target_norm", torch.ones(h), persistent=False)  # effective weight (1 + w for zero-centred norms)
+        self.register_buffer(
+            "target_norm", torch.ones(h), persistent=False
+        )  # effective weight (1 + w for zero-centred norms)
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02):
@@ -291,16 +316,27 @@ class DFlashDrafter(nn.Module):
         for name, value in (("embed_tokens", embed_tokens), ("lm_head", lm_head), ("target_norm", target_norm)):
             buf = getattr(self, name)
             if tuple(value.shape) != tuple(buf.shape):
-                raise ValueError(f"target {name} has shape {tuple(value.shape)}, the drafter expects {tuple(buf.shape)}")
+                raise ValueError(
+                    f"target {name} has shape {tuple(value.shape)}, the drafter expects {tuple(buf.shape)}"
+                )
             buf.copy_(value)
 
     def context(self, hidden: torch.Tensor, noise_std: float = 0.0, seed: int = 0) -> torch.Tensor:
         """hidden [R, T, K, H_t] -> ctx [R, T, H] = hidden_norm(fc(concat_k hidden)) (SPEC §3)."""
         r, t, k, h_t = hidden.shape
-        ctx = ops.fc_concat(hidden.reshape(r * t, k, h_t), self.fc.weight, self.hidden_norm.weight, self.config.rms_norm_eps, noise_std, seed)
+        ctx = ops.fc_concat(
+            hidden.reshape(r * t, k, h_t),
+            self.fc.weight,
+            self.hidden_norm.weight,
+            self.config.rms_norm_eps,
+            noise_std,
+            seed,
+        )
         return ctx.view(r, t, -1)
 
-    def block_states(self, ctx, ctx_positions, input_ids_at_anchor, anchor_positions, anchors, anchor_valid, document_ids):
+    def block_states(
+        self, ctx, ctx_positions, input_ids_at_anchor, anchor_positions, anchors, anchor_valid, document_ids
+    ):
         """The N layers over every block. ctx [R, T, H]; ctx_positions [R, T] (RoPE positions);
         input_ids_at_anchor, anchor_positions, anchors, anchor_valid [R, A]; document_ids [R, T]
         -> pre-norm states [R, A*B, H]."""
@@ -317,36 +353,67 @@ class DFlashDrafter(nn.Module):
             x = layer(x, ctx, self.rope, blk_cs, ctx_cs, attn)
         return x
 
-    def forward(self, batch: Dict[str, torch.Tensor], loss_kind: str = "kl", gamma: float = 7.0,
-                noise_std: float = 0.0, seed: int = 0) -> DrafterOutput:
+    def forward(
+        self,
+        batch: Dict[str, torch.Tensor],
+        loss_kind: str = "kl",
+        gamma: float = 7.0,
+        noise_std: float = 0.0,
+        seed: int = 0,
+    ) -> DrafterOutput:
         """Training forward on a collated batch (keys as in dflash_fast.batches)."""
         cfg = self.config
         anchors = batch["anchors"]
         r, a = anchors.shape
         b = cfg.block_size
         ctx = self.context(batch["hidden"], noise_std, seed)
-        x = self.block_states(ctx, batch["position_ids"], batch["input_ids"].gather(1, anchors),
-                              batch["position_ids"].gather(1, anchors), anchors, batch["anchor_valid"], batch["document_ids"])
+        x = self.block_states(
+            ctx,
+            batch["position_ids"],
+            batch["input_ids"].gather(1, anchors),
+            batch["position_ids"].gather(1, anchors),
+            anchors,
+            batch["anchor_valid"],
+            batch["document_ids"],
+        )
         tg = slot_targets(batch, b)
         weights = position_weights(b, gamma).to(x.device) * tg.slot_mask
         n = r * a * b
         kwargs = {}
-        stored_argmax = gather_rows(batch["teacher_topk_ids"], tg.teacher_row)[:, 0] if "teacher_topk_ids" in batch else None
+        stored_argmax = (
+            gather_rows(batch["teacher_topk_ids"], tg.teacher_row)[:, 0] if "teacher_topk_ids" in batch else None
+        )
         if loss_kind == "kl" or (loss_kind == "ce" and stored_argmax is None):
             if "last" not in batch:
-                raise ValueError(f"loss kind {loss_kind!r} needs `last` in the store; use ce or kl_topk with a --no-last store")
-            kwargs = dict(last=gather_rows(batch["last"], tg.teacher_row).to(x.dtype), final_norm_weight=self.target_norm.to(x.dtype))
+                raise ValueError(
+                    f"loss kind {loss_kind!r} needs `last` in the store; use ce or kl_topk with a --no-last store"
+                )
+            kwargs = dict(
+                last=gather_rows(batch["last"], tg.teacher_row).to(x.dtype),
+                final_norm_weight=self.target_norm.to(x.dtype),
+            )
         elif loss_kind == "ce":
             kwargs = dict(labels=stored_argmax)
         elif loss_kind == "ce_data":
             kwargs = dict(labels=gather_rows(batch["input_ids"], tg.position))
         elif loss_kind == "kl_topk":
-            kwargs = dict(topk_ids=gather_rows(batch["teacher_topk_ids"], tg.teacher_row), topk_logits=gather_rows(batch["teacher_topk_logits"], tg.teacher_row),
-                          topk_lse=gather_rows(batch["teacher_lse"], tg.teacher_row))
+            kwargs = dict(
+                topk_ids=gather_rows(batch["teacher_topk_ids"], tg.teacher_row),
+                topk_logits=gather_rows(batch["teacher_topk_logits"], tg.teacher_row),
+                topk_lse=gather_rows(batch["teacher_lse"], tg.teacher_row),
+            )
         else:
             raise ValueError(f"unknown loss kind {loss_kind!r}")
-        out = ops.lm_head_loss(x.reshape(n, -1), self.norm.weight, self.lm_head.to(x.dtype), weights.reshape(n), loss_kind,
-                               tg.slot_mask.sum(), cfg.rms_norm_eps, **kwargs)
+        out = ops.lm_head_loss(
+            x.reshape(n, -1),
+            self.norm.weight,
+            self.lm_head.to(x.dtype),
+            weights.reshape(n),
+            loss_kind,
+            tg.slot_mask.sum(),
+            cfg.rms_norm_eps,
+            **kwargs,
+        )
         teacher = stored_argmax if stored_argmax is not None and loss_kind == "ce_data" else out.teacher_argmax
         shape = (r, a, b)
         return DrafterOutput(out.loss, out.kl, out.draft_argmax.view(shape), teacher.view(shape), tg.slot_mask)
@@ -360,8 +427,15 @@ class DFlashDrafter(nn.Module):
         ctx = self.context(hidden[None].to(self.fc.weight.dtype))
         anchors = torch.tensor([[t]], device=dev)
         one_document = torch.zeros(1, t, dtype=torch.long, device=dev)
-        x = self.block_states(ctx, torch.arange(t, device=dev)[None], torch.tensor([[anchor_token]], device=dev), anchors,
-                              anchors, torch.ones(1, 1, dtype=torch.bool, device=dev), one_document)
+        x = self.block_states(
+            ctx,
+            torch.arange(t, device=dev)[None],
+            torch.tensor([[anchor_token]], device=dev),
+            anchors,
+            anchors,
+            torch.ones(1, 1, dtype=torch.bool, device=dev),
+            one_document,
+        )
         logits = F.linear(self.norm(x[0, 1:]), self.lm_head.to(x.dtype))
         return logits.argmax(-1)
 
@@ -381,13 +455,19 @@ def slot_metrics(out: DrafterOutput) -> Dict[str, torch.Tensor]:
 
 
 FROZEN_NAMES = {
-    "embed_tokens": ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight", "language_model.model.embed_tokens.weight"),
+    "embed_tokens": (
+        "model.embed_tokens.weight",
+        "model.language_model.embed_tokens.weight",
+        "language_model.model.embed_tokens.weight",
+    ),
     "lm_head": ("lm_head.weight", "language_model.lm_head.weight"),
     "target_norm": ("model.norm.weight", "model.language_model.norm.weight", "language_model.model.norm.weight"),
 }
 
 
-def load_frozen_tensors(target_path: str, dtype: torch.dtype = torch.float32, norm_kind: Optional[str] = None) -> Dict[str, torch.Tensor]:
+def load_frozen_tensors(
+    target_path: str, dtype: torch.dtype = torch.float32, norm_kind: Optional[str] = None
+) -> Dict[str, torch.Tensor]:
     """Read only embed_tokens, lm_head and the final norm from the target's safetensors (never the
     whole target). lm_head falls back to embed_tokens for tied embeddings; the final norm is returned
     as its effective weight (1 + w when zero-centred), in fp32; embed_tokens and lm_head in `dtype`.
@@ -413,7 +493,11 @@ def load_frozen_tensors(target_path: str, dtype: torch.dtype = torch.float32, no
     out = {}
     for name, candidates in FROZEN_NAMES.items():
         key = next((c for c in candidates if c in where), None)
-        if key is None and name == "lm_head" and (text_config.get("tie_word_embeddings") or config.get("tie_word_embeddings")):
+        if (
+            key is None
+            and name == "lm_head"
+            and (text_config.get("tie_word_embeddings") or config.get("tie_word_embeddings"))
+        ):
             out[name] = out["embed_tokens"]
             continue
         if key is None:
@@ -427,8 +511,14 @@ def load_frozen_tensors(target_path: str, dtype: torch.dtype = torch.float32, no
     return out
 
 
-def build_drafter(target_path: str, layer_ids: List[int], mask_token_id: Optional[int] = None, norm_kind: Optional[str] = None,
-                  frozen_dtype: torch.dtype = torch.float32, **options) -> DFlashDrafter:
+def build_drafter(
+    target_path: str,
+    layer_ids: List[int],
+    mask_token_id: Optional[int] = None,
+    norm_kind: Optional[str] = None,
+    frozen_dtype: torch.dtype = torch.float32,
+    **options,
+) -> DFlashDrafter:
     """A fresh drafter for the target at `target_path` with its frozen tensors loaded in `frozen_dtype`
     (`norm_kind`: see load_frozen_tensors). Trainable weights are fp32 whatever `frozen_dtype` is;
     loading the [V, H] embedding and lm_head straight in the compute dtype spares every rank an fp32 copy."""
@@ -442,7 +532,9 @@ def build_drafter(target_path: str, layer_ids: List[int], mask_token_id: Optiona
             tokenizer = AutoTokenizer.from_pretrained(target_path)
         except (OSError, ValueError):
             tokenizer = None
-    cfg = DrafterConfig.from_target(target_config, layer_ids, resolve_mask_token_id(vocab, mask_token_id, tokenizer), **options)
+    cfg = DrafterConfig.from_target(
+        target_config, layer_ids, resolve_mask_token_id(vocab, mask_token_id, tokenizer), **options
+    )
     drafter = DFlashDrafter(cfg, frozen_dtype)
     drafter.set_frozen(**load_frozen_tensors(target_path, frozen_dtype, norm_kind=norm_kind))
     return drafter

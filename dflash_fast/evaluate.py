@@ -58,7 +58,7 @@ class TargetRunner:
         norm, _ = final_norm_module(model)
         norm.register_forward_pre_hook(self._capture)
 
-    def _capture(self, module, args):
+    def _capture(self, _module, args):
         if self._captured is not None:
             self._captured.append(args[0])
 
@@ -75,8 +75,10 @@ class TargetRunner:
         if getattr(out, "cache", None) is None:
             import transformers
 
-            raise RuntimeError(f"{type(self.model).__name__} returned no `cache` (transformers {transformers.__version__}); "
-                               f"speculative decoding needs a transformers 5 release whose models take and return `cache`")
+            raise RuntimeError(
+                f"{type(self.model).__name__} returned no `cache` (transformers {transformers.__version__}); "
+                f"speculative decoding needs a transformers 5 release whose models take and return `cache`"
+            )
         if not taps:
             return Step(out.logits[0], None, None, out.cache)
         hidden = torch.stack([t[0] for t in tapped_layers(out.hidden_states, last[None], self.layer_ids)], dim=1)
@@ -86,8 +88,12 @@ class TargetRunner:
 def _croppable(layer) -> bool:
     from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
 
-    return (isinstance(layer, DynamicLayer) and layer.is_croppable and not getattr(layer, "is_sliding", False)
-            and not isinstance(layer, LinearAttentionCacheLayerMixin))
+    return (
+        isinstance(layer, DynamicLayer)
+        and layer.is_croppable
+        and not getattr(layer, "is_sliding", False)
+        and not isinstance(layer, LinearAttentionCacheLayerMixin)
+    )
 
 
 def snapshot(cache) -> Dict[int, object]:
@@ -137,8 +143,14 @@ def _sync(device):
 
 
 @torch.inference_mode()
-def speculative_generate(runner: TargetRunner, prompt_ids: Sequence[int], propose: Proposer, block_size: int,
-                         max_new_tokens: int, eos: Sequence[int] = ()) -> SpecResult:
+def speculative_generate(
+    runner: TargetRunner,
+    prompt_ids: Sequence[int],
+    propose: Proposer,
+    block_size: int,
+    max_new_tokens: int,
+    eos: Sequence[int] = (),
+) -> SpecResult:
     """Block speculative greedy decoding of one prompt; the loop in this module's docstring."""
     if block_size < 2:
         raise ValueError(f"block_size must be >= 2 (an anchor and at least one drafted token), got {block_size}")
@@ -147,13 +159,15 @@ def speculative_generate(runner: TargetRunner, prompt_ids: Sequence[int], propos
     cache, hidden = step.cache, step.hidden
     seq = list(prompt_ids) + [int(step.logits[-1].argmax())]
     accepted, anchors, recomputes = [], [], 0
-    while not _finished(seq[len(prompt_ids):], max_new_tokens, eos):
+    while not _finished(seq[len(prompt_ids) :], max_new_tokens, eos):
         anchor = seq[-1]
         drafts = propose(hidden, anchor, torch.tensor(seq, device=runner.device))
         drafts = [int(t) for t in torch.as_tensor(drafts).reshape(-1).tolist()]
         if len(drafts) != block_size - 1:
-            raise ValueError(f"the proposer returned {len(drafts)} tokens for a block of {block_size}; "
-                             f"it must return block_size - 1 = {block_size - 1}")
+            raise ValueError(
+                f"the proposer returned {len(drafts)} tokens for a block of {block_size}; "
+                f"it must return block_size - 1 = {block_size - 1}"
+            )
         block = [anchor] + drafts
         saved = snapshot(cache)
         step = runner.forward(block, cache)
@@ -163,15 +177,18 @@ def speculative_generate(runner: TargetRunner, prompt_ids: Sequence[int], propos
         accepted.append(n)
         seq += drafts[:n] + [target[n]]
         hidden = torch.cat([hidden, step.hidden[: n + 1]])
-        if not _finished(seq[len(prompt_ids):], max_new_tokens, eos):
+        if not _finished(seq[len(prompt_ids) :], max_new_tokens, eos):
             recomputes += rollback(runner, cache, saved, block, n + 1)
     _sync(runner.device)
-    return SpecResult(_cut(seq[len(prompt_ids):], max_new_tokens, eos), accepted, anchors, recomputes, time.perf_counter() - t0)
+    return SpecResult(
+        _cut(seq[len(prompt_ids) :], max_new_tokens, eos), accepted, anchors, recomputes, time.perf_counter() - t0
+    )
 
 
 @torch.inference_mode()
-def greedy_generate(runner: TargetRunner, prompt_ids: Sequence[int], max_new_tokens: int,
-                    eos: Sequence[int] = ()) -> Tuple[List[int], float]:
+def greedy_generate(
+    runner: TargetRunner, prompt_ids: Sequence[int], max_new_tokens: int, eos: Sequence[int] = ()
+) -> Tuple[List[int], float]:
     """The target alone, one token per forward with its cache -> (new tokens, seconds)."""
     t0 = time.perf_counter()
     step = runner.forward(prompt_ids, taps=False)
@@ -198,8 +215,14 @@ def response_row(step: Step, ids: Sequence[int], prompt_len: int) -> Dict[str, t
 
 
 @torch.inference_mode()
-def offline_tau(runner: TargetRunner, drafter: DFlashDrafter, prompt_ids: Sequence[int], response_ids: Sequence[int],
-                anchors: Optional[Sequence[int]] = None, anchors_per_forward: int = 32) -> Tuple[float, int]:
+def offline_tau(
+    runner: TargetRunner,
+    drafter: DFlashDrafter,
+    prompt_ids: Sequence[int],
+    response_ids: Sequence[int],
+    anchors: Optional[Sequence[int]] = None,
+    anchors_per_forward: int = 32,
+) -> Tuple[float, int]:
     """SPEC §6 tau_offline sums over one sequence -> (tau_sum, blocks).
 
     One target forward over prompt + response gives `hidden` and `last`; the drafter's training
@@ -211,7 +234,7 @@ def offline_tau(runner: TargetRunner, drafter: DFlashDrafter, prompt_ids: Sequen
     anchors = list(range(len(prompt_ids), len(ids) - 1)) if anchors is None else sorted(anchors)
     tau_sum, blocks = 0.0, 0
     for a in range(0, len(anchors), anchors_per_forward):
-        chunk = torch.tensor([anchors[a: a + anchors_per_forward]], device=runner.device)
+        chunk = torch.tensor([anchors[a : a + anchors_per_forward]], device=runner.device)
         out = drafter(dict(row, anchors=chunk, anchor_valid=torch.ones_like(chunk, dtype=torch.bool)), loss_kind="ce")
         m = slot_metrics(out)
         tau_sum += float(m["tau_sum"])
@@ -224,7 +247,9 @@ def load_drafter(path: str, target: str) -> DFlashDrafter:
     from dflash_fast.export import load_exported
 
     if not os.path.exists(path):
-        raise FileNotFoundError(f"drafter {path} does not exist: pass a `dflash-fast export` directory or a trainer checkpoint")
+        raise FileNotFoundError(
+            f"drafter {path} does not exist: pass a `dflash-fast export` directory or a trainer checkpoint"
+        )
     config = os.path.join(path, "config.json")
     if os.path.isdir(path) and os.path.exists(config):
         with open(config) as f:
@@ -247,14 +272,27 @@ def _check_drafter(drafter: DFlashDrafter, model) -> None:
     hidden_size, vocab = model.config.get_text_config().hidden_size, model.get_output_embeddings().weight.shape[0]
     cfg = drafter.config
     if (cfg.target_hidden_size, cfg.vocab_size) != (hidden_size, vocab):
-        raise ValueError(f"the drafter was built for a target with hidden size {cfg.target_hidden_size} and vocabulary "
-                         f"{cfg.vocab_size}; this target has {hidden_size} and {vocab}: pass the drafter's own target")
+        raise ValueError(
+            f"the drafter was built for a target with hidden size {cfg.target_hidden_size} and vocabulary "
+            f"{cfg.vocab_size}; this target has {hidden_size} and {vocab}: pass the drafter's own target"
+        )
 
 
-def evaluate(target: str, data: Union[str, Sequence[Dict]], drafter: Union[DFlashDrafter, str, Proposer],
-             block_size: Optional[int] = None, layer_ids: Optional[Sequence[int]] = None, max_new_tokens: int = 128,
-             num_prompts: Optional[int] = None, offline: bool = True, baseline: bool = True, device=None,
-             dtype: Optional[str] = None, trust_remote_code: bool = False, progress: bool = True) -> Dict:
+def evaluate(
+    target: str,
+    data: Union[str, Sequence[Dict]],
+    drafter: Union[DFlashDrafter, str, Proposer],
+    block_size: Optional[int] = None,
+    layer_ids: Optional[Sequence[int]] = None,
+    max_new_tokens: int = 128,
+    num_prompts: Optional[int] = None,
+    offline: bool = True,
+    baseline: bool = True,
+    device=None,
+    dtype: Optional[str] = None,
+    trust_remote_code: bool = False,
+    progress: bool = True,
+) -> Dict:
     """Speculative decoding of every prompt in `data` (regenerate's JSONL formats, or records) -> report dict.
 
     `drafter`: a DFlashDrafter, a path (speculators export or trainer checkpoint), or a Proposer
@@ -275,12 +313,14 @@ def evaluate(target: str, data: Union[str, Sequence[Dict]], drafter: Union[DFlas
         _check_drafter(drafter, model)
         module = drafter.to(device=model.device, dtype=model.dtype).eval()
         block_size, layer_ids = drafter.config.block_size, drafter.config.layer_ids
-        propose = lambda hidden, anchor, ids: module.propose(hidden, anchor)
+        propose = lambda hidden, anchor, _ids: module.propose(hidden, anchor)
     elif callable(drafter):
         if block_size is None:
             raise ValueError("a proposer callable needs block_size (B: the anchor plus B-1 drafted tokens)")
         module, propose = None, drafter
-        layer_ids = layer_ids if layer_ids is not None else default_layer_ids(model.config.get_text_config().num_hidden_layers)
+        layer_ids = (
+            layer_ids if layer_ids is not None else default_layer_ids(model.config.get_text_config().num_hidden_layers)
+        )
     else:
         raise TypeError(f"drafter must be a DFlashDrafter, a path or a proposer callable, not {type(drafter).__name__}")
     runner = TargetRunner(model, layer_ids)
@@ -291,7 +331,9 @@ def evaluate(target: str, data: Union[str, Sequence[Dict]], drafter: Union[DFlas
         greedy_generate(runner, encoded[0], min(max_new_tokens, 2 * block_size), eos)
 
     histogram = [0] * block_size
-    totals = dict(spec_tokens=0, spec_s=0.0, greedy_tokens=0, greedy_s=0.0, recompute=0, mismatches=0, tau_sum=0.0, blocks=0)
+    totals = dict(
+        spec_tokens=0, spec_s=0.0, greedy_tokens=0, greedy_s=0.0, recompute=0, mismatches=0, tau_sum=0.0, blocks=0
+    )
     bar = tqdm(encoded, unit="prompt", desc="eval", disable=not progress)
     for ids in bar:
         spec = speculative_generate(runner, ids, propose, block_size, max_new_tokens, eos)
@@ -334,21 +376,30 @@ def evaluate(target: str, data: Union[str, Sequence[Dict]], drafter: Union[DFlas
     }
     if baseline:
         target_tps = totals["greedy_tokens"] / totals["greedy_s"] if totals["greedy_s"] else None
-        report.update(target_tokens_per_s=target_tps,
-                      speedup=report["tokens_per_s"] / target_tps if target_tps and report["tokens_per_s"] else None,
-                      greedy_mismatches=totals["mismatches"])
+        report.update(
+            target_tokens_per_s=target_tps,
+            speedup=report["tokens_per_s"] / target_tps if target_tps and report["tokens_per_s"] else None,
+            greedy_mismatches=totals["mismatches"],
+        )
     return report
 
 
 def add_arguments(parser) -> None:
     p = parser
     p.add_argument("--target", required=True, help="Hugging Face causal LM: local directory or hub id")
-    p.add_argument("--drafter", required=True,
-                   help="speculators-format export directory (dflash-fast export) or trainer checkpoint")
-    p.add_argument("--data", required=True, help="prompts JSONL, as for regenerate: {conversations: [...]} or {text: ...}")
+    p.add_argument(
+        "--drafter",
+        required=True,
+        help="speculators-format export directory (dflash-fast export) or trainer checkpoint",
+    )
+    p.add_argument(
+        "--data", required=True, help="prompts JSONL, as for regenerate: {conversations: [...]} or {text: ...}"
+    )
     p.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt (default 128)")
-    p.add_argument("--no-baseline", action="store_true", help="skip the target-only greedy loop (no speedup, no identity check)")
+    p.add_argument(
+        "--no-baseline", action="store_true", help="skip the target-only greedy loop (no speedup, no identity check)"
+    )
     p.add_argument("--no-offline", action="store_true", help="skip tau_offline")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="default: bf16 on cuda, fp32 on cpu")
@@ -357,9 +408,18 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    report = evaluate(args.target, args.data, args.drafter, max_new_tokens=args.max_new_tokens, num_prompts=args.num_prompts,
-                      offline=not args.no_offline, baseline=not args.no_baseline, device=args.device, dtype=args.dtype,
-                      trust_remote_code=args.trust_remote_code)
+    report = evaluate(
+        args.target,
+        args.data,
+        args.drafter,
+        max_new_tokens=args.max_new_tokens,
+        num_prompts=args.num_prompts,
+        offline=not args.no_offline,
+        baseline=not args.no_baseline,
+        device=args.device,
+        dtype=args.dtype,
+        trust_remote_code=args.trust_remote_code,
+    )
     text = json.dumps(report, indent=2)
     if args.out:
         with open(args.out, "w") as f:

@@ -86,7 +86,9 @@ def export_drafter(drafter: DFlashDrafter, out_dir: str, verifier: str, dtype: O
 def config_from_export(config: Dict, target_config=None) -> DrafterConfig:
     """DrafterConfig from a speculators DFlash config.json (ours or another tool's)."""
     if config.get("speculators_model_type") != "dflash":
-        raise ValueError(f"not a speculators DFlash export: speculators_model_type = {config.get('speculators_model_type')!r}")
+        raise ValueError(
+            f"not a speculators DFlash export: speculators_model_type = {config.get('speculators_model_type')!r}"
+        )
     layer = config["transformer_layer_config"]
     ours = config.get("dflash_fast", {})
     kinds = {v: k for k, v in HF_LAYER_TYPES.items()}
@@ -95,8 +97,10 @@ def config_from_export(config: Dict, target_config=None) -> DrafterConfig:
     rope = layer.get("rope_parameters") or {"rope_type": "default", "rope_theta": layer.get("rope_theta", 10000.0)}
     causal = ours.get("causal_in_block", False)
     if "dflash_fast" not in config and "sliding" in layer_types and not config.get("sliding_window_non_causal", False):
-        raise ValueError("this export has sliding layers that are causal in the block next to bidirectional full layers; "
-                         "dflash-fast drafters use one in-block rule for every layer")
+        raise ValueError(
+            "this export has sliding layers that are causal in the block next to bidirectional full layers; "
+            "dflash-fast drafters use one in-block rule for every layer"
+        )
     target_layers = ours.get("target_num_layers")
     if target_layers is None and target_config is not None:
         tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
@@ -140,7 +144,9 @@ def load_exported(export_dir: str, target_path: Optional[str] = None) -> DFlashD
     expected = dict(drafter.named_parameters())
     missing, extra = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
     if missing or extra:
-        raise ValueError(f"{export_dir}/model.safetensors does not match the drafter: missing {missing[:5]}, unexpected {extra[:5]}")
+        raise ValueError(
+            f"{export_dir}/model.safetensors does not match the drafter: missing {missing[:5]}, unexpected {extra[:5]}"
+        )
     with torch.no_grad():
         for name, p in expected.items():
             p.copy_(weights[name].to(p.dtype))
@@ -150,7 +156,9 @@ def load_exported(export_dir: str, target_path: Optional[str] = None) -> DFlashD
 
 
 def add_arguments(parser):
-    parser.add_argument("--checkpoint", required=True, help="a trainer run directory, its checkpoints/ directory or one checkpoint")
+    parser.add_argument(
+        "--checkpoint", required=True, help="a trainer run directory, its checkpoints/ directory or one checkpoint"
+    )
     parser.add_argument("--out", required=True, help="export directory")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
 

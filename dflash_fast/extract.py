@@ -381,7 +381,7 @@ class TargetRunner:
         self.device = next(model.parameters()).device
         self.batches_run = 0
         self._captured = []
-        self.norm.register_forward_pre_hook(lambda module, args: self._captured.append(args[0]))
+        self.norm.register_forward_pre_hook(lambda _module, args: self._captured.append(args[0]))
 
     def _forward(self, examples):
         """Right-padded forward -> logits [b, T, V], hidden [b, T, K, H], last [b, T, H]."""

@@ -59,7 +59,10 @@ def _triton_impl(op: str):
     try:
         module = importlib.import_module(f"dflash_fast.kernels.{op}")
     except ImportError as err:
-        raise RuntimeError(f"the Triton kernel for {op} cannot be imported ({err}); select the eager backend: DFLASH_KERNELS={op}=eager") from err
+        raise RuntimeError(
+            f"the Triton kernel for {op} cannot be imported ({err}); select the eager backend: "
+            f"DFLASH_KERNELS={op}=eager"
+        ) from err
     return getattr(module, op)
 
 

@@ -10,7 +10,6 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 import time
 from typing import Dict, List
 
@@ -42,8 +41,16 @@ def train_command(config: str, overrides: List[str]) -> List[str]:
     return [launcher, "--num_gpus", "1", "--master_port", str(_free_port()), script, "--config", config, *overrides]
 
 
-def quickstart(out: str = "out/quickstart", num_prompts: int = 300, eval_prompts: int = 40, max_new_tokens: int = 128,
-               eval_max_new_tokens: int = 96, epochs: float = 0, extra_overrides: List[str] = (), progress: bool = True) -> Dict:
+def quickstart(
+    out: str = "out/quickstart",
+    num_prompts: int = 300,
+    eval_prompts: int = 40,
+    max_new_tokens: int = 128,
+    eval_max_new_tokens: int = 96,
+    epochs: float = 0,
+    extra_overrides: List[str] = (),
+    progress: bool = True,
+) -> Dict:
     """Run every stage into `out`; returns the eval report (also written to OUT/eval.json)."""
     os.makedirs(out, exist_ok=True)
     t0 = time.perf_counter()
@@ -51,8 +58,15 @@ def quickstart(out: str = "out/quickstart", num_prompts: int = 300, eval_prompts
 
     stage("1/5 regenerate: the target answers the training prompts")
     regen = os.path.join(out, "train.jsonl")
-    regenerate(TARGET, os.path.join(ASSETS, "prompts_train.jsonl"), regen, batch_size=16, max_new_tokens=max_new_tokens,
-               num_prompts=num_prompts, progress=progress)
+    regenerate(
+        TARGET,
+        os.path.join(ASSETS, "prompts_train.jsonl"),
+        regen,
+        batch_size=16,
+        max_new_tokens=max_new_tokens,
+        num_prompts=num_prompts,
+        progress=progress,
+    )
 
     stage("2/5 extract: tapped hidden states and teacher summaries into the store")
     store = os.path.join(out, "store")
@@ -76,12 +90,22 @@ def quickstart(out: str = "out/quickstart", num_prompts: int = 300, eval_prompts
         raise RuntimeError(f"the trainer wrote no export in {export_dir}")
 
     stage("5/5 eval: real block speculative decoding on held-out prompts")
-    report = evaluate(TARGET, os.path.join(ASSETS, "prompts_eval.jsonl"), export_dir, max_new_tokens=eval_max_new_tokens,
-                      num_prompts=eval_prompts, progress=progress)
+    report = evaluate(
+        TARGET,
+        os.path.join(ASSETS, "prompts_eval.jsonl"),
+        export_dir,
+        max_new_tokens=eval_max_new_tokens,
+        num_prompts=eval_prompts,
+        progress=progress,
+    )
     with open(os.path.join(out, "eval.json"), "w") as f:
         json.dump(report, f, indent=1)
-    print(f"\nquickstart done in {time.perf_counter() - t0:.0f}s: tau_offline = {report.get('tau_offline', float('nan')):.3f}, "
-          f"real tau = {report['tau']:.3f} tokens per target forward (eval report: {out}/eval.json)", flush=True)
+    print(
+        f"\nquickstart done in {time.perf_counter() - t0:.0f}s: tau_offline = "
+        f"{report.get('tau_offline', float('nan')):.3f}, "
+        f"real tau = {report['tau']:.3f} tokens per target forward (eval report: {out}/eval.json)",
+        flush=True,
+    )
     return report
 
 
@@ -96,7 +120,13 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    quickstart(args.out, args.num_prompts, args.eval_prompts, args.max_new_tokens, args.eval_max_new_tokens, args.epochs,
-               args.overrides)
+    quickstart(
+        args.out,
+        args.num_prompts,
+        args.eval_prompts,
+        args.max_new_tokens,
+        args.eval_max_new_tokens,
+        args.epochs,
+        args.overrides,
+    )
     return 0
-

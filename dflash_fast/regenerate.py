@@ -9,7 +9,8 @@ target continues the text). Each output line is the input record with the
 response in place, plus `"index"` (the prompt's 0-based record number) and
 `"finished"` (the target stopped at its end-of-sequence token):
 
-    {"index": 3, "conversations": [..., {"role": "user", ...}, {"role": "assistant", "content": RESPONSE}], "finished": true}
+    {"index": 3, "conversations": [..., {"role": "user", ...}, "
+    "{"role": "assistant", "content": RESPONSE}], "finished": true}
     {"index": 4, "text": PROMPT + RESPONSE, "finished": false}
 
 so `dflash-fast extract` reads the file as it is. Prompts are cut into fixed
@@ -19,6 +20,7 @@ indices already in the file (a torn last line is cut off first), so an
 interrupted run resumes without duplicating or dropping a prompt; sampling is
 seeded per batch, so the resumed file matches an uninterrupted run.
 """
+
 import json
 import os
 from dataclasses import dataclass
@@ -95,7 +97,9 @@ def encode_prompt(tokenizer, prompt: Prompt) -> List[int]:
     with the tokenizer's special tokens (the conventions of `dflash-fast extract`)."""
     if prompt.messages is not None:
         if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("the target's tokenizer has no chat template; give {'text': ...} prompts instead of conversations")
+            raise ValueError(
+                "the target's tokenizer has no chat template; give {'text': ...} prompts instead of conversations"
+            )
         text = tokenizer.apply_chat_template(prompt.messages, tokenize=False, add_generation_prompt=True)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     else:
@@ -155,30 +159,47 @@ def read_done(out: str, prompts: Sequence[Prompt]) -> Set[int]:
         record = json.loads(line)
         i = record.get("index")
         if not isinstance(i, int) or not 0 <= i < len(prompts) or not _matches(prompts[i], record):
-            raise ValueError(f"{out}:{line_no} is not a response to prompt {i!r} of this prompt file; "
-                             f"write to a new --out or delete {out}")
+            raise ValueError(
+                f"{out}:{line_no} is not a response to prompt {i!r} of this prompt file; "
+                f"write to a new --out or delete {out}"
+            )
         if i in done:
             raise ValueError(f"{out}:{line_no}: prompt {i} appears twice; the file was not written by regenerate")
         done.add(i)
     return done
 
 
-def generate_batch(model, batch: Sequence[List[int]], max_new_tokens: int, eos: List[int], pad_id: int,
-                   temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0) -> List[List[int]]:
+def generate_batch(
+    model,
+    batch: Sequence[List[int]],
+    max_new_tokens: int,
+    eos: List[int],
+    pad_id: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+) -> List[List[int]]:
     """Left-padded batched generate -> each prompt's new tokens, cut after its first eos."""
     width = max(len(ids) for ids in batch)
     input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(batch), width), dtype=torch.long)
     for r, ids in enumerate(batch):
-        input_ids[r, width - len(ids):] = torch.tensor(ids)
-        mask[r, width - len(ids):] = 1
-    # Every sampling knob is passed explicitly: a target's generation_config.json (e.g. Qwen3's top_k=20) must not add its own.
+        input_ids[r, width - len(ids) :] = torch.tensor(ids)
+        mask[r, width - len(ids) :] = 1
+    # Every sampling knob is passed explicitly: a target's generation_config.json (e.g. Qwen3's top_k=20) must not
+    # add its own.
     sampling = dict(do_sample=False)
     if temperature > 0:
         sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k)
     device = next(model.parameters()).device
-    out = model.generate(input_ids=input_ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
-                         eos_token_id=eos, pad_token_id=pad_id, **sampling)
+    out = model.generate(
+        input_ids=input_ids.to(device),
+        attention_mask=mask.to(device),
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos,
+        pad_token_id=pad_id,
+        **sampling,
+    )
     responses = []
     for row in out[:, width:].tolist():
         end = next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
@@ -186,9 +207,22 @@ def generate_batch(model, batch: Sequence[List[int]], max_new_tokens: int, eos: 
     return responses
 
 
-def regenerate(target: str, data: Union[str, Sequence[Dict]], out: str, batch_size: int = 8, max_new_tokens: int = 256,
-               temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0, num_prompts: Optional[int] = None,
-               device=None, dtype: Optional[str] = None, trust_remote_code: bool = False, progress: bool = True) -> Dict:
+def regenerate(
+    target: str,
+    data: Union[str, Sequence[Dict]],
+    out: str,
+    batch_size: int = 8,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+    num_prompts: Optional[int] = None,
+    device=None,
+    dtype: Optional[str] = None,
+    trust_remote_code: bool = False,
+    progress: bool = True,
+) -> Dict:
     """Write the target's responses to the prompts in `data` into `out` (JSONL); resume a partial `out`.
 
     temperature 0 is greedy decoding; above 0, sampling with `top_p` and `top_k` (0 = off), seeded per batch by `seed`.
@@ -200,7 +234,9 @@ def regenerate(target: str, data: Union[str, Sequence[Dict]], out: str, batch_si
     if batch_size < 1 or max_new_tokens < 1:
         raise ValueError(f"batch_size ({batch_size}) and max_new_tokens ({max_new_tokens}) must be >= 1")
     if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
-        raise ValueError(f"need temperature >= 0 (0 = greedy), top_p in (0, 1], top_k >= 0; got {temperature}, {top_p}, {top_k}")
+        raise ValueError(
+            f"need temperature >= 0 (0 = greedy), top_p in (0, 1], top_k >= 0; got {temperature}, {top_p}, {top_k}"
+        )
     prompts = read_prompts(data, num_prompts)
     done = read_done(out, prompts)
     summary = {"out": out, "prompts": len(prompts), "written": 0, "skipped": len(done), "finished": 0}
@@ -216,18 +252,28 @@ def regenerate(target: str, data: Union[str, Sequence[Dict]], out: str, batch_si
     bar = tqdm(total=len(prompts), initial=len(done), unit="prompt", desc="regenerate", disable=not progress)
     with open(out, "a") as f:
         for start in range(0, len(prompts), batch_size):
-            todo = [p for p in prompts[start: start + batch_size] if p.index not in done]
+            todo = [p for p in prompts[start : start + batch_size] if p.index not in done]
             if not todo:
                 continue
             # Seeded by the batch's position, not by what ran before: a resumed run draws the same samples.
             torch.manual_seed(seed * 1_000_003 + start)
-            responses = generate_batch(model, [encode_prompt(tokenizer, p) for p in todo], max_new_tokens, eos, pad_id,
-                                       temperature, top_p, top_k)
+            responses = generate_batch(
+                model,
+                [encode_prompt(tokenizer, p) for p in todo],
+                max_new_tokens,
+                eos,
+                pad_id,
+                temperature,
+                top_p,
+                top_k,
+            )
             lines = []
             for p, ids in zip(todo, responses):
                 finished = bool(ids) and ids[-1] in eos
                 summary["finished"] += finished
-                lines.append(json.dumps(output_record(p, tokenizer.decode(ids, skip_special_tokens=True), finished)) + "\n")
+                lines.append(
+                    json.dumps(output_record(p, tokenizer.decode(ids, skip_special_tokens=True), finished)) + "\n"
+                )
             f.write("".join(lines))
             f.flush()
             os.fsync(f.fileno())
@@ -240,7 +286,9 @@ def regenerate(target: str, data: Union[str, Sequence[Dict]], out: str, batch_si
 def add_arguments(parser) -> None:
     p = parser
     p.add_argument("--target", required=True, help="Hugging Face causal LM: local directory or hub id")
-    p.add_argument("--data", required=True, help="prompts JSONL: {conversations: [...]} (last turn the user's) or {text: ...}")
+    p.add_argument(
+        "--data", required=True, help="prompts JSONL: {conversations: [...]} (last turn the user's) or {text: ...}"
+    )
     p.add_argument("--out", required=True, help="output JSONL (re-run the same command to resume)")
     p.add_argument("--batch-size", type=int, default=8, help="prompts per generate call (default 8)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="response length limit (default 256)")
@@ -255,10 +303,23 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    s = regenerate(args.target, args.data, args.out, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-                   temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                   num_prompts=args.num_prompts,
-                   device=args.device, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
-    print(f"{s['out']}: {s['written']} responses written, {s['skipped']} already there, "
-          f"{s['finished']} of the new ones ended at eos ({s['prompts']} prompts)")
+    s = regenerate(
+        args.target,
+        args.data,
+        args.out,
+        batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        num_prompts=args.num_prompts,
+        device=args.device,
+        dtype=args.dtype,
+        trust_remote_code=args.trust_remote_code,
+    )
+    print(
+        f"{s['out']}: {s['written']} responses written, {s['skipped']} already there, "
+        f"{s['finished']} of the new ones ended at eos ({s['prompts']} prompts)"
+    )
     return 0

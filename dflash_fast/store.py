@@ -20,14 +20,15 @@ float32. On disk a store is a directory:
 
 Each `.bin` is a flat C-order array memory-mapped with `np.memmap`: reading
 one item touches only its bytes, and a torch tensor is a view of the mapping,
-never a copy (copy-on-write: writing into a tensor never reaches the file). A shard is written into `<name>.tmp/` and renamed when every
-sequence is in, so a crash leaves at worst a `.tmp` directory that the next
+never a copy (copy-on-write: writing into a tensor never reaches the file). A shard is written into
+`<name>.tmp/` and renamed when every sequence is in, so a crash leaves at worst a `.tmp` directory that the next
 run deletes and redoes.
 
 Layer ids (SPEC §1): layer id `l` is the output of decoder layer `l`,
 `0 <= l <= L-1`; in Hugging Face `outputs.hidden_states` that is
 `hidden_states[l + 1]`.
 """
+
 import bisect
 import hashlib
 import json
@@ -67,6 +68,7 @@ NORM_KINDS = ("rmsnorm", "rmsnorm_zero_centred")
 
 
 # ---------------------------------------------------------------- layer ids
+
 
 def default_layer_ids(num_layers: int, num_tapped: int = 5) -> List[int]:
     """`num_tapped` ids spread uniformly from layer 1 to layer `num_layers - 3`, rounded.
@@ -127,6 +129,7 @@ def parse_layer_ids(text: str) -> List[int]:
 
 # ---------------------------------------------------------------- final norm
 
+
 def final_norm_weight(weight: torch.Tensor, kind: str) -> torch.Tensor:
     """The effective RMSNorm scale of a final norm of `kind`: `w`, or `1 + w` when zero-centred.
 
@@ -140,6 +143,7 @@ def final_norm_weight(weight: torch.Tensor, kind: str) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- layout
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -217,6 +221,7 @@ def _fsync_dir(path: str) -> None:
 
 
 # ---------------------------------------------------------------- writer
+
 
 class ShardWriter:
     """Writes one shard of known sequence lengths into `<name>.tmp/`, then renames it into place.
@@ -357,6 +362,7 @@ def read_manifest(path: str) -> Optional[dict]:
 
 # ---------------------------------------------------------------- shard checks and the reader
 
+
 def _check_shard(shard: str, layout: Layout, index: dict, expect: Optional[dict]) -> Dict[str, tuple]:
     """Check a shard's index and file sizes against `layout` (and the manifest's `expect`).
 
@@ -451,7 +457,7 @@ class HiddenStateStore:
         self._token_starts = []
         first = 0
         for count in per_shard:
-            shard_lengths = self.lengths[first:first + count]
+            shard_lengths = self.lengths[first : first + count]
             self._token_starts.append(np.concatenate([[0], np.cumsum(shard_lengths)]))
             first += count
         self._maps = {}

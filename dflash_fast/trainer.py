@@ -180,7 +180,9 @@ def init_distributed() -> Tuple[int, int]:
 
     if not dist.is_initialized():
         if "RANK" not in os.environ:
-            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+            os.environ.update(
+                RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())
+            )
         if torch.cuda.is_available():
             get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", 0)))
         deepspeed.init_distributed(auto_mpi_discovery=False, verbose=False)
@@ -198,21 +200,41 @@ def _quiet_deepspeed() -> None:
 
 # ---------------------------------------------------------------- data and sums
 
+
 class TrainStream:
     """This rank's training micro-batches, epoch after epoch. `position` = (epoch, next micro-batch index)."""
 
-    def __init__(self, store, cfg: TrainConfig, rank: int, world_size: int, with_last: bool, epoch: int = 0, index: int = 0):
+    def __init__(
+        self, store, cfg: TrainConfig, rank: int, world_size: int, with_last: bool, epoch: int = 0, index: int = 0
+    ):
         self.store, self.cfg, self.rank, self.world_size, self.with_last = store, cfg, rank, world_size, with_last
         d = cfg.data
-        self.per_epoch = steps_per_epoch(store, d.seq_len, d.batch_rows, cfg.seed, world_size, "train", d.val_fraction, d.split_seed)
+        self.per_epoch = steps_per_epoch(
+            store, d.seq_len, d.batch_rows, cfg.seed, world_size, "train", d.val_fraction, d.split_seed
+        )
         self.epoch, self.index = epoch, index
         self._it = None
 
     def _open(self):
         d = self.cfg.data
-        self._it = iter(make_loader(self.store, d.seq_len, d.num_anchors, d.batch_rows, self.cfg.seed, self.rank, self.world_size,
-                                self.epoch, "train", d.num_workers, start_step=self.index, val_fraction=d.val_fraction,
-                                split_seed=d.split_seed, with_last=self.with_last))
+        self._it = iter(
+            make_loader(
+                self.store,
+                d.seq_len,
+                d.num_anchors,
+                d.batch_rows,
+                self.cfg.seed,
+                self.rank,
+                self.world_size,
+                self.epoch,
+                "train",
+                d.num_workers,
+                start_step=self.index,
+                val_fraction=d.val_fraction,
+                split_seed=d.split_seed,
+                with_last=self.with_last,
+            )
+        )
 
     def __next__(self) -> Dict[str, torch.Tensor]:
         if self.index >= self.per_epoch:
@@ -259,8 +281,8 @@ class Sums:
             self.add("kl_sum", out.kl.detach().double() * denom)
         self.add("slots", count)
         m = slot_metrics(out)
-        self.v[n:n + self.b] += m["acc_hits"].double()
-        self.v[n + self.b:] += m["acc_count"].double()
+        self.v[n : n + self.b] += m["acc_hits"].double()
+        self.v[n + self.b :] += m["acc_count"].double()
         self.add("tau_sum", m["tau_sum"])
         self.add("blocks", m["blocks"])
         self.add("tokens", batch["input_ids"].numel())
@@ -281,7 +303,7 @@ class Sums:
         out = {"loss": self["loss_sum"] / slots}
         if with_kl:
             out["kl"] = self["kl_sum"] / slots
-        hits, counts = self.v[n:n + self.b].tolist(), self.v[n + self.b:].tolist()
+        hits, counts = self.v[n : n + self.b].tolist(), self.v[n + self.b :].tolist()
         for j in range(1, self.b):
             out[f"acc_{j}"] = hits[j] / counts[j] if counts[j] else None
         out["tau_offline"] = self["tau_sum"] / self["blocks"] if self["blocks"] else None
@@ -311,12 +333,16 @@ def _peak_memory_mb() -> float:
 
 # ---------------------------------------------------------------- checkpoints (also used by `dflash-fast export`)
 
+
 def checkpoint_tags(checkpoints_dir: str) -> List[str]:
     """Complete checkpoint tags in `checkpoints_dir`, oldest first."""
     if not os.path.isdir(checkpoints_dir):
         return []
-    return sorted(t for t in os.listdir(checkpoints_dir)
-                  if CHECKPOINT_TAG.match(t) and os.path.isfile(os.path.join(checkpoints_dir, t, CLIENT_STATE)))
+    return sorted(
+        t
+        for t in os.listdir(checkpoints_dir)
+        if CHECKPOINT_TAG.match(t) and os.path.isfile(os.path.join(checkpoints_dir, t, CLIENT_STATE))
+    )
 
 
 def resolve_checkpoint(path: str) -> Tuple[str, str]:
@@ -330,8 +356,10 @@ def resolve_checkpoint(path: str) -> Tuple[str, str]:
     tags = checkpoint_tags(path)
     if tags:
         return path, tags[-1]
-    raise FileNotFoundError(f"{path} is not a run directory, a checkpoints directory or a checkpoint "
-                            f"(no complete checkpoint: none holds {CLIENT_STATE})")
+    raise FileNotFoundError(
+        f"{path} is not a run directory, a checkpoints directory or a checkpoint "
+        f"(no complete checkpoint: none holds {CLIENT_STATE})"
+    )
 
 
 def read_client_state(load_dir: str, tag: str) -> Dict:
@@ -351,11 +379,16 @@ def load_drafter_for_export(checkpoint: str) -> Tuple[DFlashDrafter, str]:
     if glob.glob(os.path.join(load_dir, tag, "*optim_states.pt")):
         weights = get_fp32_state_dict_from_zero_checkpoint(load_dir, tag)
     else:  # no ZeRO: the module's own weights
-        weights = torch.load(os.path.join(load_dir, tag, "mp_rank_00_model_states.pt"), map_location="cpu", weights_only=False)["module"]
+        weights = torch.load(
+            os.path.join(load_dir, tag, "mp_rank_00_model_states.pt"), map_location="cpu", weights_only=False
+        )["module"]
     expected = dict(drafter.named_parameters())
     missing, extra = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
     if missing or extra:
-        raise ValueError(f"{os.path.join(load_dir, tag)} does not match its drafter config: missing {missing[:5]}, unexpected {extra[:5]}")
+        raise ValueError(
+            f"{os.path.join(load_dir, tag)} does not match its drafter config: missing {missing[:5]}, "
+            f"unexpected {extra[:5]}"
+        )
     with torch.no_grad():
         for name, p in expected.items():
             p.copy_(weights[name].float())
@@ -363,6 +396,7 @@ def load_drafter_for_export(checkpoint: str) -> Tuple[DFlashDrafter, str]:
 
 
 # ---------------------------------------------------------------- the trainer
+
 
 class Trainer:
     """Builds everything from a validated config; `run()` trains, checkpoints, validates and exports."""
@@ -379,10 +413,18 @@ class Trainer:
         self.store = HiddenStateStore(cfg.data.store)
         manifest = self.store.manifest
         d, s = cfg.data, cfg.schedule
-        self.data_identity = {"store_tokens": manifest["num_tokens"], "store_job": manifest.get("extraction", {}).get("job"),
-                              "seq_len": d.seq_len, "num_anchors": d.num_anchors, "batch_rows": d.batch_rows,
-                              "grad_accum": s.grad_accum, "world_size": world_size, "seed": cfg.seed,
-                              "val_fraction": d.val_fraction, "split_seed": d.split_seed}
+        self.data_identity = {
+            "store_tokens": manifest["num_tokens"],
+            "store_job": manifest.get("extraction", {}).get("job"),
+            "seq_len": d.seq_len,
+            "num_anchors": d.num_anchors,
+            "batch_rows": d.batch_rows,
+            "grad_accum": s.grad_accum,
+            "world_size": world_size,
+            "seed": cfg.seed,
+            "val_fraction": d.val_fraction,
+            "split_seed": d.split_seed,
+        }
         resume = self._find_resume()
         self.target = cfg.model.target or manifest["target"]["path"]
         self.loss_kind = resolve_loss_kind(cfg.loss.kind, manifest)
@@ -394,13 +436,23 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         try:
             # The frozen embedding and lm_head are [V, H] each: loaded in the compute dtype, never as an fp32 copy.
-            drafter = build_drafter(self.target, m.layer_ids or manifest["layer_ids"], m.mask_token_id,
-                                    norm_kind=manifest["final_norm"]["kind"], frozen_dtype=self.dtype,
-                                    num_layers=m.num_layers, block_size=m.block_size,
-                                    layer_types=m.layer_types, sliding_window=m.sliding_window, causal_in_block=m.causal_in_block)
+            drafter = build_drafter(
+                self.target,
+                m.layer_ids or manifest["layer_ids"],
+                m.mask_token_id,
+                norm_kind=manifest["final_norm"]["kind"],
+                frozen_dtype=self.dtype,
+                num_layers=m.num_layers,
+                block_size=m.block_size,
+                layer_types=m.layer_types,
+                sliding_window=m.sliding_window,
+                causal_in_block=m.causal_in_block,
+            )
         except (OSError, ValueError, KeyError) as e:
-            raise ConfigError(f"cannot build the drafter from target {self.target!r} (model.target, default: the store's "
-                              f"target; model.mask_token_id sets the mask token): {e}") from None
+            raise ConfigError(
+                f"cannot build the drafter from target {self.target!r} (model.target, default: the store's "
+                f"target; model.mask_token_id sets the mask token): {e}"
+            ) from None
         check_store_matches(cfg.data.store, manifest, drafter.config, self.target, self.loss_kind)
         self.block_size = drafter.config.block_size
 
@@ -415,21 +467,30 @@ class Trainer:
         warmup = round(s.warmup_ratio * self.total_steps)
         optimizer = build_optimizer(drafter, cfg, offloads_optimizer(ds))
         scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda k: lr_multiplier(k, self.total_steps, warmup, s.kind, s.min_lr_ratio))
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=drafter, optimizer=optimizer, lr_scheduler=scheduler,
-                                                                 config=ds)
+            optimizer, lambda k: lr_multiplier(k, self.total_steps, warmup, s.kind, s.min_lr_ratio)
+        )
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=drafter, optimizer=optimizer, lr_scheduler=scheduler, config=ds
+        )
         self.device = self.engine.device
         self.step = 0
         self.last_checkpoint: Optional[str] = None
         if resume is not None:
             self._resume(*resume)
-        self.log(f"store {self.store.path}: {len(self.store)} documents, {manifest['num_tokens']:,} tokens, layer ids "
-                 f"{manifest['layer_ids']}; target {self.target}")
-        self.log(f"drafter: {num_params:,} trainable parameters, {m.num_layers} layers, "
-                 f"block {self.block_size}; loss {self.loss_kind}; {self.precision}; ZeRO-{self.zero_stage}; kernels "
-                 + ", ".join(f"{op}={ops.backend_of(op)}" for op in ops.OPS))
-        self.log(f"{world_size} rank(s) x {s.grad_accum} micro-batch(es) x {d.batch_rows} row(s) of {d.seq_len} tokens per step; "
-                 f"{self.stream.per_epoch} micro-batches per epoch per rank; {self.total_steps} steps")
+        self.log(
+            f"store {self.store.path}: {len(self.store)} documents, {manifest['num_tokens']:,} tokens, layer ids "
+            f"{manifest['layer_ids']}; target {self.target}"
+        )
+        self.log(
+            f"drafter: {num_params:,} trainable parameters, {m.num_layers} layers, "
+            f"block {self.block_size}; loss {self.loss_kind}; {self.precision}; ZeRO-{self.zero_stage}; kernels "
+            + ", ".join(f"{op}={ops.backend_of(op)}" for op in ops.OPS)
+        )
+        self.log(
+            f"{world_size} rank(s) x {s.grad_accum} micro-batch(es) x {d.batch_rows} row(s) of "
+            f"{d.seq_len} tokens per step; "
+            f"{self.stream.per_epoch} micro-batches per epoch per rank; {self.total_steps} steps"
+        )
         self._prepare_output()
 
     # ---- output
@@ -474,9 +535,16 @@ class Trainer:
     def save(self) -> None:
         tag = f"step{self.step:08d}"
         epoch, index = self.stream.position
-        client = {"step": self.step, "epoch": epoch, "micro_batch": index, "data": self.data_identity,
-                  "drafter": self.engine.module.config.to_dict(), "verifier": self.target, "loss_kind": self.loss_kind,
-                  "config": self.cfg.to_dict()}
+        client = {
+            "step": self.step,
+            "epoch": epoch,
+            "micro_batch": index,
+            "data": self.data_identity,
+            "drafter": self.engine.module.config.to_dict(),
+            "verifier": self.target,
+            "loss_kind": self.loss_kind,
+            "config": self.cfg.to_dict(),
+        }
         self.engine.save_checkpoint(self.checkpoints_dir, tag=tag)
         torch.save(_rng_state(), os.path.join(self.checkpoints_dir, tag, f"rng_rank{self.rank:05d}.pt"))
         dist.barrier()
@@ -486,7 +554,7 @@ class Trainer:
             with open(marker + ".tmp", "w") as f:
                 json.dump(client, f)
             os.replace(marker + ".tmp", marker)
-            for old in checkpoint_tags(self.checkpoints_dir)[:-self.cfg.checkpoint.keep_last]:
+            for old in checkpoint_tags(self.checkpoints_dir)[: -self.cfg.checkpoint.keep_last]:
                 shutil.rmtree(os.path.join(self.checkpoints_dir, old), ignore_errors=True)
         dist.barrier()
         self.log(f"checkpoint {self.last_checkpoint}")
@@ -497,8 +565,10 @@ class Trainer:
         tags = checkpoint_tags(self.checkpoints_dir)
         if spec is None:
             if tags:
-                raise ConfigError(f"{self.checkpoints_dir} already holds checkpoints ({tags[-1]}): pass --resume to continue "
-                                  f"that run, or choose another output_dir")
+                raise ConfigError(
+                    f"{self.checkpoints_dir} already holds checkpoints ({tags[-1]}): pass --resume to continue "
+                    f"that run, or choose another output_dir"
+                )
             return None
         if spec == "latest" and not tags:
             self.log(f"--resume: no checkpoint in {self.checkpoints_dir} yet, starting from step 0")
@@ -510,20 +580,34 @@ class Trainer:
         client = read_client_state(load_dir, tag)
         for key, now in self.data_identity.items():
             if client["data"].get(key) != now:
-                raise ConfigError(f"cannot resume {os.path.join(load_dir, tag)}: {key} was {client['data'].get(key)!r}, now {now!r}; "
-                                  f"the data position would not line up: restore it, or start a fresh output_dir")
+                raise ConfigError(
+                    f"cannot resume {os.path.join(load_dir, tag)}: {key} was {client['data'].get(key)!r}, now {now!r}; "
+                    f"the data position would not line up: restore it, or start a fresh output_dir"
+                )
         return load_dir, tag, client
 
     def _resume(self, load_dir: str, tag: str, client: Dict) -> None:
-        loaded, _ = self.engine.load_checkpoint(load_dir, tag, load_optimizer_states=True, load_lr_scheduler_states=True)
+        loaded, _ = self.engine.load_checkpoint(
+            load_dir, tag, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
         if loaded is None:
             raise ConfigError(f"DeepSpeed could not load the checkpoint {os.path.join(load_dir, tag)}")
         self.step = client["step"]
-        self.stream = TrainStream(self.store, self.cfg, self.rank, self.world_size, self.stream.with_last,
-                                  client["epoch"], client["micro_batch"])
+        self.stream = TrainStream(
+            self.store,
+            self.cfg,
+            self.rank,
+            self.world_size,
+            self.stream.with_last,
+            client["epoch"],
+            client["micro_batch"],
+        )
         _set_rng_state(torch.load(os.path.join(load_dir, tag, f"rng_rank{self.rank:05d}.pt"), weights_only=False))
         self.last_checkpoint = os.path.join(load_dir, tag)
-        self.log(f"resumed from {self.last_checkpoint} at step {self.step} (epoch {client['epoch']}, micro-batch {client['micro_batch']})")
+        self.log(
+            f"resumed from {self.last_checkpoint} at step {self.step} (epoch {client['epoch']}, "
+            f"micro-batch {client['micro_batch']})"
+        )
 
     # ---- steps
 
@@ -580,9 +664,20 @@ class Trainer:
     @torch.no_grad()
     def validate(self) -> Dict:
         d = self.cfg.data
-        loader = make_loader(self.store, d.seq_len, d.num_anchors, d.batch_rows, self.cfg.seed, self.rank, self.world_size,
-                         split="val", num_workers=d.num_workers, val_fraction=d.val_fraction, split_seed=d.split_seed,
-                         with_last=self.loss_kind == "kl")
+        loader = make_loader(
+            self.store,
+            d.seq_len,
+            d.num_anchors,
+            d.batch_rows,
+            self.cfg.seed,
+            self.rank,
+            self.world_size,
+            split="val",
+            num_workers=d.num_workers,
+            val_fraction=d.val_fraction,
+            split_seed=d.split_seed,
+            with_last=self.loss_kind == "kl",
+        )
         sums = Sums(self.block_size, self.device)
         batches = 0
         for batch in loader:
@@ -592,10 +687,16 @@ class Trainer:
             sums.add_output(self._forward(batch, 0.0, 0), batch)
             batches += 1
         sums.all_reduce()
-        entry = {"split": "val", "step": self.step, **sums.metrics(self.loss_kind in ("kl", "kl_topk")),
-                 "batches": batches * self.world_size}
+        entry = {
+            "split": "val",
+            "step": self.step,
+            **sums.metrics(self.loss_kind in ("kl", "kl_topk")),
+            "batches": batches * self.world_size,
+        }
         self.record(entry)
-        self.log(f"validation at step {self.step}: loss {entry['loss']:.4f}, tau_offline {entry['tau_offline'] or 0:.3f}")
+        self.log(
+            f"validation at step {self.step}: loss {entry['loss']:.4f}, tau_offline {entry['tau_offline'] or 0:.3f}"
+        )
         return entry
 
     def export(self) -> Optional[str]:
@@ -612,13 +713,18 @@ class Trainer:
                 state = {name: p.detach().to("cpu", copy=True) for name, p in params.items()}
         path = None
         if self.rank == 0:
-            path = export_drafter(module, os.path.join(self.out_dir, "export"), self.target,
-                                  EXPORT_DTYPES[self.cfg.export_dtype], state_dict=state)
+            path = export_drafter(
+                module,
+                os.path.join(self.out_dir, "export"),
+                self.target,
+                EXPORT_DTYPES[self.cfg.export_dtype],
+                state_dict=state,
+            )
             self.log(f"exported the drafter to {path} (speculators format, {self.cfg.export_dtype})")
         dist.barrier()
         return path
 
-    def _on_signal(self, signum, frame) -> None:
+    def _on_signal(self, signum, _frame) -> None:
         if self.stop_signal is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt  # a second Ctrl-C: stop without saving
         self.stop_signal = signal.Signals(signum).name
@@ -629,8 +735,14 @@ class Trainer:
 
         cfg = self.cfg
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-        bar = tqdm(total=self.total_steps, initial=self.step, disable=self.rank != 0 or not cfg.logging.progress,
-                   unit="step", dynamic_ncols=True, file=sys.stdout)
+        bar = tqdm(
+            total=self.total_steps,
+            initial=self.step,
+            disable=self.rank != 0 or not cfg.logging.progress,
+            unit="step",
+            dynamic_ncols=True,
+            file=sys.stdout,
+        )
         window, window_times, window_steps, window_seconds = Sums(self.block_size, self.device), {}, 0, 0.0
         with_kl = self.loss_kind in ("kl", "kl_topk")
         saved_at = self.step if self.last_checkpoint else None
@@ -643,10 +755,19 @@ class Trainer:
                 seconds = time.perf_counter() - t
                 self.step += 1
                 if sums["nonfinite"]:
-                    where = (f"the last good checkpoint is {self.last_checkpoint} (continue from it with --resume after lowering "
-                             f"optimizer.lr or checking the store)") if self.last_checkpoint else "no checkpoint was saved before it"
-                    raise NonFiniteLoss(f"non-finite loss or gradient norm at step {self.step} (loss {sums.metrics(False)['loss']}, "
-                                        f"grad norm {grad_norm}): stopped without saving; {where}")
+                    where = (
+                        (
+                            f"the last good checkpoint is {self.last_checkpoint} (continue from it with "
+                            f"--resume after lowering "
+                            f"optimizer.lr or checking the store)"
+                        )
+                        if self.last_checkpoint
+                        else "no checkpoint was saved before it"
+                    )
+                    raise NonFiniteLoss(
+                        f"non-finite loss or gradient norm at step {self.step} (loss {sums.metrics(False)['loss']}, "
+                        f"grad norm {grad_norm}): stopped without saving; {where}"
+                    )
                 window.merge(sums)
                 window_steps += 1
                 window_seconds += seconds
@@ -654,15 +775,31 @@ class Trainer:
                     window_times[k] = window_times.get(k, 0.0) + v
                 step_metrics = sums.metrics(False)
                 bar.update(1)
-                bar.set_postfix({"loss": f"{step_metrics['loss']:.3f}", "tau_offline": f"{step_metrics['tau_offline'] or 0:.2f}",
-                                 "tok/s": f"{sums['tokens'] / seconds:.0f}"}, refresh=False)
+                bar.set_postfix(
+                    {
+                        "loss": f"{step_metrics['loss']:.3f}",
+                        "tau_offline": f"{step_metrics['tau_offline'] or 0:.2f}",
+                        "tok/s": f"{sums['tokens'] / seconds:.0f}",
+                    },
+                    refresh=False,
+                )
                 if self.step % cfg.logging.every == 0 or self.step == self.total_steps:
                     epoch, index = self.stream.position
-                    self.record({"split": "train", "step": self.step, "epoch": epoch + index / self.stream.per_epoch,
-                                 **window.metrics(with_kl), "lr": lr, "grad_norm": grad_norm,
-                                 "tokens_per_s": window["tokens"] / window_seconds, "anchors_per_s": window["anchors"] / window_seconds,
-                                 **{f"time_{k}_ms": 1e3 * v / window_steps for k, v in window_times.items()},
-                                 "step_time_ms": 1e3 * window_seconds / window_steps, "peak_memory_mb": _peak_memory_mb()})
+                    self.record(
+                        {
+                            "split": "train",
+                            "step": self.step,
+                            "epoch": epoch + index / self.stream.per_epoch,
+                            **window.metrics(with_kl),
+                            "lr": lr,
+                            "grad_norm": grad_norm,
+                            "tokens_per_s": window["tokens"] / window_seconds,
+                            "anchors_per_s": window["anchors"] / window_seconds,
+                            **{f"time_{k}_ms": 1e3 * v / window_steps for k, v in window_times.items()},
+                            "step_time_ms": 1e3 * window_seconds / window_steps,
+                            "peak_memory_mb": _peak_memory_mb(),
+                        }
+                    )
                     window, window_times, window_steps, window_seconds = Sums(self.block_size, self.device), {}, 0, 0.0
                 if cfg.validation.every and self.step % cfg.validation.every == 0:
                     self.validate()
@@ -697,12 +834,21 @@ def train(cfg: TrainConfig) -> Dict:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="train.py", description="Train a DFlash drafter with DeepSpeed: "
-                                "deepspeed train.py --config configs/tiny.yaml [key.sub=value ...]")
+    p = argparse.ArgumentParser(
+        prog="train.py",
+        description="Train a DFlash drafter with DeepSpeed: "
+        "deepspeed train.py --config configs/tiny.yaml [key.sub=value ...]",
+    )
     p.add_argument("--config", help="YAML config, e.g. configs/tiny.yaml or configs/qwen3-8b.yaml")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in OUT/checkpoints "
-                   "(checkpoint.resume=PATH continues from another one)")
-    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # the deepspeed launcher's; LOCAL_RANK is used
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest checkpoint in OUT/checkpoints "
+        "(checkpoint.resume=PATH continues from another one)",
+    )
+    p.add_argument(
+        "--local_rank", type=int, default=None, help=argparse.SUPPRESS
+    )  # the deepspeed launcher's; LOCAL_RANK is used
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides such as optimizer.lr=3e-4")
     return p.parse_intermixed_args(argv)
 

@@ -14,22 +14,18 @@ tight and makes the anchors that see one context tile a contiguous range; the
 code stays correct (only slower) for unsorted valid anchors.
 """
 import math
-import os
 from typing import NamedTuple, Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
+from dflash_fast.kernels._common import autotune_configs, check_device, dot_precision
 
 from dflash_fast.eager import document_starts
 
-_ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
-
 
 def _configs(gpu_configs, interpreter_config):
-    """Several autotune candidates on a GPU; one config under the interpreter (each tuning run costs seconds there)."""
-    chosen = gpu_configs if _ON_GPU else [interpreter_config]
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in chosen]
+    return autotune_configs(("BLOCK_M", "BLOCK_N"), gpu_configs, interpreter_config)
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages). Candidates chosen to compile without register
@@ -67,9 +63,9 @@ def _query_tile(LO, HI, VALID, n_ctx, n_q, n_qh, n_anchor, group, block_size,
 
     Returns row r (int64), q head, kv head, offsets o_m [BLOCK_M] and o_d [HEAD_DIM];
     per query row its anchor's context interval lo, hi and validity; then c_lo and
-    n_ctx_tiles (context tiles covering [min lo, max hi) of the valid rows), lo_max and hi_min (tiles inside [lo_max, hi_min) are seen whole by every
-    valid row), b_lo (first key of the tile's own blocks) and n_tiles (context +
-    block tiles). A tile without valid rows visits nothing.
+    n_ctx_tiles (context tiles covering [min lo, max hi) of the valid rows), lo_max and hi_min (tiles
+    inside [lo_max, hi_min) are seen whole by every valid row), b_lo (first key of the tile's own blocks)
+    and n_tiles (context + block tiles). A tile without valid rows visits nothing.
     """
     # Later anchors see more context: launch the heavy tiles first to shorten the tail.
     i_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -97,8 +93,22 @@ def _query_tile(LO, HI, VALID, n_ctx, n_q, n_qh, n_anchor, group, block_size,
     if CAUSAL:
         b_hi = tl.minimum(b_hi, m_last + 1)
     n_blk_tiles = tl.where(any_valid, tl.cdiv(b_hi - b_lo, BLOCK_N), 0)
-    return (r64, i_h, i_h // group, o_m, tl.arange(0, HEAD_DIM), lo, hi, valid,
-            c_lo, n_ctx_tiles, lo_max, hi_min, b_lo, n_ctx_tiles + n_blk_tiles)
+    return (
+        r64,
+        i_h,
+        i_h // group,
+        o_m,
+        tl.arange(0, HEAD_DIM),
+        lo,
+        hi,
+        valid,
+        c_lo,
+        n_ctx_tiles,
+        lo_max,
+        hi_min,
+        b_lo,
+        n_ctx_tiles + n_blk_tiles,
+    )
 
 
 @triton.jit
@@ -115,8 +125,34 @@ def _visible(o_m, o_n, lo, hi, block_size, IS_CTX: tl.constexpr, CAUSAL: tl.cons
 
 
 @triton.jit
-def _key_tile_scores(it, q, KC, VC, KB, VB, skc, svc, skb, svb, c_lo, n_ctx_tiles, lo_max, hi_min, b_lo, n_ctx, n_q,
-                     o_m, o_d, lo, hi, block_size, qk_scale, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _key_tile_scores(
+    it,
+    q,
+    KC,
+    VC,
+    KB,
+    VB,
+    skc,
+    svc,
+    skb,
+    svb,
+    c_lo,
+    n_ctx_tiles,
+    lo_max,
+    hi_min,
+    b_lo,
+    n_ctx,
+    n_q,
+    o_m,
+    o_d,
+    lo,
+    hi,
+    block_size,
+    qk_scale,
+    CAUSAL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     """The it-th key tile of a query tile (context tiles, then block tiles) -> k, v [BLOCK_N, D]
     and base-2 scores s = scale * log2(e) * q k^T [BLOCK_M, BLOCK_N], -inf where not visible.
 
@@ -137,29 +173,70 @@ def _key_tile_scores(it, q, KC, VC, KB, VB, skc, svc, skb, svb, c_lo, n_ctx_tile
     if is_ctx:
         n0 = c_lo + it * BLOCK_N
         if (n0 < lo_max) | (n0 + BLOCK_N > hi_min):
-            s = tl.where(_visible(o_m[:, None], o_n[None, :], lo[:, None], hi[:, None], block_size, True, CAUSAL), s, float("-inf"))
+            s = tl.where(
+                _visible(o_m[:, None], o_n[None, :], lo[:, None], hi[:, None], block_size, True, CAUSAL),
+                s,
+                float("-inf"),
+            )
     else:
-        s = tl.where(_visible(o_m[:, None], o_n[None, :], lo[:, None], hi[:, None], block_size, False, CAUSAL), s, float("-inf"))
+        s = tl.where(
+            _visible(o_m[:, None], o_n[None, :], lo[:, None], hi[:, None], block_size, False, CAUSAL), s, float("-inf")
+        )
     return k, v, s
 
 
 @triton.autotune(configs=_Q_TILE_CONFIGS, key=["n_ctx", "n_q", "block_size", "HEAD_DIM", "CAUSAL"])
 @triton.jit
 def _attn_fwd_kernel(
-    Q, KC, VC, KB, VB, O, LSE, LO, HI, VALID,
-    sq_r, sq_m, sq_h, skc_r, skc_t, skc_h, svc_r, svc_t, svc_h,
-    skb_r, skb_m, skb_h, svb_r, svb_m, svb_h, so_r, so_m, so_h,
-    n_ctx, n_q, n_anchor, n_qh, group, block_size, qk_scale,
-    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q,
+    KC,
+    VC,
+    KB,
+    VB,
+    OUT,
+    LSE,
+    LO,
+    HI,
+    VALID,
+    sq_r,
+    sq_m,
+    sq_h,
+    skc_r,
+    skc_t,
+    skc_h,
+    svc_r,
+    svc_t,
+    svc_h,
+    skb_r,
+    skb_m,
+    skb_h,
+    svb_r,
+    svb_m,
+    svb_h,
+    so_r,
+    so_m,
+    so_h,
+    n_ctx,
+    n_q,
+    n_anchor,
+    n_qh,
+    group,
+    block_size,
+    qk_scale,
+    CAUSAL: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
-    """O = softmax(scale * Q K^T over visible keys) V for one (row, q head, query tile); LSE in base 2.
+    """OUT = softmax(scale * Q K^T over visible keys) V for one (row, q head, query tile); LSE in base 2.
 
     Reads its query tile once and K/V of context tiles [min lo, max hi) plus its own
-    blocks; writes O [BLOCK_M, D] and LSE [BLOCK_M] (+inf on invalid rows).
+    blocks; writes OUT [BLOCK_M, D] and LSE [BLOCK_M] (+inf on invalid rows).
     """
     r64, i_h, i_hk, o_m, o_d, lo, hi, valid, c_lo, n_ctx_tiles, lo_max, hi_min, b_lo, n_tiles = _query_tile(
-        LO, HI, VALID, n_ctx, n_q, n_qh, n_anchor, group, block_size, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N)
+        LO, HI, VALID, n_ctx, n_q, n_qh, n_anchor, group, block_size, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N
+    )
     q = _load_rows(Q + r64 * sq_r + i_h * sq_h, sq_m, o_m, o_d, n_q)
     KCh, VCh = KC + r64 * skc_r + i_hk * skc_h, VC + r64 * svc_r + i_hk * svc_h
     KBh, VBh = KB + r64 * skb_r + i_hk * skb_h, VB + r64 * svb_r + i_hk * svb_h
@@ -168,8 +245,34 @@ def _attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     for it in range(n_tiles):
-        k, v, s = _key_tile_scores(it, q, KCh, VCh, KBh, VBh, skc_t, svc_t, skb_m, svb_m, c_lo, n_ctx_tiles, lo_max, hi_min, b_lo,
-                                   n_ctx, n_q, o_m, o_d, lo, hi, block_size, qk_scale, CAUSAL, BLOCK_N, DOT_PRECISION)
+        k, v, s = _key_tile_scores(
+            it,
+            q,
+            KCh,
+            VCh,
+            KBh,
+            VBh,
+            skc_t,
+            svc_t,
+            skb_m,
+            svb_m,
+            c_lo,
+            n_ctx_tiles,
+            lo_max,
+            hi_min,
+            b_lo,
+            n_ctx,
+            n_q,
+            o_m,
+            o_d,
+            lo,
+            hi,
+            block_size,
+            qk_scale,
+            CAUSAL,
+            BLOCK_N,
+            DOT_PRECISION,
+        )
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # A row with nothing visible yet keeps m = -inf; subtract 0 there so exp2 gives 0, not NaN.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -184,20 +287,22 @@ def _attn_fwd_kernel(
     out = tl.where(valid[:, None], acc / l_safe[:, None], 0.0)
     lse = tl.where(valid, m_i + tl.log2(l_safe), float("inf"))
     m_row = o_m < n_q
-    tl.store(_row_ptrs(O + r64 * so_r + i_h * so_h, so_m, o_m, o_d), out.to(O.dtype.element_ty), mask=m_row[:, None])
+    p_out = _row_ptrs(OUT + r64 * so_r + i_h * so_h, so_m, o_m, o_d)
+    tl.store(p_out, out.to(OUT.dtype.element_ty), mask=m_row[:, None])
     tl.store(LSE + (r64 * n_qh + i_h) * n_q + o_m, lse, mask=m_row)
 
 
 @triton.jit
-def _bwd_preprocess_kernel(O, DO, DELTA, so_r, so_m, so_h, sdo_r, sdo_m, sdo_h, n_q, n_qh,
-                           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
-    """delta[r, h, m] = sum_d dO * O (fp32): the softmax-backward row term."""
+def _bwd_preprocess_kernel(
+    OUT, DO, DELTA, so_r, so_m, so_h, sdo_r, sdo_m, sdo_h, n_q, n_qh, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr
+):
+    """delta[r, h, m] = sum_d dO * OUT (fp32): the softmax-backward row term."""
     i_m, i_rh = tl.program_id(0), tl.program_id(1)
     i_h = i_rh % n_qh
     r64 = (i_rh // n_qh).to(tl.int64)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_d = tl.arange(0, HEAD_DIM)
-    o = _load_rows(O + r64 * so_r + i_h * so_h, so_m, o_m, o_d, n_q).to(tl.float32)
+    o = _load_rows(OUT + r64 * so_r + i_h * so_h, so_m, o_m, o_d, n_q).to(tl.float32)
     do = _load_rows(DO + r64 * sdo_r + i_h * sdo_h, sdo_m, o_m, o_d, n_q).to(tl.float32)
     tl.store(DELTA + (r64 * n_qh + i_h) * n_q + o_m, tl.sum(o * do, axis=1), mask=o_m < n_q)
 
@@ -205,19 +310,60 @@ def _bwd_preprocess_kernel(O, DO, DELTA, so_r, so_m, so_h, sdo_r, sdo_m, sdo_h, 
 @triton.autotune(configs=_Q_TILE_CONFIGS, key=["n_ctx", "n_q", "block_size", "HEAD_DIM", "CAUSAL"])
 @triton.jit
 def _attn_bwd_dq_kernel(
-    Q, KC, VC, KB, VB, DO, LSE, DELTA, DQ, LO, HI, VALID,
-    sq_r, sq_m, sq_h, skc_r, skc_t, skc_h, svc_r, svc_t, svc_h,
-    skb_r, skb_m, skb_h, svb_r, svb_m, svb_h, sdo_r, sdo_m, sdo_h, sdq_r, sdq_m, sdq_h,
-    n_ctx, n_q, n_anchor, n_qh, group, block_size, qk_scale, scale,
-    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q,
+    KC,
+    VC,
+    KB,
+    VB,
+    DO,
+    LSE,
+    DELTA,
+    DQ,
+    LO,
+    HI,
+    VALID,
+    sq_r,
+    sq_m,
+    sq_h,
+    skc_r,
+    skc_t,
+    skc_h,
+    svc_r,
+    svc_t,
+    svc_h,
+    skb_r,
+    skb_m,
+    skb_h,
+    svb_r,
+    svb_m,
+    svb_h,
+    sdo_r,
+    sdo_m,
+    sdo_h,
+    sdq_r,
+    sdq_m,
+    sdq_h,
+    n_ctx,
+    n_q,
+    n_anchor,
+    n_qh,
+    group,
+    block_size,
+    qk_scale,
+    scale,
+    CAUSAL: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """dQ = scale * dS K for one (row, q head, query tile), dS = P * (dO V^T - delta), P
     recomputed from the saved LSE; visits exactly the key tiles the forward visited.
     Invalid rows carry LSE = +inf, so P = 0 and their dQ is zero without a mask.
     """
     r64, i_h, i_hk, o_m, o_d, lo, hi, valid, c_lo, n_ctx_tiles, lo_max, hi_min, b_lo, n_tiles = _query_tile(
-        LO, HI, VALID, n_ctx, n_q, n_qh, n_anchor, group, block_size, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N)
+        LO, HI, VALID, n_ctx, n_q, n_qh, n_anchor, group, block_size, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N
+    )
     m_row = o_m < n_q
     q = _load_rows(Q + r64 * sq_r + i_h * sq_h, sq_m, o_m, o_d, n_q)
     do = _load_rows(DO + r64 * sdo_r + i_h * sdo_h, sdo_m, o_m, o_d, n_q)
@@ -229,24 +375,92 @@ def _attn_bwd_dq_kernel(
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     for it in range(n_tiles):
-        k, v, s = _key_tile_scores(it, q, KCh, VCh, KBh, VBh, skc_t, svc_t, skb_m, svb_m, c_lo, n_ctx_tiles, lo_max, hi_min, b_lo,
-                                   n_ctx, n_q, o_m, o_d, lo, hi, block_size, qk_scale, CAUSAL, BLOCK_N, DOT_PRECISION)
+        k, v, s = _key_tile_scores(
+            it,
+            q,
+            KCh,
+            VCh,
+            KBh,
+            VBh,
+            skc_t,
+            svc_t,
+            skb_m,
+            svb_m,
+            c_lo,
+            n_ctx_tiles,
+            lo_max,
+            hi_min,
+            b_lo,
+            n_ctx,
+            n_q,
+            o_m,
+            o_d,
+            lo,
+            hi,
+            block_size,
+            qk_scale,
+            CAUSAL,
+            BLOCK_N,
+            DOT_PRECISION,
+        )
         p = tl.exp2(s - lse[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
-    tl.store(_row_ptrs(DQ + r64 * sdq_r + i_h * sdq_h, sdq_m, o_m, o_d), (dq * scale).to(DQ.dtype.element_ty), mask=m_row[:, None])
+    tl.store(
+        _row_ptrs(DQ + r64 * sdq_r + i_h * sdq_h, sdq_m, o_m, o_d),
+        (dq * scale).to(DQ.dtype.element_ty),
+        mask=m_row[:, None],
+    )
 
 
 @triton.autotune(configs=_KEY_TILE_CONFIGS, key=["n_keys", "n_q", "block_size", "HEAD_DIM", "CAUSAL", "IS_CTX"])
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, LO, HI, Q_FIRST, Q_LAST,
-    sq_r, sq_m, sq_h, sk_r, sk_n, sk_h, sv_r, sv_n, sv_h, sdo_r, sdo_m, sdo_h,
-    sdk_r, sdk_n, sdk_h, sdv_r, sdv_n, sdv_h,
-    n_keys, n_q, n_anchor, n_qh, group, block_size, qk_scale, scale,
-    IS_CTX: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DK,
+    DV,
+    LO,
+    HI,
+    Q_FIRST,
+    Q_LAST,
+    sq_r,
+    sq_m,
+    sq_h,
+    sk_r,
+    sk_n,
+    sk_h,
+    sv_r,
+    sv_n,
+    sv_h,
+    sdo_r,
+    sdo_m,
+    sdo_h,
+    sdk_r,
+    sdk_n,
+    sdk_h,
+    sdv_r,
+    sdv_n,
+    sdv_h,
+    n_keys,
+    n_q,
+    n_anchor,
+    n_qh,
+    group,
+    block_size,
+    qk_scale,
+    scale,
+    IS_CTX: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """dV = P^T dO, dK = scale * dS^T Q for one (row, kv head, key tile), summed over the
     `group` query heads that share it.
@@ -296,8 +510,14 @@ def _attn_bwd_dkdv_kernel(
                 hi = tl.load(HIr + o_m // block_size, mask=m_row, other=0)
                 live = lse != float("inf")
                 # Only key tiles at the edge of some live row's interval need the mask.
-                if (tl.max(tl.where(live, lo, 0), axis=0) > n0) | (tl.min(tl.where(live, hi, n_keys), axis=0) < n0 + BLOCK_N):
-                    p_t = tl.where(_visible(o_m[None, :], o_n[:, None], lo[None, :], hi[None, :], block_size, True, CAUSAL), p_t, 0.0)
+                if (tl.max(tl.where(live, lo, 0), axis=0) > n0) | (
+                    tl.min(tl.where(live, hi, n_keys), axis=0) < n0 + BLOCK_N
+                ):
+                    p_t = tl.where(
+                        _visible(o_m[None, :], o_n[:, None], lo[None, :], hi[None, :], block_size, True, CAUSAL),
+                        p_t,
+                        0.0,
+                    )
             else:
                 p_t = tl.where(_visible(o_m[None, :], o_n[:, None], 0, 0, block_size, False, CAUSAL), p_t, 0.0)
             dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
@@ -305,7 +525,9 @@ def _attn_bwd_dkdv_kernel(
             ds_t = p_t * (dp_t - delta[None, :])
             dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
     m_key = (o_n < n_keys)[:, None]
-    tl.store(_row_ptrs(DK + r64 * sdk_r + i_hk * sdk_h, sdk_n, o_n, o_d), (dk * scale).to(DK.dtype.element_ty), mask=m_key)
+    tl.store(
+        _row_ptrs(DK + r64 * sdk_r + i_hk * sdk_h, sdk_n, o_n, o_d), (dk * scale).to(DK.dtype.element_ty), mask=m_key
+    )
     tl.store(_row_ptrs(DV + r64 * sdv_r + i_hk * sdv_h, sdv_n, o_n, o_d), dv.to(DV.dtype.element_ty), mask=m_key)
 
 
@@ -321,7 +543,9 @@ class VisibilityPlan(NamedTuple):
     valid: torch.Tensor
 
 
-def visibility_plan(anchors: torch.Tensor, anchor_valid: torch.Tensor, document_ids: torch.Tensor, window: Optional[int]) -> VisibilityPlan:
+def visibility_plan(
+    anchors: torch.Tensor, anchor_valid: torch.Tensor, document_ids: torch.Tensor, window: Optional[int]
+) -> VisibilityPlan:
     """anchors [R, A], anchor_valid [R, A], document_ids [R, T] (contiguous runs) -> VisibilityPlan, O(A + T).
 
     doc[p] == doc[a] and p < a  <=>  doc_start(a) <= p < a, because documents are runs.
@@ -357,11 +581,6 @@ def _strides3(x: torch.Tensor) -> Tuple[int, int, int]:
     return x.stride(0), x.stride(1), x.stride(2)
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
-    # fp32 inputs are a correctness path: keep full precision rather than TF32.
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
 def _check_inputs(q, k_ctx, v_ctx, k_blk, v_blk, anchors, anchor_valid, document_ids, block_size):
     if q.dim() != 4:
         raise ValueError(f"q must be [R, A*B, Hq, D], got shape {tuple(q.shape)}")
@@ -370,20 +589,33 @@ def _check_inputs(q, k_ctx, v_ctx, k_blk, v_blk, anchors, anchor_valid, document
         if x.dim() != 4 or x.shape[0] != r or x.shape[3] != d or x.shape[2] != k_ctx.shape[2]:
             raise ValueError(f"{name} has shape {tuple(x.shape)}; expected [R={r}, *, Hkv={k_ctx.shape[2]}, D={d}]")
         if x.dtype != q.dtype or x.device != q.device:
-            raise ValueError(f"{name} is {x.dtype} on {x.device} but q is {q.dtype} on {q.device}; cast them to one dtype and device")
+            raise ValueError(
+                f"{name} is {x.dtype} on {x.device} but q is {q.dtype} on {q.device}; cast them to one dtype and device"
+            )
+    check_device("anchored_attention", q)
     t, hkv = k_ctx.shape[1], k_ctx.shape[2]
     if v_ctx.shape[1] != t or k_blk.shape[1] != n_q or v_blk.shape[1] != n_q:
-        raise ValueError(f"k_ctx/v_ctx need T={t} rows and k_blk/v_blk need A*B={n_q} rows, got {tuple(v_ctx.shape)}, {tuple(k_blk.shape)}, {tuple(v_blk.shape)}")
+        raise ValueError(
+            f"k_ctx/v_ctx need T={t} rows and k_blk/v_blk need A*B={n_q} rows, got {tuple(v_ctx.shape)}, "
+            f"{tuple(k_blk.shape)}, {tuple(v_blk.shape)}"
+        )
     if hq % hkv != 0:
         raise ValueError(f"Hq={hq} is not a multiple of Hkv={hkv} (GQA needs Hq = g * Hkv)")
     if d < 16 or d > 128 or d & (d - 1):
-        raise ValueError(f"head dim {d} is not supported by the Triton kernel: use a power of two in 16..128, or the eager backend")
+        raise ValueError(
+            f"head dim {d} is not supported by the Triton kernel: use a power of two in 16..128, or the eager backend"
+        )
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"q dtype {q.dtype} is not supported: use float32, float16 or bfloat16")
     if anchors.dim() != 2 or anchors.shape[0] != r or anchors.shape[1] * block_size != n_q:
-        raise ValueError(f"anchors has shape {tuple(anchors.shape)} but q has A*B={n_q} rows with block_size={block_size}; anchors must be [R, A] with A*B = q.shape[1]")
+        raise ValueError(
+            f"anchors has shape {tuple(anchors.shape)} but q has A*B={n_q} rows with "
+            f"block_size={block_size}; anchors must be [R, A] with A*B = q.shape[1]"
+        )
     if anchor_valid.shape != anchors.shape:
-        raise ValueError(f"anchor_valid has shape {tuple(anchor_valid.shape)}, anchors {tuple(anchors.shape)}: they must match")
+        raise ValueError(
+            f"anchor_valid has shape {tuple(anchor_valid.shape)}, anchors {tuple(anchors.shape)}: they must match"
+        )
     if document_ids.shape != (r, t) or t < 1:
         raise ValueError(f"document_ids has shape {tuple(document_ids.shape)}; expected [R={r}, T={t}] with T >= 1")
     _check_row_span(q=q, k_ctx=k_ctx, v_ctx=v_ctx, k_blk=k_blk, v_blk=v_blk)
@@ -394,8 +626,11 @@ def _check_row_span(**tensors: torch.Tensor) -> None:
     for name, x in tensors.items():
         span = 1 + sum((n - 1) * st for n, st in zip(x.shape[1:], x.stride()[1:]))
         if span >= 2**31:
-            raise ValueError(f"one row of {name} spans {span} elements (shape {tuple(x.shape)}, strides {x.stride()}); "
-                             f"the kernel addresses a row with int32 offsets: pack shorter rows (smaller T or A) or make {name} contiguous")
+            raise ValueError(
+                f"one row of {name} spans {span} elements (shape {tuple(x.shape)}, strides {x.stride()}); "
+                f"the kernel addresses a row with int32 offsets: pack shorter rows (smaller T or A) or "
+                f"make {name} contiguous"
+            )
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -421,10 +656,32 @@ def anchored_attention_forward(
     lse = torch.empty((r, hq, n_q), dtype=torch.float32, device=q.device)
     grid = lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), r * hq)
     _attn_fwd_kernel[grid](
-        q, k_ctx, v_ctx, k_blk, v_blk, out, lse, plan.lo, plan.hi, plan.valid,
-        *_strides3(q), *_strides3(k_ctx), *_strides3(v_ctx), *_strides3(k_blk), *_strides3(v_blk), *_strides3(out),
-        t, n_q, plan.lo.shape[1], hq, hq // hkv, block_size, scale * math.log2(math.e),
-        CAUSAL=causal_in_block, HEAD_DIM=d, DOT_PRECISION=_dot_precision(q.dtype),
+        q,
+        k_ctx,
+        v_ctx,
+        k_blk,
+        v_blk,
+        out,
+        lse,
+        plan.lo,
+        plan.hi,
+        plan.valid,
+        *_strides3(q),
+        *_strides3(k_ctx),
+        *_strides3(v_ctx),
+        *_strides3(k_blk),
+        *_strides3(v_blk),
+        *_strides3(out),
+        t,
+        n_q,
+        plan.lo.shape[1],
+        hq,
+        hq // hkv,
+        block_size,
+        scale * math.log2(math.e),
+        CAUSAL=causal_in_block,
+        HEAD_DIM=d,
+        DOT_PRECISION=dot_precision(q.dtype),
     )
     return out, lse
 
@@ -450,20 +707,54 @@ def anchored_attention_backward(
     group = hq // hkv
     n_anchor = plan.lo.shape[1]
     qk_scale = scale * math.log2(math.e)
-    precision = _dot_precision(q.dtype)
+    precision = dot_precision(q.dtype)
     do = _last_dim_contiguous(do)
     _check_row_span(grad_out=do)
     delta = torch.empty_like(lse)
     _bwd_preprocess_kernel[(triton.cdiv(n_q, 64), r * hq)](
-        out, do, delta, *_strides3(out), *_strides3(do), n_q, hq, HEAD_DIM=d, BLOCK_M=64,
+        out,
+        do,
+        delta,
+        *_strides3(out),
+        *_strides3(do),
+        n_q,
+        hq,
+        HEAD_DIM=d,
+        BLOCK_M=64,
     )
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     grid_q = lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), r * hq)
     _attn_bwd_dq_kernel[grid_q](
-        q, k_ctx, v_ctx, k_blk, v_blk, do, lse, delta, dq, plan.lo, plan.hi, plan.valid,
-        *_strides3(q), *_strides3(k_ctx), *_strides3(v_ctx), *_strides3(k_blk), *_strides3(v_blk), *_strides3(do), *_strides3(dq),
-        t, n_q, n_anchor, hq, group, block_size, qk_scale, scale,
-        CAUSAL=causal_in_block, HEAD_DIM=d, DOT_PRECISION=precision,
+        q,
+        k_ctx,
+        v_ctx,
+        k_blk,
+        v_blk,
+        do,
+        lse,
+        delta,
+        dq,
+        plan.lo,
+        plan.hi,
+        plan.valid,
+        *_strides3(q),
+        *_strides3(k_ctx),
+        *_strides3(v_ctx),
+        *_strides3(k_blk),
+        *_strides3(v_blk),
+        *_strides3(do),
+        *_strides3(dq),
+        t,
+        n_q,
+        n_anchor,
+        hq,
+        group,
+        block_size,
+        qk_scale,
+        scale,
+        CAUSAL=causal_in_block,
+        HEAD_DIM=d,
+        DOT_PRECISION=precision,
     )
     q_first, q_last = context_query_ranges(plan, t)
     grads = []
@@ -473,10 +764,36 @@ def anchored_attention_backward(
         n_keys = k.shape[1]
         grid_k = lambda meta, n_keys=n_keys: (triton.cdiv(n_keys, meta["BLOCK_N"]), r * hkv)
         _attn_bwd_dkdv_kernel[grid_k](
-            q, k, v, do, lse, delta, dk, dv, plan.lo, plan.hi, q_first, q_last,
-            *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(do), *_strides3(dk), *_strides3(dv),
-            n_keys, n_q, n_anchor, hq, group, block_size, qk_scale, scale,
-            IS_CTX=is_ctx, CAUSAL=causal_in_block, HEAD_DIM=d, DOT_PRECISION=precision,
+            q,
+            k,
+            v,
+            do,
+            lse,
+            delta,
+            dk,
+            dv,
+            plan.lo,
+            plan.hi,
+            q_first,
+            q_last,
+            *_strides3(q),
+            *_strides3(k),
+            *_strides3(v),
+            *_strides3(do),
+            *_strides3(dk),
+            *_strides3(dv),
+            n_keys,
+            n_q,
+            n_anchor,
+            hq,
+            group,
+            block_size,
+            qk_scale,
+            scale,
+            IS_CTX=is_ctx,
+            CAUSAL=causal_in_block,
+            HEAD_DIM=d,
+            DOT_PRECISION=precision,
         )
         grads += [dk, dv]
     return dq, grads[0], grads[1], grads[2], grads[3]
@@ -495,7 +812,18 @@ class _AnchoredAttention(torch.autograd.Function):
     def backward(ctx, do):
         q, k_ctx, v_ctx, k_blk, v_blk, out, lse, lo, hi, valid = ctx.saved_tensors
         grads = anchored_attention_backward(
-            do, q, k_ctx, v_ctx, k_blk, v_blk, out, lse, VisibilityPlan(lo, hi, valid), ctx.block_size, ctx.causal_in_block, ctx.scale
+            do,
+            q,
+            k_ctx,
+            v_ctx,
+            k_blk,
+            v_blk,
+            out,
+            lse,
+            VisibilityPlan(lo, hi, valid),
+            ctx.block_size,
+            ctx.causal_in_block,
+            ctx.scale,
         )
         return (*grads, None, None, None, None, None, None)
 
@@ -527,4 +855,6 @@ def anchored_attention(
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     plan = visibility_plan(anchors.to(q.device), anchor_valid.to(q.device), document_ids.to(q.device), window)
     q, k_ctx, v_ctx, k_blk, v_blk = map(_last_dim_contiguous, (q, k_ctx, v_ctx, k_blk, v_blk))
-    return _AnchoredAttention.apply(q, k_ctx, v_ctx, k_blk, v_blk, plan.lo, plan.hi, plan.valid, block_size, causal_in_block, scale)
+    return _AnchoredAttention.apply(
+        q, k_ctx, v_ctx, k_blk, v_blk, plan.lo, plan.hi, plan.valid, block_size, causal_in_block, scale
+    )

@@ -36,16 +36,18 @@ benchmark measures the Triton path only.
 Runs on CUDA and, with TRITON_INTERPRET=1, on CPU tensors (fp32/fp16; the interpreter's bf16 is
 wrong). Several configurations are autotuned only on a GPU.
 """
-import os
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 import triton
 import triton.language as tl
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-_ON_GPU = torch.cuda.is_available() and not _INTERPRET
-MAX_NORM_WIDTH = 32768  # one program holds a whole row of y in the norm passes
+from dflash_fast.kernels._common import (
+    autotune_configs,
+    check_device,
+    dot_precision,
+    rms_norm_backward,
+    rms_norm_forward,
+)
 
 # (rows, columns, reduction) tile, num_warps, num_stages; rows x columns is the output tile.
 _GPU_TILES = [
@@ -61,11 +63,7 @@ _INTERPRETER_TILE = (32, 32, 32, 4, 1)
 
 
 def _configs(rows: str, cols: str, red: str) -> List[triton.Config]:
-    tiles = _GPU_TILES if _ON_GPU else [_INTERPRETER_TILE]
-    return [
-        triton.Config({rows: r, cols: c, red: k, "GROUP": 8}, num_warps=w, num_stages=s)
-        for r, c, k, w, s in tiles
-    ]
+    return autotune_configs((rows, cols, red), _GPU_TILES, _INTERPRETER_TILE, GROUP=8)
 
 
 @triton.jit
@@ -137,43 +135,6 @@ def _fc_concat_fwd_kernel(
     tl.store(Y + o_n[:, None] * H + o_h[None, :], acc.to(Y.dtype.element_ty), mask=m_n[:, None] & m_h[None, :])
 
 
-@triton.jit
-def _rms_norm_fwd_kernel(Y, NW, OUT, RSTD, H, eps, BLOCK_H: tl.constexpr):
-    """One row per program: y [N, H] -> out [N, H] = w * round(y * rstd), rstd [N] fp32."""
-    i_n = tl.program_id(0).to(tl.int64)
-    o_h = tl.arange(0, BLOCK_H)
-    m_h = o_h < H
-    b_y = tl.load(Y + i_n * H + o_h, mask=m_h, other=0.0).to(tl.float32)
-    b_rstd = tl.rsqrt(tl.sum(b_y * b_y, axis=0) / H + eps)
-    b_yhat = (b_y * b_rstd).to(Y.dtype.element_ty).to(tl.float32)
-    b_w = tl.load(NW + o_h, mask=m_h, other=0.0).to(tl.float32)
-    tl.store(OUT + i_n * H + o_h, (b_w * b_yhat).to(OUT.dtype.element_ty), mask=m_h)
-    tl.store(RSTD + i_n, b_rstd)
-
-
-@triton.jit
-def _rms_norm_bwd_kernel(DOUT, Y, RSTD, NW, DY, DW_PART, N, H, BLOCK_H: tl.constexpr):
-    """Rows i_p, i_p + P, ... per program: d_out, y [N, H], rstd [N] -> dy [N, H] (y.dtype) and this
-    program's partial norm-weight gradient DW_PART[i_p] [H] fp32 (summed on the host: no atomics,
-    so the result is deterministic)."""
-    i_p = tl.program_id(0)
-    o_h = tl.arange(0, BLOCK_H)
-    m_h = o_h < H
-    b_w = tl.load(NW + o_h, mask=m_h, other=0.0).to(tl.float32)
-    b_dw = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for i_n in range(i_p, N, tl.num_programs(0)):
-        row = tl.cast(i_n, tl.int64) * H
-        b_do = tl.load(DOUT + row + o_h, mask=m_h, other=0.0).to(tl.float32)
-        b_y = tl.load(Y + row + o_h, mask=m_h, other=0.0).to(tl.float32)
-        b_rstd = tl.load(RSTD + i_n)
-        b_yhat = b_y * b_rstd
-        b_dw += b_do * b_yhat.to(Y.dtype.element_ty).to(tl.float32)
-        b_g = b_do * b_w
-        b_dy = b_rstd * (b_g - b_yhat * (tl.sum(b_g * b_yhat, axis=0) / H))
-        tl.store(DY + row + o_h, b_dy.to(DY.dtype.element_ty), mask=m_h)
-    tl.store(DW_PART + i_p.to(tl.int64) * H + o_h, b_dw, mask=m_h)
-
-
 @triton.autotune(configs=_configs("BLOCK_H", "BLOCK_T", "BLOCK_N"), key=["N", "H", "H_T", "NOISE"])
 @triton.heuristics({"EVEN_N": lambda a: a["N"] % a["BLOCK_N"] == 0})
 @triton.jit(do_not_specialize=["layer", "seed"])
@@ -219,7 +180,8 @@ def split_layers(hidden: Union[torch.Tensor, Sequence[torch.Tensor]]) -> List[to
     strided is copied (that one layer, never the concatenation)."""
     if isinstance(hidden, torch.Tensor):
         if hidden.dim() != 3:
-            raise ValueError(f"hidden must be [N, K, H_t] or a sequence of K tensors [N, H_t], got shape {tuple(hidden.shape)}")
+            raise ValueError(f"hidden must be [N, K, H_t] or a sequence of K tensors [N, H_t], got shape "
+            f"{tuple(hidden.shape)}")
         layers = list(hidden.detach().unbind(1))
     else:
         layers = [x.detach() for x in hidden]
@@ -230,20 +192,10 @@ def split_layers(hidden: Union[torch.Tensor, Sequence[torch.Tensor]]) -> List[to
             if x.dim() != 2 or x.shape != first.shape or x.dtype != first.dtype or x.device != first.device:
                 raise ValueError(
                     f"hidden[{k}] is {tuple(x.shape)} {x.dtype} on {x.device} but hidden[0] is "
-                    f"{tuple(first.shape)} {first.dtype} on {first.device}: every layer must be the same [N, H_t] dtype and device"
+                    f"{tuple(first.shape)} {first.dtype} on {first.device}: every layer must be the same "
+                    f"[N, H_t] dtype and device"
                 )
     return [x if x.stride(1) == 1 else x.contiguous() for x in layers]
-
-
-def _dot_precision(dtype: torch.dtype) -> str:
-    """fp32 inputs follow torch's TF32 switch, so the kernel rounds like the eager twin's matmul."""
-    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
-        return "ieee"
-    return "tf32"
-
-
-def _norm_warps(h: int) -> int:
-    return min(max(triton.next_power_of_2(h) // 512, 1), 16)
 
 
 def _check(layers: Sequence[torch.Tensor], fc_weight: torch.Tensor, norm_weight: torch.Tensor) -> None:
@@ -254,15 +206,19 @@ def _check(layers: Sequence[torch.Tensor], fc_weight: torch.Tensor, norm_weight:
         raise ValueError(f"fc_weight is {tuple(fc_weight.shape)} but K*H_t = {k}*{h_t} = {k * h_t}")
     h = fc_weight.shape[0]
     if tuple(norm_weight.shape) != (h,):
-        raise ValueError(f"norm_weight is {tuple(norm_weight.shape)} but fc_weight gives H = {h}: pass the hidden_norm weight [{h}]")
+        raise ValueError(
+            f"norm_weight is {tuple(norm_weight.shape)} but fc_weight gives H = {h}: pass the hidden_norm weight [{h}]"
+        )
     if fc_weight.dtype != x.dtype:
-        raise ValueError(f"hidden is {x.dtype} but fc_weight is {fc_weight.dtype}: cast one so both match, as nn.Linear requires")
+        raise ValueError(
+            f"hidden is {x.dtype} but fc_weight is {fc_weight.dtype}: cast one so both match, as nn.Linear requires"
+        )
     if fc_weight.device != x.device or norm_weight.device != x.device:
-        raise ValueError(f"hidden is on {x.device}, fc_weight on {fc_weight.device}, norm_weight on {norm_weight.device}: move them to one device")
-    if x.device.type == "cpu" and not _INTERPRET:
-        raise RuntimeError("the Triton fc_concat kernel got CPU tensors without TRITON_INTERPRET=1: use the eager backend on CPU (DFLASH_KERNELS=fc_concat=eager)")
-    if h > MAX_NORM_WIDTH:
-        raise ValueError(f"H = {h} exceeds the norm pass's row limit {MAX_NORM_WIDTH}: use the eager backend (DFLASH_KERNELS=fc_concat=eager)")
+        raise ValueError(
+            f"hidden is on {x.device}, fc_weight on {fc_weight.device}, norm_weight on "
+            f"{norm_weight.device}: move them to one device"
+        )
+    check_device("fc_concat", x)
 
 
 def fc_concat_forward(
@@ -282,20 +238,29 @@ def fc_concat_forward(
     h = fc_weight.shape[0]
     w = fc_weight if fc_weight.stride(1) == 1 else fc_weight.contiguous()
     y = torch.empty((n, h), dtype=x.dtype, device=x.device)
-    ctx = torch.empty((n, h), dtype=torch.promote_types(norm_weight.dtype, x.dtype), device=x.device)
-    rstd = torch.empty(n, dtype=torch.float32, device=x.device)
     if n == 0:
-        return ctx, y, rstd
+        return (
+            torch.empty((n, h), dtype=torch.promote_types(norm_weight.dtype, x.dtype), device=x.device),
+            y,
+            torch.empty(n, dtype=torch.float32, device=x.device),
+        )
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]) * triton.cdiv(h, meta["BLOCK_H"]),)
     _fc_concat_fwd_kernel[grid](
-        tuple(layers), tuple(layer.stride(0) for layer in layers), w, w.stride(0), y,
-        n, h, h_t, float(noise_std), int(seed),
-        K=len(layers), NOISE=noise_std > 0, PRECISION=_dot_precision(x.dtype),
+        tuple(layers),
+        tuple(layer.stride(0) for layer in layers),
+        w,
+        w.stride(0),
+        y,
+        n,
+        h,
+        h_t,
+        float(noise_std),
+        int(seed),
+        K=len(layers),
+        NOISE=noise_std > 0,
+        PRECISION=dot_precision(x.dtype),
     )
-    _rms_norm_fwd_kernel[(n,)](
-        y, norm_weight.contiguous(), ctx, rstd, h, float(eps),
-        BLOCK_H=triton.next_power_of_2(h), num_warps=_norm_warps(h),
-    )
+    ctx, rstd = rms_norm_forward(y, norm_weight, eps, out_dtype=torch.promote_types(norm_weight.dtype, x.dtype))
     return ctx, y, rstd
 
 
@@ -318,25 +283,27 @@ def fc_concat_backward(
     if n == 0:
         d_fc = torch.zeros_like(fc_weight) if fc_weight_grad else None
         return d_fc, torch.zeros_like(norm_weight)
-    # A few programs per SM, each summing its rows' norm-weight gradient in registers.
-    n_prog = 4 * torch.cuda.get_device_properties(y.device).multi_processor_count if y.is_cuda else 4
-    n_prog = min(n, n_prog)
-    dy = torch.empty_like(y)
-    dw_part = torch.empty((n_prog, h), dtype=torch.float32, device=y.device)
-    _rms_norm_bwd_kernel[(n_prog,)](
-        d_ctx.contiguous(), y, rstd, norm_weight.contiguous(), dy, dw_part, n, h,
-        BLOCK_H=triton.next_power_of_2(h), num_warps=_norm_warps(h),
-    )
-    d_norm = dw_part.sum(0).to(norm_weight.dtype)
+    dy, d_norm = rms_norm_backward(y, norm_weight, rstd, d_ctx)
     if not fc_weight_grad:
         return None, d_norm
     d_fc = torch.empty(fc_weight.shape, dtype=fc_weight.dtype, device=fc_weight.device)
     grid = lambda meta: (triton.cdiv(h, meta["BLOCK_H"]) * triton.cdiv(h_t, meta["BLOCK_T"]),)
     for k, x in enumerate(layers):
         _fc_weight_grad_kernel[grid](
-            dy, x, x.stride(0), d_fc, d_fc.stride(0),
-            n, h, h_t, k, len(layers), float(noise_std), int(seed),
-            NOISE=noise_std > 0, PRECISION=_dot_precision(x.dtype),
+            dy,
+            x,
+            x.stride(0),
+            d_fc,
+            d_fc.stride(0),
+            n,
+            h,
+            h_t,
+            k,
+            len(layers),
+            float(noise_std),
+            int(seed),
+            NOISE=noise_std > 0,
+            PRECISION=dot_precision(x.dtype),
         )
     return d_fc, d_norm
 
@@ -355,7 +322,14 @@ class FcConcatFunction(torch.autograd.Function):
     def backward(ctx, d_ctx):
         fc_weight, norm_weight, y, rstd, *layers = ctx.saved_tensors
         d_fc, d_norm = fc_concat_backward(
-            d_ctx, layers, fc_weight, norm_weight, y, rstd, ctx.noise_std, ctx.seed,
+            d_ctx,
+            layers,
+            fc_weight,
+            norm_weight,
+            y,
+            rstd,
+            ctx.noise_std,
+            ctx.seed,
             fc_weight_grad=ctx.needs_input_grad[0],
         )
         return (d_fc, d_norm if ctx.needs_input_grad[1] else None, None, None, None) + (None,) * len(layers)

@@ -15,7 +15,7 @@ Math (per row n; s = drafter logits, t = teacher logits, both fp32-accumulated):
     dl/ds_v = c q_v - target_v, q = softmax(s), c = sum of the target mass (1 except kl_topk)
 
 Passes (each lm_head tile [BLOCK_V, BLOCK_K] is loaded once for drafter AND teacher):
-  0. `_rms_norm_kernel`: xd (and xt) in the input dtype plus rstd [N]: O(N*H).
+  0. `rms_norm_forward` (kernels/_common.py): xd (and xt) in the input dtype plus rstd [N]: O(N*H).
   1. `_vocab_stats_kernel`, grid (row tiles, vocab splits): streams its slice of
      the vocabulary in tiles and keeps online statistics per row: running max and
      sum of exp for s (and t, and s restricted to non-top-k ids), sum_v e^(t-m) s_v
@@ -27,7 +27,7 @@ Passes (each lm_head tile [BLOCK_V, BLOCK_K] is loaded once for drafter AND teac
      dl/ds = c q - target, formed in fp32 BEFORE rounding to the input dtype (so
      the q - p cancellation keeps its precision), into a [N, VOCAB_CHUNK]
      buffer; `_matmul_kernel` then adds dlogits @ W_chunk into dxd [N, H] (fp32)
-     and writes d W_chunk = dlogits^T @ (w/denom * xd). `_rms_norm_backward_kernel`
+     and writes d W_chunk = dlogits^T @ (w/denom * xd). `rms_norm_backward`
      turns dxd into dh and d norm_weight.
 
 Two gradient strategies for the kinds with a full teacher (kl, and ce against
@@ -80,93 +80,40 @@ from typing import Optional, Tuple, Union
 import torch
 import triton
 import triton.language as tl
+from dflash_fast.kernels._common import (
+    ON_GPU,
+    autotune_configs,
+    dot_precision,
+    rms_norm_backward,
+    rms_norm_forward,
+    sm_count,
+)
 
 from dflash_fast.eager import LOSS_KINDS, LossOutput
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_ON_GPU = torch.cuda.is_available() and not _INTERPRET
 # Big tiles under the interpreter, where every program iteration costs milliseconds.
-VOCAB_CHUNK = 8192 if _ON_GPU else 256
+VOCAB_CHUNK = 8192 if ON_GPU else 256
 _STAT_FIELDS = 10  # m_s, l_s, best_s, m_t, l_t, a_ts, a_tt, best_t, m_rest, l_rest
 STRATEGIES = ("recompute", "store")
 # Bytes of the store strategy's per-chunk buffers (s, t fp32 and dlogits): 1024 rows at V = 151936 in bf16.
-STORE_CHUNK_BYTES = 3 << 29 if _ON_GPU else 1 << 16
+STORE_CHUNK_BYTES = 3 << 29 if ON_GPU else 1 << 16
 
 
-def _tile_configs(names, gpu_configs, interpret_shape):
-    """Autotune candidates (shape, num_warps, num_stages) on a GPU; one config under the interpreter."""
-    if not _ON_GPU:
-        return [triton.Config(dict(zip(names, interpret_shape)), num_warps=4, num_stages=1)]
-    return [triton.Config(dict(zip(names, shape)), num_warps=warps, num_stages=stages) for shape, warps, stages in gpu_configs]
-
-
-_LOGIT_TILES = _tile_configs(
+_LOGIT_TILES = autotune_configs(
     ("BLOCK_N", "BLOCK_V", "BLOCK_K"),
-    [((128, 128, 64), 8, 3), ((64, 128, 64), 4, 4), ((128, 256, 64), 8, 3), ((64, 256, 64), 8, 4)],
-    (64, 128, 64),
+    [(128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 256, 64, 8, 3), (64, 256, 64, 8, 4)],
+    (64, 128, 64, 4, 1),
 )
-_MATMUL_TILES = _tile_configs(
+_MATMUL_TILES = autotune_configs(
     ("BLOCK_M", "BLOCK_NC", "BLOCK_K"),
-    [((128, 128, 64), 8, 3), ((128, 256, 64), 8, 3), ((64, 128, 64), 4, 4)],
-    (64, 64, 64),
+    [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4)],
+    (64, 64, 64, 4, 1),
 )
-_ROW_TILES = _tile_configs(
+_ROW_TILES = autotune_configs(
     ("BLOCK_N", "BLOCK_V"),
-    [((1, 4096), 8, 2), ((1, 2048), 4, 2), ((4, 1024), 4, 2), ((4, 2048), 8, 2)],  # (8, 2048) spills on sm_90
-    (16, 256),
+    [(1, 4096, 8, 2), (1, 2048, 4, 2), (4, 1024, 4, 2), (4, 2048, 8, 2)],  # (8, 2048) spills on sm_90
+    (16, 256, 4, 1),
 )
-
-
-@triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, N, H, eps, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr):
-    """y = w * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), statistics in fp32; x, y: [N, H], rstd: [N]."""
-    i_n = tl.program_id(0)
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    o_h = tl.arange(0, BLOCK_H)
-    m_n = o_n < N
-    m_x = m_n[:, None] & (o_h < H)[None, :]
-    o_x = o_n.to(tl.int64)[:, None] * H + o_h[None, :]
-    b_x = tl.load(x_ptr + o_x, mask=m_x, other=0.0).to(tl.float32)
-    b_rstd = tl.rsqrt(tl.where(m_n, tl.sum(b_x * b_x, 1) / H + eps, 1.0))  # padded rows: no 1/0 with eps = 0
-    b_w = tl.load(w_ptr + o_h, mask=o_h < H, other=0.0).to(tl.float32)
-    # Round the normalised value to the input dtype before the weight, as the eager twin does.
-    b_y = (b_x * b_rstd[:, None]).to(y_ptr.dtype.element_ty).to(tl.float32) * b_w[None, :]
-    tl.store(y_ptr + o_x, b_y.to(y_ptr.dtype.element_ty), mask=m_x)
-    tl.store(rstd_ptr + o_n, b_rstd, mask=m_n)
-
-
-@triton.jit
-def _rms_norm_backward_kernel(
-    x_ptr, w_ptr, rstd_ptr, dy_ptr, scale_ptr, dx_ptr, dw_ptr, N, H, ROWS_PER_PROGRAM,
-    BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
-):
-    """dy = scale[n] * dy_unit: dx = rstd (dy w - x rstd^2 mean(dy w x)); dw partial = sum_n dy y.
-
-    x, dy (fp32), dx: [N, H]; rstd, scale: [N]; dw: [programs, H] fp32 partial sums.
-    """
-    i_p = tl.program_id(0)
-    o_h = tl.arange(0, BLOCK_H)
-    m_h = o_h < H
-    b_w = tl.load(w_ptr + o_h, mask=m_h, other=0.0).to(tl.float32)
-    b_dw = tl.zeros([BLOCK_H], dtype=tl.float32)
-    n_lo = i_p * ROWS_PER_PROGRAM
-    n_hi = tl.minimum(n_lo + ROWS_PER_PROGRAM, N)
-    for n0 in range(n_lo, n_hi, BLOCK_N):
-        o_n = n0 + tl.arange(0, BLOCK_N)
-        m_n = o_n < n_hi
-        m_x = m_n[:, None] & m_h[None, :]
-        o_x = o_n.to(tl.int64)[:, None] * H + o_h[None, :]
-        b_x = tl.load(x_ptr + o_x, mask=m_x, other=0.0).to(tl.float32)
-        b_rstd = tl.load(rstd_ptr + o_n, mask=m_n, other=0.0)
-        b_scale = tl.load(scale_ptr + o_n, mask=m_n, other=0.0)
-        b_dy = tl.load(dy_ptr + o_x, mask=m_x, other=0.0) * b_scale[:, None]
-        b_y = (b_x * b_rstd[:, None]).to(dx_ptr.dtype.element_ty).to(tl.float32)
-        b_dw += tl.sum(b_dy * b_y, 0)
-        b_dyw = b_dy * b_w[None, :]
-        b_dot = tl.sum(b_dyw * b_x, 1) / H
-        b_dx = b_rstd[:, None] * (b_dyw - b_x * (b_rstd * b_rstd * b_dot)[:, None])
-        tl.store(dx_ptr + o_x, b_dx.to(dx_ptr.dtype.element_ty), mask=m_x)
-    tl.store(dw_ptr + i_p.to(tl.int64) * H + o_h, b_dw, mask=m_h)
 
 
 @triton.jit
@@ -213,7 +160,8 @@ def _online_argmax(b_best, b_arg, b_x, v0):
 
 @triton.jit
 def _online_teacher(b_m, b_l, b_a_ts, b_a_tt, b_t_in, b_s, b_t):
-    """Fold a tile into running max b_m of t, b_l = sum e^(t - b_m), b_a_ts = sum e^(t - b_m) s, b_a_tt = sum e^(t - b_m) t.
+    """Fold a tile into running max b_m of t, b_l = sum e^(t - b_m), b_a_ts = sum e^(t - b_m) s,
+    b_a_tt = sum e^(t - b_m) t.
 
     b_t_in is t with -inf on excluded columns, where b_s and b_t must be finite (0).
     """
@@ -229,9 +177,24 @@ def _online_teacher(b_m, b_l, b_a_ts, b_a_tt, b_t_in, b_s, b_t):
 @triton.autotune(configs=_LOGIT_TILES, key=["H", "HAS_TEACHER", "HAS_REST"])
 @triton.jit
 def _vocab_stats_kernel(
-    xd_ptr, xt_ptr, w_ptr, ids_ptr, stats_ptr, arg_ptr, N, V, H, NUM_IDS, V_PER_SPLIT, stride_w,
-    HAS_TEACHER: tl.constexpr, HAS_REST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    xd_ptr,
+    xt_ptr,
+    w_ptr,
+    ids_ptr,
+    stats_ptr,
+    arg_ptr,
+    N,
+    V,
+    H,
+    NUM_IDS,
+    V_PER_SPLIT,
+    stride_w,
+    HAS_TEACHER: tl.constexpr,
+    HAS_REST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """Online statistics of one (row tile, vocab split): stats [10, S, N] fp32, arg [2, S, N] int64.
 
@@ -254,7 +217,20 @@ def _vocab_stats_kernel(
         o_v = v0 + tl.arange(0, BLOCK_V)
         m_v = o_v < v_hi
         b_s, b_t = _logit_tiles(
-            xd_ptr, xt_ptr, w_ptr, o_n, m_n, o_v, m_v, H, stride_w, HAS_TEACHER, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_K
+            xd_ptr,
+            xt_ptr,
+            w_ptr,
+            o_n,
+            m_n,
+            o_v,
+            m_v,
+            H,
+            stride_w,
+            HAS_TEACHER,
+            DOT_PRECISION,
+            BLOCK_N,
+            BLOCK_V,
+            BLOCK_K,
         )
         b_s_in = tl.where(m_v[None, :], b_s, float("-inf"))
         b_m_s, b_l_s = _online_lse(b_m_s, b_l_s, b_s_in)
@@ -288,7 +264,9 @@ def _vocab_stats_kernel(
 
 
 @triton.jit
-def _gather_logits_kernel(xd_ptr, w_ptr, ids_ptr, out_ptr, N, H, NUM_IDS, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gather_logits_kernel(
+    xd_ptr, w_ptr, ids_ptr, out_ptr, N, H, NUM_IDS, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+):
     """out[n, j] = xd[n] . W[ids[n, j]] in fp32; xd: [N, H], ids, out: [N, NUM_IDS]."""
     i_n, i_j = tl.program_id(0), tl.program_id(1)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -308,9 +286,26 @@ def _gather_logits_kernel(xd_ptr, w_ptr, ids_ptr, out_ptr, N, H, NUM_IDS, stride
 @triton.autotune(configs=_LOGIT_TILES, key=["H", "HAS_TEACHER", "HAS_REST"])
 @triton.jit
 def _dlogits_kernel(
-    xd_ptr, xt_ptr, w_ptr, ids_ptr, p_ptr, row_ptr, g_ptr, N, H, NUM_IDS, v_lo, v_hi, stride_w, stride_g,
-    HAS_TEACHER: tl.constexpr, HAS_REST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    xd_ptr,
+    xt_ptr,
+    w_ptr,
+    ids_ptr,
+    p_ptr,
+    row_ptr,
+    g_ptr,
+    N,
+    H,
+    NUM_IDS,
+    v_lo,
+    v_hi,
+    stride_w,
+    stride_g,
+    HAS_TEACHER: tl.constexpr,
+    HAS_REST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """g[n, v - v_lo] = dl_n/ds_v = c q_v - p_v for v in [v_lo, v_hi), in g's dtype.
 
@@ -351,15 +346,28 @@ def _dlogits_kernel(
 @triton.autotune(configs=_LOGIT_TILES, key=["H"])
 @triton.jit
 def _store_logits_kernel(
-    xd_ptr, xt_ptr, w_ptr, s_ptr, t_ptr, N, V, H, stride_w, DOT_PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    xd_ptr,
+    xt_ptr,
+    w_ptr,
+    s_ptr,
+    t_ptr,
+    N,
+    V,
+    H,
+    stride_w,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """s = xd @ W^T and t = xt @ W^T as fp32 [N, V] for the N rows of one chunk; xd, xt: [N, H]; W: [V, H]."""
     i_n, i_v = tl.program_id(0), tl.program_id(1)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     o_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
     m_n, m_v = o_n < N, o_v < V
-    b_s, b_t = _logit_tiles(xd_ptr, xt_ptr, w_ptr, o_n, m_n, o_v, m_v, H, stride_w, True, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_K)
+    b_s, b_t = _logit_tiles(
+        xd_ptr, xt_ptr, w_ptr, o_n, m_n, o_v, m_v, H, stride_w, True, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_K
+    )
     o_x = o_n.to(tl.int64)[:, None] * V + o_v[None, :]
     m_x = m_n[:, None] & m_v[None, :]
     tl.store(s_ptr + o_x, b_s, mask=m_x)
@@ -369,8 +377,17 @@ def _store_logits_kernel(
 @triton.autotune(configs=_ROW_TILES, key=["V", "HARD"])
 @triton.jit
 def _stored_dlogits_kernel(
-    s_ptr, t_ptr, g_ptr, stat_ptr, arg_ptr, N, V, stride_stat,
-    HARD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    s_ptr,
+    t_ptr,
+    g_ptr,
+    stat_ptr,
+    arg_ptr,
+    N,
+    V,
+    stride_stat,
+    HARD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     """Statistics and dl/ds of the N rows of one chunk from its stored logits s, t: [N, V] fp32.
 
@@ -422,9 +439,23 @@ def _stored_dlogits_kernel(
 @triton.autotune(configs=_MATMUL_TILES, key=["NC", "ACCUMULATE", "HAS_SCALE"], restore_value=["c_ptr"])
 @triton.jit
 def _matmul_kernel(
-    a_ptr, b_ptr, c_ptr, scale_ptr, M, NC, K, stride_am, stride_ak, stride_bk, stride_cm,
-    ACCUMULATE: tl.constexpr, HAS_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_NC: tl.constexpr, BLOCK_K: tl.constexpr,
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    scale_ptr,
+    M,
+    NC,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_cm,
+    ACCUMULATE: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_NC: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """c[M, NC] (+)= a[M, K] @ (scale[K, None] * b[K, NC]), fp32 accumulation; b and c have unit column stride."""
     i_m, i_c = tl.program_id(0), tl.program_id(1)
@@ -438,9 +469,12 @@ def _matmul_kernel(
         m_k = o_k < K
         b_a = tl.load(
             a_ptr + o_m.to(tl.int64)[:, None] * stride_am + o_k.to(tl.int64)[None, :] * stride_ak,
-            mask=m_m[:, None] & m_k[None, :], other=0.0,
+            mask=m_m[:, None] & m_k[None, :],
+            other=0.0,
         )
-        b_b = tl.load(b_ptr + o_k.to(tl.int64)[:, None] * stride_bk + o_c[None, :], mask=m_k[:, None] & m_c[None, :], other=0.0)
+        b_b = tl.load(
+            b_ptr + o_k.to(tl.int64)[:, None] * stride_bk + o_c[None, :], mask=m_k[:, None] & m_c[None, :], other=0.0
+        )
         if HAS_SCALE:
             b_scale = tl.load(scale_ptr + o_k, mask=m_k, other=0.0)
             b_b = (b_b.to(tl.float32) * b_scale[:, None]).to(b_a.dtype)
@@ -452,59 +486,11 @@ def _matmul_kernel(
     tl.store(o_out, b_acc.to(c_ptr.dtype.element_ty), mask=m_out)
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
-    # fp32 inputs must not be rounded to tf32: the tests compare against fp32 eager.
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def _norm_rows(h_block: int) -> int:
-    return 64 if not _ON_GPU else max(1, 2048 // h_block)
-
-
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
-    """x: [N, H] (contiguous), weight: [H] -> (y [N, H] in x.dtype, rstd [N] fp32)."""
-    n, hid = x.shape
-    y = torch.empty_like(x)
-    rstd = torch.empty(n, dtype=torch.float32, device=x.device)
-    block_h = triton.next_power_of_2(hid)
-    block_n = _norm_rows(block_h)
-    _rms_norm_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, y, rstd, n, hid, eps, BLOCK_N=block_n, BLOCK_H=block_h, num_warps=8 if hid >= 2048 else 4
-    )
-    return y, rstd
-
-
-def rms_norm_backward(
-    x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor, row_scale: torch.Tensor
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Gradient of rms_norm_forward for dy = row_scale[:, None] * dy_unit.
-
-    x: [N, H]; rstd, row_scale: [N] fp32; dy: [N, H] fp32 -> (dx [N, H] x.dtype, dweight [H] weight.dtype).
-    """
-    n, hid = x.shape
-    dx = torch.empty_like(x)
-    block_h = triton.next_power_of_2(hid)
-    block_n = _norm_rows(block_h)
-    programs = min(triton.cdiv(n, block_n), 4 * _sm_count(x.device) if _ON_GPU else 1)
-    rows_per_program = triton.cdiv(triton.cdiv(n, programs), block_n) * block_n
-    programs = triton.cdiv(n, rows_per_program)
-    dw = torch.empty(programs, hid, dtype=torch.float32, device=x.device)
-    _rms_norm_backward_kernel[(programs,)](
-        x, weight, rstd, dy, row_scale, dx, dw, n, hid, rows_per_program, BLOCK_N=block_n, BLOCK_H=block_h,
-        num_warps=8 if hid >= 2048 else 4,
-    )
-    return dx, dw.sum(0).to(weight.dtype)
-
-
 def _vocab_splits(n: int, v: int, device: torch.device) -> int:
     """Vocab splits per row tile: enough programs to fill the GPU twice over (assuming 128-row tiles)."""
-    if not _ON_GPU:
+    if not ON_GPU:
         return min(2, triton.cdiv(v, 128))
-    return max(1, min(triton.cdiv(2 * _sm_count(device), triton.cdiv(n, 128)), triton.cdiv(v, 2048)))
+    return max(1, min(triton.cdiv(2 * sm_count(device), triton.cdiv(n, 128)), triton.cdiv(v, 2048)))
 
 
 def _rescale(m: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -514,10 +500,10 @@ def _rescale(m: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return top, torch.exp(m - top)
 
 
-def _merge_lse(m: torch.Tensor, l: torch.Tensor) -> torch.Tensor:
+def _merge_lse(m: torch.Tensor, sum_exp: torch.Tensor) -> torch.Tensor:
     """Per-split running max and sum [S, N] -> log-sum-exp [N] (-inf when every column was excluded)."""
     top, alpha = _rescale(m)
-    return top + torch.log((l * alpha).sum(0))
+    return top + torch.log((sum_exp * alpha).sum(0))
 
 
 def _merge_argmax(best: torch.Tensor, arg: torch.Tensor, v: int) -> torch.Tensor:
@@ -542,9 +528,21 @@ def vocab_stats(
     arg = torch.empty(2, splits, n, dtype=torch.int64, device=xd.device)
     has_teacher, has_rest = xt is not None, rest_ids is not None
     _vocab_stats_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits)](
-        xd, xt if has_teacher else xd, weight, rest_ids if has_rest else arg, stats, arg,
-        n, v, hid, rest_ids.shape[1] if has_rest else 0, v_per_split, weight.stride(0),
-        HAS_TEACHER=has_teacher, HAS_REST=has_rest, DOT_PRECISION=_dot_precision(xd.dtype),
+        xd,
+        xt if has_teacher else xd,
+        weight,
+        rest_ids if has_rest else arg,
+        stats,
+        arg,
+        n,
+        v,
+        hid,
+        rest_ids.shape[1] if has_rest else 0,
+        v_per_split,
+        weight.stride(0),
+        HAS_TEACHER=has_teacher,
+        HAS_REST=has_rest,
+        DOT_PRECISION=dot_precision(xd.dtype),
     )
     out = {"lse_s": _merge_lse(stats[0], stats[1]), "draft_argmax": _merge_argmax(stats[2], arg[0], v)}
     if has_teacher:
@@ -563,8 +561,8 @@ def gather_logits(xd: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -> 
     """s[n, j] = xd[n] . weight[ids[n, j]] in fp32. xd: [N, H]; weight: [V, H]; ids: [N, k] int64 -> [N, k]."""
     n, hid = xd.shape
     out = torch.empty(ids.shape, dtype=torch.float32, device=xd.device)
-    block_n = 64 if not _ON_GPU else 16
-    block_k = min(triton.next_power_of_2(hid), 64 if not _ON_GPU else 256)
+    block_n = 64 if not ON_GPU else 16
+    block_k = min(triton.next_power_of_2(hid), 64 if not ON_GPU else 256)
     _gather_logits_kernel[(triton.cdiv(n, block_n), ids.shape[1])](
         xd, weight, ids, out, n, hid, ids.shape[1], weight.stride(0), BLOCK_N=block_n, BLOCK_K=block_k
     )
@@ -572,21 +570,45 @@ def gather_logits(xd: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -> 
 
 
 def _matmul(
-    a: torch.Tensor, a_strides: Tuple[int, int], b: torch.Tensor, c: torch.Tensor, accumulate: bool,
+    a: torch.Tensor,
+    a_strides: Tuple[int, int],
+    b: torch.Tensor,
+    c: torch.Tensor,
+    accumulate: bool,
     scale: Optional[torch.Tensor] = None,
 ) -> None:
     """c[M, NC] (+)= a[M, K] @ (scale[:, None] * b[K, NC]); a given by its (row, column) strides."""
     m, nc = c.shape
     k = b.shape[0]
     _matmul_kernel[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(nc, meta["BLOCK_NC"]))](
-        a, b, c, scale if scale is not None else c, m, nc, k, a_strides[0], a_strides[1], b.stride(0), c.stride(0),
-        ACCUMULATE=accumulate, HAS_SCALE=scale is not None, DOT_PRECISION=_dot_precision(a.dtype),
+        a,
+        b,
+        c,
+        scale if scale is not None else c,
+        m,
+        nc,
+        k,
+        a_strides[0],
+        a_strides[1],
+        b.stride(0),
+        c.stride(0),
+        ACCUMULATE=accumulate,
+        HAS_SCALE=scale is not None,
+        DOT_PRECISION=dot_precision(a.dtype),
     )
 
 
 def dlogits_backprop(
-    xd: torch.Tensor, xt: Optional[torch.Tensor], weight: torch.Tensor, ids: torch.Tensor, p: torch.Tensor,
-    rows: torch.Tensor, has_rest: bool, row_scale: torch.Tensor, need_dx: bool, need_dw: bool,
+    xd: torch.Tensor,
+    xt: Optional[torch.Tensor],
+    weight: torch.Tensor,
+    ids: torch.Tensor,
+    p: torch.Tensor,
+    rows: torch.Tensor,
+    has_rest: bool,
+    row_scale: torch.Tensor,
+    need_dx: bool,
+    need_dw: bool,
 ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Pass 3: dxd_unit = dlogits @ W [N, H] fp32 and dW = dlogits^T @ (row_scale * xd) [V, H], chunk by chunk.
 
@@ -603,9 +625,23 @@ def dlogits_backprop(
         v_hi = min(v_lo + chunk, v)
         width = v_hi - v_lo
         _dlogits_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(width, meta["BLOCK_V"]))](
-            xd, xt if xt is not None else xd, weight, ids, p, rows, dlogits, n, hid, ids.shape[1], v_lo, v_hi,
-            weight.stride(0), dlogits.stride(0),
-            HAS_TEACHER=xt is not None, HAS_REST=has_rest, DOT_PRECISION=_dot_precision(xd.dtype),
+            xd,
+            xt if xt is not None else xd,
+            weight,
+            ids,
+            p,
+            rows,
+            dlogits,
+            n,
+            hid,
+            ids.shape[1],
+            v_lo,
+            v_hi,
+            weight.stride(0),
+            dlogits.stride(0),
+            HAS_TEACHER=xt is not None,
+            HAS_REST=has_rest,
+            DOT_PRECISION=dot_precision(xd.dtype),
         )
         if need_dx:
             _matmul(dlogits, (dlogits.stride(0), 1), weight[v_lo:v_hi], dxd, accumulate=v_lo > 0)
@@ -616,12 +652,18 @@ def dlogits_backprop(
 
 def _store_rows(v: int, element_size: int) -> int:
     """Rows per chunk of the store strategy: s, t (fp32) and dlogits [C, V] within STORE_CHUNK_BYTES."""
-    align = 128 if _ON_GPU else 16
+    align = 128 if ON_GPU else 16
     return max(align, STORE_CHUNK_BYTES // (v * (8 + element_size)) // align * align)
 
 
 def stored_logits_backprop(
-    xd: torch.Tensor, xt: torch.Tensor, weight: torch.Tensor, hard: bool, row_scale: torch.Tensor, need_dx: bool, need_dw: bool,
+    xd: torch.Tensor,
+    xt: torch.Tensor,
+    weight: torch.Tensor,
+    hard: bool,
+    row_scale: torch.Tensor,
+    need_dx: bool,
+    need_dw: bool,
 ) -> Tuple[dict, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """The store strategy: pass 1 and pass 3 in one sweep over chunks of rows, 3 GEMMs instead of 5.
 
@@ -643,16 +685,35 @@ def stored_logits_backprop(
         hi = min(lo + rows, n)
         s, t, g = logits[0, : hi - lo], logits[1, : hi - lo], dlogits[: hi - lo]
         _store_logits_kernel[lambda meta: (triton.cdiv(hi - lo, meta["BLOCK_N"]), triton.cdiv(v, meta["BLOCK_V"]))](
-            xd[lo:hi], xt[lo:hi], weight, s, t, hi - lo, v, hid, weight.stride(0), DOT_PRECISION=_dot_precision(xd.dtype),
+            xd[lo:hi],
+            xt[lo:hi],
+            weight,
+            s,
+            t,
+            hi - lo,
+            v,
+            hid,
+            weight.stride(0),
+            DOT_PRECISION=dot_precision(xd.dtype),
         )
         _stored_dlogits_kernel[lambda meta: (triton.cdiv(hi - lo, meta["BLOCK_N"]),)](
-            s, t, g, stats[:, lo:hi], arg[:, lo:hi], hi - lo, v, n, HARD=hard,
+            s,
+            t,
+            g,
+            stats[:, lo:hi],
+            arg[:, lo:hi],
+            hi - lo,
+            v,
+            n,
+            HARD=hard,
         )
         if need_dx:
             _matmul(g, (v, 1), weight, dxd[lo:hi], accumulate=False)
         if need_dw:
             _matmul(g, (1, v), xd[lo:hi], dw, accumulate=lo > 0, scale=row_scale[lo:hi])
-    st = dict(lse_s=stats[0], lse_t=stats[1], sum_ps=stats[2], sum_pt=stats[3], draft_argmax=arg[0], teacher_argmax=arg[1])
+    st = dict(
+        lse_s=stats[0], lse_t=stats[1], sum_ps=stats[2], sum_pt=stats[3], draft_argmax=arg[0], teacher_argmax=arg[1]
+    )
     return st, dxd, None if dw is None else dw.to(weight.dtype)
 
 
@@ -666,17 +727,22 @@ def resolve_strategy(strategy: Optional[str]) -> str:
     return strategy
 
 
-def _check_inputs(h, norm_weight, lm_head_weight, weights, kind, last, final_norm_weight, labels, topk_ids, topk_logits, topk_lse):
+def _check_inputs(
+    h, norm_weight, lm_head_weight, weights, kind, last, final_norm_weight, labels, topk_ids, topk_logits, topk_lse
+):
     n, hid = h.shape if h.dim() == 2 else (None, None)
     if kind not in LOSS_KINDS:
         raise ValueError(f"loss kind {kind!r} is not one of {LOSS_KINDS}")
     if h.dim() != 2 or lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != hid:
-        raise ValueError(f"h must be [N, H] and lm_head_weight [V, H]; got {tuple(h.shape)} and {tuple(lm_head_weight.shape)}")
+        raise ValueError(
+            f"h must be [N, H] and lm_head_weight [V, H]; got {tuple(h.shape)} and {tuple(lm_head_weight.shape)}"
+        )
     if h.dtype != lm_head_weight.dtype:
         raise ValueError(f"h is {h.dtype} but lm_head_weight is {lm_head_weight.dtype}: cast both to one dtype")
     if norm_weight.shape != (hid,) or weights.shape != (n,):
         raise ValueError(
-            f"norm_weight must be [H] = [{hid}] and weights [N] = [{n}]; got {tuple(norm_weight.shape)} and {tuple(weights.shape)}"
+            f"norm_weight must be [H] = [{hid}] and weights [N] = [{n}]; got {tuple(norm_weight.shape)} "
+            f"and {tuple(weights.shape)}"
         )
     if kind == "kl" or (kind == "ce" and labels is None):
         if last is None or final_norm_weight is None:
@@ -692,7 +758,8 @@ def _check_inputs(h, norm_weight, lm_head_weight, weights, kind, last, final_nor
         raise ValueError("loss kind 'kl_topk' needs topk_ids, topk_logits and topk_lse")
     elif topk_ids.dim() != 2 or topk_ids.shape[0] != n or topk_logits.shape != topk_ids.shape:
         raise ValueError(
-            f"topk_ids and topk_logits must be [N, k] with N = {n}; got {tuple(topk_ids.shape)}, {tuple(topk_logits.shape)}"
+            f"topk_ids and topk_logits must be [N, k] with N = {n}; got {tuple(topk_ids.shape)}, "
+            f"{tuple(topk_logits.shape)}"
         )
 
 
@@ -757,7 +824,9 @@ def lm_head_loss_forward(
     Shapes and strategy as in `lm_head_loss`. Returns (loss [], kl [] or None, draft_argmax [N],
     teacher_argmax [N], grads): grads = (dh [N, H] or None, dnorm [H] or None, dW [V, H] or None).
     """
-    _check_inputs(h, norm_weight, lm_head_weight, weights, kind, last, final_norm_weight, labels, topk_ids, topk_logits, topk_lse)
+    _check_inputs(
+        h, norm_weight, lm_head_weight, weights, kind, last, final_norm_weight, labels, topk_ids, topk_logits, topk_lse
+    )
     strategy = resolve_strategy(strategy)
     h, weight = h.contiguous(), lm_head_weight if lm_head_weight.stride(1) == 1 else lm_head_weight.contiguous()
     xd, rstd = rms_norm_forward(h, norm_weight, eps)
@@ -773,14 +842,25 @@ def lm_head_loss_forward(
         st, dxd, dw = stored_logits_backprop(xd, xt, weight, kind == "ce", row_scale, need_dx, need_grads[2])
     else:
         st = vocab_stats(xd, xt, weight, rest_ids)
-    per_row, kl_row, teacher_argmax, ids, p, rows = _loss_terms(kind, st, xd, weight, labels, rest_ids, topk_logits, topk_lse)
+    per_row, kl_row, teacher_argmax, ids, p, rows = _loss_terms(
+        kind, st, xd, weight, labels, rest_ids, topk_logits, topk_lse
+    )
     loss = (per_row * w).sum() / denom
     kl = None if kl_row is None else (kl_row * w).sum() / denom
     grads = (None, None, None)
     if any(need_grads):
         if not store:
             dxd, dw = dlogits_backprop(
-                xd, xt if kind == "kl" else None, weight, ids, p, rows, kind == "kl_topk", row_scale, need_dx, need_grads[2]
+                xd,
+                xt if kind == "kl" else None,
+                weight,
+                ids,
+                p,
+                rows,
+                kind == "kl_topk",
+                row_scale,
+                need_dx,
+                need_grads[2],
             )
         dh, dnorm = rms_norm_backward(h, norm_weight, rstd, dxd, row_scale) if need_dx else (None, None)
         grads = (dh if need_grads[0] else None, dnorm if need_grads[1] else None, dw)
@@ -797,7 +877,9 @@ class LmHeadLossFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *args):
-        loss, kl, draft_argmax, teacher_argmax, grads = lm_head_loss_forward(*args, need_grads=tuple(ctx.needs_input_grad[:3]))
+        loss, kl, draft_argmax, teacher_argmax, grads = lm_head_loss_forward(
+            *args, need_grads=tuple(ctx.needs_input_grad[:3])
+        )
         ctx.grads = grads
         kl = kl if kl is not None else loss.new_zeros(())
         ctx.mark_non_differentiable(kl, draft_argmax, teacher_argmax)
@@ -835,8 +917,20 @@ def lm_head_loss(
     (module docstring); None reads DFLASH_LM_HEAD_STRATEGY, default "recompute".
     """
     args = (
-        h, norm_weight, lm_head_weight, weights, kind, normalizer, eps, last, final_norm_weight, labels, topk_ids, topk_logits,
-        topk_lse, strategy,
+        h,
+        norm_weight,
+        lm_head_weight,
+        weights,
+        kind,
+        normalizer,
+        eps,
+        last,
+        final_norm_weight,
+        labels,
+        topk_ids,
+        topk_logits,
+        topk_lse,
+        strategy,
     )
     if torch.is_grad_enabled() and (h.requires_grad or norm_weight.requires_grad or lm_head_weight.requires_grad):
         loss, kl, draft_argmax, teacher_argmax = LmHeadLossFunction.apply(*args)

@@ -248,17 +248,19 @@ class RowSampler:
         ids: List[int] = []
         while len(ids) < self.seq_len:
             _, user, assistant = self.snippets()
-            ids.extend(self.tokenizer(chat_text(self.tokenizer, user, assistant), add_special_tokens=False)["input_ids"])
+            text = chat_text(self.tokenizer, user, assistant)
+            ids.extend(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         return torch.tensor(ids[: self.seq_len], dtype=torch.long)
 
     def plain_row(self) -> torch.Tensor:
         start = self.rng.randrange(self.stream.numel() - self.seq_len)
-        return self.stream[start:start + self.seq_len]
+        return self.stream[start : start + self.seq_len]
 
     def batch(self, batch_size: int) -> torch.Tensor:
         """[batch_size, T] int64."""
-        return torch.stack([self.chat_row() if self.rng.random() < self.chat_fraction else self.plain_row()
-                            for _ in range(batch_size)])
+        return torch.stack(
+            [self.chat_row() if self.rng.random() < self.chat_fraction else self.plain_row() for _ in range(batch_size)]
+        )
 
 
 def orthogonalize(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
@@ -302,8 +304,7 @@ def make_optimizers(model, args) -> List[torch.optim.Optimizer]:
     """Muon for the 2-D weights inside the decoder layers; AdamW for the (tied) embedding and the norms."""
     matrices = [p for n, p in model.named_parameters() if p.dim() == 2 and ".layers." in n]
     rest = [p for n, p in model.named_parameters() if not (p.dim() == 2 and ".layers." in n)]
-    opts = [Muon(matrices, lr=args.muon_lr),
-            torch.optim.AdamW(rest, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)]
+    opts = [Muon(matrices, lr=args.muon_lr), torch.optim.AdamW(rest, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)]
     for opt in opts:
         for group in opt.param_groups:
             group["peak_lr"] = group["lr"]
@@ -324,17 +325,23 @@ def chat_check(model, tokenizer, prompts: Sequence[str], max_new_tokens: int) ->
     model.eval()
     ended, lengths, example = 0, [], None
     for user in prompts:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True,
-                                            return_tensors="pt", return_dict=True)["input_ids"]
-        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)[0, ids.shape[1]:]
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": user}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"]
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)[0, ids.shape[1] :]
         done = bool((out == tokenizer.eos_token_id).any())
         ended += done
         lengths.append(int(out.numel()))
         if example is None:
             example = {"user": user, "assistant": tokenizer.decode(out, skip_special_tokens=True)}
     model.train()
-    return {"prompts": len(prompts), "ended_with_im_end": ended, "max_new_tokens": max_new_tokens,
-            "mean_new_tokens": sum(lengths) / len(lengths), "example": example}
+    return {
+        "prompts": len(prompts),
+        "ended_with_im_end": ended,
+        "max_new_tokens": max_new_tokens,
+        "mean_new_tokens": sum(lengths) / len(lengths),
+        "example": example,
+    }
 
 
 def save(model, tokenizer, out: Path) -> None:
@@ -342,8 +349,11 @@ def save(model, tokenizer, out: Path) -> None:
 
     out.mkdir(parents=True, exist_ok=True)
     model.generation_config = GenerationConfig(
-        eos_token_id=[tokenizer.eos_token_id, tokenizer.pad_token_id], pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.pad_token_id, do_sample=False)
+        eos_token_id=[tokenizer.eos_token_id, tokenizer.pad_token_id],
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.pad_token_id,
+        do_sample=False,
+    )
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
 
@@ -362,8 +372,12 @@ def parse_args(argv=None):
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--steps", type=int, default=1600, help="optimizer steps; the LR schedule spans them")
-    p.add_argument("--max-minutes", type=float, default=28.0,
-                   help="stop early (and say so in the report) when training has run this long")
+    p.add_argument(
+        "--max-minutes",
+        type=float,
+        default=28.0,
+        help="stop early (and say so in the report) when training has run this long",
+    )
     p.add_argument("--lr", type=float, default=5e-3, help="AdamW peak LR: embedding and norms")
     p.add_argument("--muon-lr", type=float, default=0.02, help="Muon peak LR: the layers' 2-D weights")
     p.add_argument("--warmup", type=int, default=60)
@@ -373,7 +387,10 @@ def parse_args(argv=None):
     p.add_argument("--chat-prompts", type=int, default=20, help="held-out chat prompts in the final generation check")
     args = p.parse_args(argv)
     if args.hidden % args.heads or args.heads % args.kv_heads:
-        p.error(f"--hidden {args.hidden} must divide by --heads {args.heads}, which must divide by --kv-heads {args.kv_heads}")
+        p.error(
+            f"--hidden {args.hidden} must divide by --heads {args.heads}, which must divide by "
+            f"--kv-heads {args.kv_heads}"
+        )
     return args
 
 
@@ -389,22 +406,31 @@ def main(argv=None) -> dict:
     train_rels = [r for r in rels if file_split(r) == "train"]
     heldout_rels = [r for r in rels if file_split(r) == "heldout"]
     train_texts, heldout_texts = read_texts(root, train_rels), read_texts(root, heldout_rels)
-    print(f"stdlib {root}: {len(train_rels)} train files ({sum(map(len, train_texts))} chars), "
-          f"{len(heldout_rels)} held-out files ({sum(map(len, heldout_texts))} chars)", flush=True)
+    print(
+        f"stdlib {root}: {len(train_rels)} train files ({sum(map(len, train_texts))} chars), "
+        f"{len(heldout_rels)} held-out files ({sum(map(len, heldout_texts))} chars)",
+        flush=True,
+    )
 
     tokenizer = train_tokenizer(train_texts, args.vocab)
     train_stream, heldout_stream = token_stream(tokenizer, train_texts), token_stream(tokenizer, heldout_texts)
-    print(f"tokenizer: {len(tokenizer)} tokens; {train_stream.numel()} train / {heldout_stream.numel()} held-out "
-          f"tokens ({time.time() - t_start:.0f}s)", flush=True)
+    print(
+        f"tokenizer: {len(tokenizer)} tokens; {train_stream.numel()} train / {heldout_stream.numel()} held-out "
+        f"tokens ({time.time() - t_start:.0f}s)",
+        flush=True,
+    )
     eval_small = heldout_windows(heldout_stream, args.seq_len, 16)
     eval_full = heldout_windows(heldout_stream, args.seq_len, args.eval_windows)
 
     model = make_model(tokenizer, args)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: {n_params / 1e6:.2f}M parameters; initial held-out loss {lm_loss(model, eval_small):.3f}", flush=True)
+    print(
+        f"model: {n_params / 1e6:.2f}M parameters; initial held-out loss {lm_loss(model, eval_small):.3f}", flush=True
+    )
     opts = make_optimizers(model, args)
-    rows = RowSampler(tokenizer, train_stream, SnippetSampler(train_texts, args.seed), args.seq_len,
-                      args.chat_fraction, args.seed)
+    rows = RowSampler(
+        tokenizer, train_stream, SnippetSampler(train_texts, args.seed), args.seq_len, args.chat_fraction, args.seed
+    )
 
     history, t_train, step = [], time.time(), 0
     model.train()
@@ -424,8 +450,11 @@ def main(argv=None) -> dict:
             opt.zero_grad(set_to_none=True)
         step += 1
         if step % 20 == 0:
-            print(f"step {step}/{args.steps} loss {loss.item():.3f} lr x{lr_scale(step, args):.2f} "
-                  f"{time.time() - t_train:.0f}s", flush=True)
+            print(
+                f"step {step}/{args.steps} loss {loss.item():.3f} lr x{lr_scale(step, args):.2f} "
+                f"{time.time() - t_train:.0f}s",
+                flush=True,
+            )
         if step % args.eval_every == 0:
             val = lm_loss(model, eval_small)
             history.append({"step": step, "train_loss": loss.item(), "heldout_loss_16": val})
@@ -435,22 +464,37 @@ def main(argv=None) -> dict:
     heldout_loss = lm_loss(model, eval_full)
     heldout_prompts = SnippetSampler(heldout_texts, args.seed + 1)
     chat = chat_check(model, tokenizer, [heldout_prompts()[1] for _ in range(args.chat_prompts)], 200)
-    print(f"held-out loss {heldout_loss:.4f} nats/token (ppl {math.exp(heldout_loss):.2f}) over "
-          f"{eval_full.numel()} tokens; chat: {chat['ended_with_im_end']}/{chat['prompts']} answers end", flush=True)
+    print(
+        f"held-out loss {heldout_loss:.4f} nats/token (ppl {math.exp(heldout_loss):.2f}) over "
+        f"{eval_full.numel()} tokens; chat: {chat['ended_with_im_end']}/{chat['prompts']} answers end",
+        flush=True,
+    )
 
     save(model, tokenizer, args.out)
     report = {
-        "command": "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]),
+        "command": "python "
+        + " ".join(shlex.quote(a) for a in [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]),
         "seed": args.seed,
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "data": {"source": "Python standard library .py files (stdlib_files in this script)",
-                 "stdlib_root": str(root), "train_files": len(train_rels), "heldout_files": len(heldout_rels),
-                 "train_tokens": train_stream.numel(), "heldout_tokens": heldout_stream.numel(),
-                 "heldout_file_list": heldout_rels},
-        "model": {"architecture": "Qwen3ForCausalLM", "parameters": n_params, "dtype": "float32",
-                  "vocab_size": len(tokenizer), "layers": args.layers, "hidden": args.hidden},
+        "data": {
+            "source": "Python standard library .py files (stdlib_files in this script)",
+            "stdlib_root": str(root),
+            "train_files": len(train_rels),
+            "heldout_files": len(heldout_rels),
+            "train_tokens": train_stream.numel(),
+            "heldout_tokens": heldout_stream.numel(),
+            "heldout_file_list": heldout_rels,
+        },
+        "model": {
+            "architecture": "Qwen3ForCausalLM",
+            "parameters": n_params,
+            "dtype": "float32",
+            "vocab_size": len(tokenizer),
+            "layers": args.layers,
+            "hidden": args.hidden,
+        },
         "steps": step,
         "tokens_seen": step * args.batch_size * args.seq_len,
         "stopped_by_time_budget": step < args.steps,

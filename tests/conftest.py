@@ -20,7 +20,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: end-to-end runs of a minute or more")
 
 
-def pytest_collection_modifyitems(config, items):
+def pytest_collection_modifyitems(config, items):  # noqa: ARG001 (pytest passes hooks by name)
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; the Triton interpreter computes bf16 wrongly")
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:

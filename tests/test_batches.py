@@ -37,7 +37,9 @@ class FakeStore:
             item = {
                 "input_ids": ids,
                 "loss_mask": (torch.rand(n, generator=gen) < mask_p).to(torch.uint8),
-                "hidden": (ids.float()[:, None, None] + torch.arange(K)[None, :, None] / 10).expand(n, K, H).contiguous(),
+                "hidden": (ids.float()[:, None, None] + torch.arange(K)[None, :, None] / 10)
+                .expand(n, K, H)
+                .contiguous(),
             }
             if with_last:
                 item["last"] = -ids.float()[:, None].expand(n, H).contiguous()
@@ -89,7 +91,9 @@ def test_anchors_obey_eligibility_sorted_unique_and_count():
         document_ids = torch.sort(torch.randint(0, 5, (t,), generator=gen)).values
         num_anchors = int(torch.randint(1, 20, (1,), generator=gen))
         anchors, valid = sample_anchors(loss_mask, document_ids, num_anchors, torch.Generator().manual_seed(trial))
-        eligible = {a for a in range(t - 1) if loss_mask[a] and loss_mask[a + 1] and document_ids[a] == document_ids[a + 1]}
+        eligible = {
+            a for a in range(t - 1) if loss_mask[a] and loss_mask[a + 1] and document_ids[a] == document_ids[a + 1]
+        }
         n = min(num_anchors, len(eligible))
         assert anchors.shape == valid.shape == (num_anchors,)
         assert anchors.dtype == torch.int64 and valid.dtype == torch.bool
@@ -131,8 +135,9 @@ def test_anchor_sampling_is_uniform_over_eligible_positions():
 
 
 def test_row_without_eligible_positions_has_only_invalid_anchors():
-    anchors, valid = sample_anchors(torch.zeros(8, dtype=torch.bool), torch.zeros(8, dtype=torch.int64), 3,
-                                    torch.Generator().manual_seed(0))
+    anchors, valid = sample_anchors(
+        torch.zeros(8, dtype=torch.bool), torch.zeros(8, dtype=torch.int64), 3, torch.Generator().manual_seed(0)
+    )
     assert not valid.any() and anchors.tolist() == [0, 0, 0]
 
 
@@ -323,8 +328,11 @@ def test_val_loader_scores_every_val_document_once_across_ranks_and_never_train_
     store = FakeStore(lengths_for(num_docs=80), mask_p=1.0)
     train_docs, val_docs = split_documents(len(store), 0.25, split_seed=0)
     world = 3
-    batches = [b for r in range(world) for b in
-               all_batches(store, split="val", val_fraction=0.25, rank=r, world_size=world, batch_rows=2)]
+    batches = [
+        b
+        for r in range(world)
+        for b in all_batches(store, split="val", val_fraction=0.25, rank=r, world_size=world, batch_rows=2)
+    ]
     tokens = [t for b in batches for t in b["input_ids"][b["input_ids"] > 0].tolist()]
     assert len(tokens) == len(set(tokens)) == int(store.lengths[val_docs].sum())
     assert _items_of(batches) == set(val_docs.tolist())
@@ -333,7 +341,11 @@ def test_val_loader_scores_every_val_document_once_across_ranks_and_never_train_
     empty_rows = [(b, r) for b in batches for r in range(b["input_ids"].shape[0]) if not b["input_ids"][r].any()]
     for b, r in empty_rows:
         assert not b["loss_mask"][r].any() and not b["anchor_valid"][r].any()
-    later_epoch = [b for r in range(world) for b in
-                   all_batches(store, split="val", val_fraction=0.25, rank=r, world_size=world, batch_rows=2,
-                               epoch=5, seed=9)]
+    later_epoch = [
+        b
+        for r in range(world)
+        for b in all_batches(
+            store, split="val", val_fraction=0.25, rank=r, world_size=world, batch_rows=2, epoch=5, seed=9
+        )
+    ]
     assert_same_batches(batches, later_epoch)

@@ -35,7 +35,9 @@ def positive_finite(row, keys):
 
 @pytest.fixture(scope="module", params=["kl", "kl_topk"])
 def step_run(request, tmp_path_factory):
-    return request.param, run_smoke("bench_step.py", tmp_path_factory.mktemp(f"step_{request.param}"), "--loss", request.param)
+    return request.param, run_smoke(
+        "bench_step.py", tmp_path_factory.mktemp(f"step_{request.param}"), "--loss", request.param
+    )
 
 
 def test_step_smoke_times_every_contender_or_says_why_not(step_run):
@@ -44,7 +46,9 @@ def test_step_smoke_times_every_contender_or_says_why_not(step_run):
     rows = {r["impl"]: r for r in result["rows"]}
     assert list(rows) == ["triton", "speculators", "liger", "eager"]
     for impl in ("triton", "eager"):
-        positive_finite(rows[impl], ("step_ms", "anchors_per_s", "loss", "loss_step2", "tflop_per_step", "first_step_s"))
+        positive_finite(
+            rows[impl], ("step_ms", "anchors_per_s", "loss", "loss_step2", "tflop_per_step", "first_step_s")
+        )
         assert rows[impl]["loss_kind"] == loss
     for impl in ("liger", "speculators"):
         assert "step_ms" in rows[impl] or rows[impl]["note"], rows[impl]

@@ -14,15 +14,23 @@ import subprocess
 import sys
 
 import triton
+from dflash_fast.kernels import anchored_attention, fc_concat, lm_head_loss
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
-
-from dflash_fast.kernels import anchored_attention, fc_concat, lm_head_loss
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The reduced run: bf16, the reference shape, the first config of each autotune list, and the cases
 # that together launch every kernel once (~20 compiles). The full run is `python bench/compile_check.py`.
-QUICK = ["--dtypes", "bf16", "--shapes", "reference", "--configs", "first", "--cases", "noise=0$|causal=False|kl_topk|kl, store$"]
+QUICK = [
+    "--dtypes",
+    "bf16",
+    "--shapes",
+    "reference",
+    "--configs",
+    "first",
+    "--cases",
+    "noise=0$|causal=False|kl_topk|kl, store$",
+]
 
 
 def triton_kernels(module):
@@ -44,7 +52,9 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     env["OMP_NUM_THREADS"] = "1"
     cmd = [sys.executable, os.path.join(REPO, "bench", "compile_check.py"), *QUICK, "--out", str(tmp_path)]
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-6000:]}\n{proc.stdout[-2000:]}"
+    assert proc.returncode == 0, (
+        f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-6000:]}\n{proc.stdout[-2000:]}"
+    )
     with open(tmp_path / f"compile_check_{triton.__version__}.json") as f:
         rows = json.load(f)["rows"]
     for module in (fc_concat, anchored_attention, lm_head_loss):
@@ -53,4 +63,6 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
         assert kernels, f"found no Triton kernel in {module.__name__}: the scan is broken"
         compiled = {r["kernel"] for r in rows if r["op"] == op}
         missing = sorted(kernels - compiled)
-        assert not missing, f"{op}: compile_check never launched {missing}; add a case that does to bench/compile_check.py and to QUICK"
+        assert not missing, (
+            f"{op}: compile_check never launched {missing}; add a case that does to bench/compile_check.py and to QUICK"
+        )

@@ -7,16 +7,35 @@ import torch.nn.functional as F
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM
 
 from dflash_fast import eager
-from dflash_fast.drafter import (DFlashDrafter, DrafterConfig, DrafterOutput, build_drafter, position_weights,
-                                 resolve_mask_token_id, slot_metrics)
+from dflash_fast.drafter import (
+    DFlashDrafter,
+    DrafterConfig,
+    DrafterOutput,
+    build_drafter,
+    position_weights,
+    resolve_mask_token_id,
+    slot_metrics,
+)
 from dflash_fast.export import export_drafter, load_exported
 
 V, H, K, B = 96, 32, 3, 4
 
 
 def small_config(**kw) -> DrafterConfig:
-    args = dict(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64, vocab_size=V,
-                layer_ids=[0, 1, 2], target_num_layers=4, target_hidden_size=H, mask_token_id=V - 1, num_layers=2, block_size=B)
+    args = dict(
+        hidden_size=H,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        vocab_size=V,
+        layer_ids=[0, 1, 2],
+        target_num_layers=4,
+        target_hidden_size=H,
+        mask_token_id=V - 1,
+        num_layers=2,
+        block_size=B,
+    )
     args.update(kw)
     return DrafterConfig(**args)
 
@@ -53,6 +72,7 @@ def random_batch(seed=0, t=24, anchors=((2, 7, 15, 22),), valid=((True, True, Tr
 
 # ---------------------------------------------------------------- the anchored mask (SPEC §4)
 
+
 def row_mask(anchors, doc, window=None, causal=False, valid=None):
     a = torch.tensor([anchors])
     v = torch.ones_like(a, dtype=torch.bool) if valid is None else torch.tensor([valid])
@@ -69,8 +89,8 @@ def test_context_is_strictly_before_anchor():
 def test_context_stays_inside_the_anchor_document():
     m = row_mask([2, 9], [0] * 6 + [1] * 6)
     assert m[0:B, 0:2].all() and not m[0:B, 2:12].any()
-    assert not m[B:2 * B, 0:6].any(), "the previous document is invisible"
-    assert m[B:2 * B, 6:9].all() and not m[B:2 * B, 9:12].any()
+    assert not m[B : 2 * B, 0:6].any(), "the previous document is invisible"
+    assert m[B : 2 * B, 6:9].all() and not m[B : 2 * B, 9:12].any()
 
 
 def test_window_edge_is_anchor_minus_window():
@@ -82,13 +102,13 @@ def test_window_edge_is_anchor_minus_window():
 def test_other_blocks_are_invisible_and_own_block_is_bidirectional():
     m = row_mask([3, 6], [0] * 10)
     t = 10
-    assert m[0:B, t:t + B].all(), "a block sees all of its own slots"
-    assert not m[0:B, t + B:t + 2 * B].any() and not m[B:2 * B, t:t + B].any()
+    assert m[0:B, t : t + B].all(), "a block sees all of its own slots"
+    assert not m[0:B, t + B : t + 2 * B].any() and not m[B : 2 * B, t : t + B].any()
 
 
 def test_causal_in_block_sees_only_earlier_slots():
     m = row_mask([3], [0] * 10, causal=True)
-    blk = m[:, 10:10 + B]
+    blk = m[:, 10 : 10 + B]
     assert torch.equal(blk, torch.tril(torch.ones(B, B, dtype=torch.bool)))
 
 
@@ -98,6 +118,7 @@ def test_invalid_anchor_sees_nothing():
 
 
 # ---------------------------------------------------------------- inputs and targets (SPEC §3, §5)
+
 
 def test_every_tapped_layer_reaches_fc():
     d = random_drafter()
@@ -151,11 +172,18 @@ def test_loss_weights_and_denominator():
     d = random_drafter()
     batch = random_batch()
     out = d(batch, "ce")
-    from dflash_fast.drafter import slot_targets, gather_rows
+    from dflash_fast.drafter import gather_rows, slot_targets
 
     tg = slot_targets(batch, B)
-    x = d.block_states(d.context(batch["hidden"]), batch["position_ids"], batch["input_ids"].gather(1, batch["anchors"]),
-                       batch["position_ids"].gather(1, batch["anchors"]), batch["anchors"], batch["anchor_valid"], batch["document_ids"])
+    x = d.block_states(
+        d.context(batch["hidden"]),
+        batch["position_ids"],
+        batch["input_ids"].gather(1, batch["anchors"]),
+        batch["position_ids"].gather(1, batch["anchors"]),
+        batch["anchors"],
+        batch["anchor_valid"],
+        batch["document_ids"],
+    )
     logq = F.log_softmax(F.linear(d.norm(x[0]), d.lm_head).float(), -1)
     labels = gather_rows(batch["teacher_topk_ids"], tg.teacher_row)[:, 0]
     per = -logq.gather(1, labels[:, None])[:, 0]
@@ -168,7 +196,7 @@ def capture_norm_input(model):
     """The final norm's input, by a hook that returns None (a returned value would replace the output)."""
     captured = {}
 
-    def hook(module, args, output):
+    def hook(_module, args, _output):
         captured["last"] = args[0].detach().clone()
 
     model.model.norm.register_forward_hook(hook)
@@ -177,8 +205,16 @@ def capture_norm_input(model):
 
 def test_teacher_logits_from_last_equal_target_logits_without_double_norm(tmp_path):
     torch.manual_seed(0)
-    cfg = Qwen3Config(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_hidden_layers=4,
-                      intermediate_size=64, vocab_size=V, tie_word_embeddings=False)
+    cfg = Qwen3Config(
+        hidden_size=H,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_hidden_layers=4,
+        intermediate_size=64,
+        vocab_size=V,
+        tie_word_embeddings=False,
+    )
     model = Qwen3ForCausalLM(cfg).eval()
     with torch.no_grad():
         model.model.norm.weight.normal_(1.0, 0.3)
@@ -196,13 +232,23 @@ def test_teacher_logits_from_last_equal_target_logits_without_double_norm(tmp_pa
 
 def test_frozen_tensors_load_in_the_compute_dtype_and_the_rest_stays_fp32(tmp_path):
     torch.manual_seed(0)
-    cfg = Qwen3Config(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_hidden_layers=4,
-                      intermediate_size=64, vocab_size=V, tie_word_embeddings=True)
+    cfg = Qwen3Config(
+        hidden_size=H,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_hidden_layers=4,
+        intermediate_size=64,
+        vocab_size=V,
+        tie_word_embeddings=True,
+    )
     model = Qwen3ForCausalLM(cfg).eval()
     with torch.no_grad():
         model.model.norm.weight.normal_(1.0, 0.3)
     model.save_pretrained(tmp_path)
-    d = build_drafter(str(tmp_path), [0, 1, 2], mask_token_id=V - 1, frozen_dtype=torch.bfloat16, num_layers=1, block_size=B)
+    d = build_drafter(
+        str(tmp_path), [0, 1, 2], mask_token_id=V - 1, frozen_dtype=torch.bfloat16, num_layers=1, block_size=B
+    )
     embed = model.model.embed_tokens.weight.detach()
     assert d.embed_tokens.dtype == d.lm_head.dtype == torch.bfloat16
     assert torch.equal(d.embed_tokens, embed.bfloat16()) and torch.equal(d.lm_head, embed.bfloat16())  # tied
@@ -212,10 +258,24 @@ def test_frozen_tensors_load_in_the_compute_dtype_and_the_rest_stays_fp32(tmp_pa
 
 def test_zero_centred_final_norm_is_loaded_as_one_plus_w(tmp_path):
     torch.manual_seed(0)
-    cfg = Qwen3NextConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_hidden_layers=4,
-                          intermediate_size=64, vocab_size=V, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                          shared_expert_intermediate_size=16, linear_num_value_heads=2, linear_num_key_heads=2,
-                          linear_key_head_dim=8, linear_value_head_dim=8, tie_word_embeddings=False)
+    cfg = Qwen3NextConfig(
+        hidden_size=H,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_hidden_layers=4,
+        intermediate_size=64,
+        vocab_size=V,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+        linear_num_value_heads=2,
+        linear_num_key_heads=2,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        tie_word_embeddings=False,
+    )
     model = Qwen3NextForCausalLM(cfg).eval()
     with torch.no_grad():
         model.model.norm.weight.normal_(0.0, 0.3)
@@ -248,7 +308,7 @@ def test_mask_token_resolution():
 
     assert resolve_mask_token_id(96, 5) == 5
     assert resolve_mask_token_id(96, None, Tok()) == 95
-    Tok.__len__ = lambda self: 96
+    Tok.__len__ = lambda _self: 96
     with pytest.raises(ValueError, match="mask-token-id"):
         resolve_mask_token_id(96, None, Tok())
     with pytest.raises(ValueError, match="outside"):
@@ -256,6 +316,7 @@ def test_mask_token_resolution():
 
 
 # ---------------------------------------------------------------- a second, naive implementation
+
 
 def naive_block_logits(d: DFlashDrafter, batch, i):
     """One block by hand: slice its visible context, run every layer with plain softmax attention."""
@@ -277,14 +338,19 @@ def naive_block_logits(d: DFlashDrafter, batch, i):
         for h in range(cfg.num_attention_heads):
             kv = h // (cfg.num_attention_heads // cfg.num_key_value_heads)
             sl = slice(kv * cfg.head_dim, (kv + 1) * cfg.head_dim)
-            q = d.rope.rotate(att.q_norm(att.q_proj(hx)[:, h * cfg.head_dim:(h + 1) * cfg.head_dim])[:, None], *d.rope.cos_sin(blk_pos, x.dtype))[:, 0]
+            q = d.rope.rotate(
+                att.q_norm(att.q_proj(hx)[:, h * cfg.head_dim : (h + 1) * cfg.head_dim])[:, None],
+                *d.rope.cos_sin(blk_pos, x.dtype),
+            )[:, 0]
             keys, values = [], []
             for src, pos in ((ctx, ctx_pos), (hx, blk_pos)):
                 if len(src):
-                    keys.append(d.rope.rotate(att.k_norm(att.k_proj(src)[:, sl])[:, None], *d.rope.cos_sin(pos, x.dtype))[:, 0])
+                    keys.append(
+                        d.rope.rotate(att.k_norm(att.k_proj(src)[:, sl])[:, None], *d.rope.cos_sin(pos, x.dtype))[:, 0]
+                    )
                     values.append(att.v_proj(src)[:, sl])
             k, v = torch.cat(keys), torch.cat(values)
-            heads.append(torch.softmax(q @ k.T / cfg.head_dim ** 0.5, -1) @ v)
+            heads.append(torch.softmax(q @ k.T / cfg.head_dim**0.5, -1) @ v)
         x = x + att.o_proj(torch.cat(heads, -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return F.linear(d.norm(x), d.lm_head)
@@ -318,6 +384,7 @@ def test_propose_equals_training_forward_at_the_same_anchor():
 
 # ---------------------------------------------------------------- metrics (SPEC §6)
 
+
 def test_tau_offline_counts_leading_matches_only():
     mask = torch.tensor([[[False, True, True, True], [False, True, True, True], [False, False, False, False]]])
     teacher = torch.zeros(1, 3, B, dtype=torch.long)
@@ -330,10 +397,22 @@ def test_tau_offline_counts_leading_matches_only():
 # ---------------------------------------------------------------- export (speculators format)
 
 SPECULATORS_NAMES = ["fc.weight", "hidden_norm.weight", "norm.weight"] + [
-    f"layers.{i}.{n}" for i in range(2) for n in (
-        "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-        "self_attn.q_norm.weight", "self_attn.k_norm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-        "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight")]
+    f"layers.{i}.{n}"
+    for i in range(2)
+    for n in (
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+        "self_attn.o_proj.weight",
+        "self_attn.q_norm.weight",
+        "self_attn.k_norm.weight",
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+        "mlp.down_proj.weight",
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+    )
+]
 
 
 def test_export_round_trip_names_and_layer_ids(tmp_path):
@@ -372,7 +451,7 @@ def test_eager_attention_equals_softmax_over_the_dense_mask(window, causal):
     mask = eager.anchored_attention_mask(anchors, valid, doc, B, window, causal)
     k = torch.cat([kc, kb], 1).repeat_interleave(hq // hkv, 2)
     v = torch.cat([vc, vb], 1).repeat_interleave(hq // hkv, 2)
-    scores = torch.einsum("rqhd,rshd->rhqs", q, k) / d ** 0.5
+    scores = torch.einsum("rqhd,rshd->rhqs", q, k) / d**0.5
     probs = torch.softmax(scores.masked_fill(~mask[:, None], float("-inf")), -1).nan_to_num(0.0)
     assert torch.allclose(out, torch.einsum("rhqs,rshd->rqhd", probs, v), atol=1e-5)
-    assert not out[1, 2 * B:].any(), "an invalid anchor's block is zero"
+    assert not out[1, 2 * B :].any(), "an invalid anchor's block is zero"

@@ -4,17 +4,23 @@ import json
 import numpy as np
 import pytest
 import torch
+from tiny_targets import make_tiny_target, write_jsonl
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_fast import extract
 from dflash_fast.cli import main
 from dflash_fast.drafter import build_drafter
-from dflash_fast.evaluate import (TargetRunner, evaluate, greedy_generate, offline_tau, response_row,
-                                  speculative_generate)
+from dflash_fast.evaluate import (
+    TargetRunner,
+    evaluate,
+    greedy_generate,
+    offline_tau,
+    response_row,
+    speculative_generate,
+)
 from dflash_fast.export import export_drafter
 from dflash_fast.plot import plot_run
 from dflash_fast.store import Layout
-from tiny_targets import make_tiny_target, write_jsonl
 
 B = 4
 LAYER_IDS = [1, 3, 5]  # 5 = L-1 of the 6-layer tiny targets: tapped before the final norm
@@ -52,7 +58,7 @@ def scripted_proposer(model, right_per_block):
     """Block i gets right_per_block(i) correct tokens, then tokens the target never picks."""
     future, calls, vocab = future_greedy(model), [], model.config.vocab_size
 
-    def propose(hidden, anchor, ids):
+    def propose(_hidden, _anchor, ids):
         k = right_per_block(len(calls))
         calls.append(k)
         f = future(ids)
@@ -71,7 +77,7 @@ def test_speculative_greedy_equals_hf_generate(targets, arch):
         ids = tok(text).input_ids
         with torch.no_grad():
             want = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=20)[0, len(ids):].tolist()
-        spec = speculative_generate(runner, ids, lambda h, a, c: drafter.propose(h, a), B, 20, eos)
+        spec = speculative_generate(runner, ids, lambda h, a, _c: drafter.propose(h, a), B, 20, eos)
         assert spec.tokens == want, f"{arch}: speculative output differs from generate(do_sample=False) on {text!r}"
         assert greedy_generate(runner, ids, 20, eos)[0] == want
 
@@ -84,8 +90,12 @@ def test_taps_through_the_cache_match_what_extraction_stores(targets):
     runner = TargetRunner(model, LAYER_IDS)
     head = runner.forward(ids[:5])
     tail = runner.forward(ids[5:], head.cache)
-    torch.testing.assert_close(torch.cat([head.hidden, tail.hidden]), torch.from_numpy(stored["hidden"]), atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(torch.cat([head.last, tail.last]), torch.from_numpy(stored["last"]), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(
+        torch.cat([head.hidden, tail.hidden]), torch.from_numpy(stored["hidden"]), atol=1e-5, rtol=1e-4
+    )
+    torch.testing.assert_close(
+        torch.cat([head.last, tail.last]), torch.from_numpy(stored["last"]), atol=1e-5, rtol=1e-4
+    )
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
@@ -94,7 +104,9 @@ def test_partial_acceptance_rolls_the_cache_back_exactly(targets, arch):
     runner = TargetRunner(model, LAYER_IDS)
     ids = tok(PROMPTS[0]).input_ids
     spec = speculative_generate(runner, ids, scripted_proposer(model, lambda i: i % B), B, 30)
-    assert spec.accepted == [i % B for i in range(len(spec.accepted))], "a block accepted more or less than its correct prefix"
+    assert spec.accepted == [i % B for i in range(len(spec.accepted))], (
+        "a block accepted more or less than its correct prefix"
+    )
     assert spec.tokens == greedy_generate(runner, ids, 30)[0]
     assert spec.anchors == [len(ids) + sum(n + 1 for n in spec.accepted[:i]) for i in range(len(spec.accepted))]
     rejected = sum(n < B - 1 for n in spec.accepted[:-1])
@@ -107,14 +119,16 @@ def test_oracle_proposer_reaches_tau_b_and_always_wrong_gives_tau_1(targets, tmp
     future = future_greedy(model)
     records = [{"text": t} for t in PROMPTS[:2]] + [{"conversations": [{"role": "user", "content": "hi"}]}]
     data = write_jsonl(tmp_path / "prompts.jsonl", records)
-    oracle = lambda h, a, ids: torch.tensor(future(ids))
-    wrong = lambda h, a, ids: torch.tensor([(t + 1) % model.config.vocab_size for t in future(ids)])
+    oracle = lambda _h, _a, ids: torch.tensor(future(ids))
+    wrong = lambda _h, _a, ids: torch.tensor([(t + 1) % model.config.vocab_size for t in future(ids)])
     best = evaluate(path, data, oracle, block_size=B, layer_ids=LAYER_IDS, max_new_tokens=25, progress=False)
     assert best["tau"] == B and best["acceptance_histogram"][:-1] == [0] * (B - 1)
     assert best["greedy_mismatches"] == 0 and best["tau_offline"] is None
     worst = evaluate(path, data, wrong, block_size=B, layer_ids=LAYER_IDS, max_new_tokens=25, progress=False)
     assert worst["tau"] == 1 and worst["acceptance_histogram"][1:] == [0] * (B - 1)
-    assert worst["verify_forwards"] == worst["new_tokens"] - worst["prompts"], "one token per verification after the prefill's"
+    assert worst["verify_forwards"] == worst["new_tokens"] - worst["prompts"], (
+        "one token per verification after the prefill's"
+    )
 
 
 def test_offline_acceptance_matches_real_blocks_of_a_fitted_drafter(targets):
@@ -133,7 +147,7 @@ def test_offline_acceptance_matches_real_blocks_of_a_fitted_drafter(targets):
         drafter(batch, loss_kind="ce").loss.backward()
         opt.step()
         opt.zero_grad()
-    spec = speculative_generate(runner, ids, lambda h, a, c: drafter.propose(h, a), B, 40)
+    spec = speculative_generate(runner, ids, lambda h, a, _c: drafter.propose(h, a), B, 40)
     assert spec.tokens == response
     assert sum(spec.accepted[:-1]) > 0, "the fitted drafter accepts nothing: the comparison below would be vacuous"
     for a, n in zip(spec.anchors[:-1], spec.accepted[:-1]):
@@ -144,10 +158,30 @@ def test_offline_acceptance_matches_real_blocks_of_a_fitted_drafter(targets):
 def test_eval_cli_loads_an_export_and_writes_the_report(targets, tmp_path):
     path = targets("qwen3")
     export_drafter(random_drafter(path), str(tmp_path / "export"), verifier=path, dtype=torch.float32)
-    data = write_jsonl(tmp_path / "prompts.jsonl", [{"conversations": [{"role": "user", "content": t}]} for t in PROMPTS])
+    data = write_jsonl(
+        tmp_path / "prompts.jsonl", [{"conversations": [{"role": "user", "content": t}]} for t in PROMPTS]
+    )
     out = tmp_path / "report.json"
-    assert main(["eval", "--target", path, "--drafter", str(tmp_path / "export"), "--data", str(data),
-                 "--max-new-tokens", "12", "--num-prompts", "2", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "--target",
+                path,
+                "--drafter",
+                str(tmp_path / "export"),
+                "--data",
+                str(data),
+                "--max-new-tokens",
+                "12",
+                "--num-prompts",
+                "2",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
     assert report["prompts"] == 2 and report["block_size"] == B and report["layer_ids"] == LAYER_IDS
     assert report["greedy_mismatches"] == 0
@@ -157,8 +191,10 @@ def test_eval_cli_loads_an_export_and_writes_the_report(targets, tmp_path):
 
 
 def test_plot_writes_loss_tau_and_per_slot_accuracy(tmp_path):
-    records = [{"step": s, "split": "train", "loss": 5.0 / s, "tau_offline": 1 + s / 10, "acc": [0.5, 0.3, 0.1]}
-               for s in range(1, 6)]
+    records = [
+        {"step": s, "split": "train", "loss": 5.0 / s, "tau_offline": 1 + s / 10, "acc": [0.5, 0.3, 0.1]}
+        for s in range(1, 6)
+    ]
     records += [{"step": 5, "split": "val", "loss": 1.2, "tau_offline": 1.4, "acc_1": 0.4, "acc_2": 0.2, "acc_3": 0.05}]
     lines = [json.dumps(r) for r in records] + ['{"step": 6, "loss": 0.']  # a torn last line is skipped
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines))

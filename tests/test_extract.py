@@ -11,12 +11,13 @@ import threading
 
 import pytest
 import torch
+from tiny_targets import make_tiny_target, make_tokenizer, sample_records, write_jsonl
 
-from dflash_fast import cli, extract as extract_module
+from dflash_fast import cli
+from dflash_fast import extract as extract_module
 from dflash_fast.eager import rms_norm
 from dflash_fast.extract import ChatTokenizer, extract
 from dflash_fast.store import MANIFEST, HiddenStateStore, ShardWriter, final_norm_weight
-from tiny_targets import make_tiny_target, make_tokenizer, sample_records, write_jsonl
 
 NUM_LAYERS = 6
 LAYER_IDS = [0, 2, 4, 5]  # includes the first and the last decoder layer
@@ -166,7 +167,7 @@ def test_default_dtype_is_bf16_bits_viewed_as_bf16(targets, data, tmp_path):
 
 def test_parity_mismatch_aborts_before_writing_anything(targets, data, tmp_path, monkeypatch):
     # A mis-described final norm: the recomputed logits cannot match the model's.
-    monkeypatch.setattr(extract_module, "detect_norm_kind", lambda norm: ("rmsnorm_zero_centred", 1e-6))
+    monkeypatch.setattr(extract_module, "detect_norm_kind", lambda _norm: ("rmsnorm_zero_centred", 1e-6))
     with pytest.raises(RuntimeError, match="parity check failed"):
         run_extract(targets["qwen3"], data, tmp_path)
     assert not os.path.exists(tmp_path / MANIFEST)
@@ -256,7 +257,7 @@ def test_ranks_write_their_own_shards_and_one_manifest_describes_all(targets, da
         assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_parallel_loads_leave_weight_tying_working(tmp_path):
+def test_parallel_loads_leave_weight_tying_working():
     """from_pretrained swaps PreTrainedModel.tie_weights for a no-op while it loads; loads racing in
     threads (ranks as threads, above) once left the no-op in place, and every later tied target of
     the process (the embedded one) kept its lm_head on the meta device. load_target serialises them."""
@@ -322,8 +323,12 @@ def test_chat_loss_mask_of_a_template_that_drops_reasoning_from_earlier_turns(tm
         "{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
-    turns = [{"role": "user", "content": "hidden"}, {"role": "assistant", "content": "<think>token</think>\nanchor slot"},
-             {"role": "user", "content": "layer"}, {"role": "assistant", "content": "<think>state</think>\nblock loss"}]
+    turns = [
+        {"role": "user", "content": "hidden"},
+        {"role": "assistant", "content": "<think>token</think>\nanchor slot"},
+        {"role": "user", "content": "layer"},
+        {"role": "assistant", "content": "<think>state</think>\nblock loss"},
+    ]
     ex = ChatTokenizer(tok, len(tok)).conversation(turns)
     trained = tok.decode([t for t, m in zip(ex.input_ids.tolist(), ex.loss_mask) if m])
     assert trained == "anchor slot<|im_end|>\n<think>state</think>\nblock loss<|im_end|>\n"
@@ -337,8 +342,12 @@ def test_chat_loss_mask_survives_a_template_that_rerenders_earlier_turns(tmp_pat
         "{{ m['content'] }}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
-    turns = [{"role": "user", "content": "hidden"}, {"role": "assistant", "content": "anchor slot"},
-             {"role": "user", "content": "token"}, {"role": "assistant", "content": "block loss"}]
+    turns = [
+        {"role": "user", "content": "hidden"},
+        {"role": "assistant", "content": "anchor slot"},
+        {"role": "user", "content": "token"},
+        {"role": "assistant", "content": "block loss"},
+    ]
     ex = ChatTokenizer(tok, len(tok)).conversation(turns)
     trained = tok.decode([t for t, m in zip(ex.input_ids.tolist(), ex.loss_mask) if m])
     assert trained == "anchor slot<|im_end|>\nblock loss<|im_end|>\n"
@@ -360,8 +369,11 @@ def test_formats_and_skipped_records_are_counted_never_silent(targets, tmp_path)
     store = HiddenStateStore(tmp_path / "out")
     counts = store.manifest["extraction"]["input"]
     assert len(store) == 4 and counts["lines"] == 7
-    assert counts["skipped"] == {"unknown role 'narrator'": 1, "no assistant turn": 1,
-                                 "no loss tokens (after truncation)": 1}
+    assert counts["skipped"] == {
+        "unknown role 'narrator'": 1,
+        "no assistant turn": 1,
+        "no loss tokens (after truncation)": 1,
+    }
     assert store[2]["loss_mask"].all() and store[2]["input_ids"].tolist() == tok("the anchor token")["input_ids"]
     assert store[3]["input_ids"].tolist() == [5, 6, 7, 8] and store[3]["loss_mask"].tolist() == [0, 1, 1, 0]
 
@@ -396,14 +408,32 @@ def test_an_empty_file_is_refused(targets, tmp_path):
 
 def test_cli_rejects_non_integer_layer_ids(targets, data, tmp_path, capsys):
     with pytest.raises(SystemExit):
-        cli.main(["extract", "--target", targets["qwen3"], "--data", str(data), "--out", str(tmp_path),
-                  "--layer-ids", "1,x"])
+        cli.main(
+            ["extract", "--target", targets["qwen3"], "--data", str(data), "--out", str(tmp_path), "--layer-ids", "1,x"]
+        )
     assert "comma-separated integers" in capsys.readouterr().err
 
 
 def test_cli_extract_writes_a_store(targets, data, tmp_path, capsys):
-    rc = cli.main(["extract", "--target", targets["llama"], "--data", str(data), "--out", str(tmp_path),
-                   "--layer-ids", "1,3", "--dtype", "fp16", "--topk", "2", "--shard-tokens", "500"])
+    rc = cli.main(
+        [
+            "extract",
+            "--target",
+            targets["llama"],
+            "--data",
+            str(data),
+            "--out",
+            str(tmp_path),
+            "--layer-ids",
+            "1,3",
+            "--dtype",
+            "fp16",
+            "--topk",
+            "2",
+            "--shard-tokens",
+            "500",
+        ]
+    )
     assert rc == 0
     store = HiddenStateStore(tmp_path)
     assert store.manifest["layer_ids"] == [1, 3] and store[0]["hidden"].dtype == torch.float16

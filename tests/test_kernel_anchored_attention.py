@@ -10,9 +10,9 @@ import sys
 
 import pytest
 import torch
+from dflash_fast.kernels.anchored_attention import anchored_attention
 
 from dflash_fast import eager, ops
-from dflash_fast.kernels.anchored_attention import anchored_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,7 +38,8 @@ def assert_close(actual, expected, name):
 
 
 def make_inputs(block_size, hq, hkv, d, dtype, seed=0, doc_lengths=DOC_LENGTHS, anchors=ANCHORS, valid=VALID, t=T):
-    """The two-row batch above with random q/k/v: (q, k_ctx, v_ctx, k_blk, v_blk), anchors, anchor_valid, document_ids."""
+    """The two-row batch above with random q/k/v -> (q, k_ctx, v_ctx, k_blk, v_blk), anchors, anchor_valid,
+    document_ids."""
     gen = torch.Generator().manual_seed(seed)
     r, a = len(anchors), len(anchors[0])
     n_q = a * block_size
@@ -49,7 +50,12 @@ def make_inputs(block_size, hq, hkv, d, dtype, seed=0, doc_lengths=DOC_LENGTHS, 
         return torch.randn(r, n, h, d, generator=gen).to(DEVICE, dtype).requires_grad_()
 
     tensors = (rand(n_q, hq), rand(t, hkv), rand(t, hkv), rand(n_q, hkv), rand(n_q, hkv))
-    return tensors, torch.tensor(anchors, device=DEVICE), torch.tensor(valid, dtype=torch.bool, device=DEVICE), document_ids.to(DEVICE)
+    return (
+        tensors,
+        torch.tensor(anchors, device=DEVICE),
+        torch.tensor(valid, dtype=torch.bool, device=DEVICE),
+        document_ids.to(DEVICE),
+    )
 
 
 def output_and_grads(fn, tensors, *args, **kwargs):
@@ -92,10 +98,23 @@ def test_tiles_at_interval_edges_match_eager():
     """
     gen = torch.Generator().manual_seed(5)
     a = 32
-    anchors = ([63] + sorted(torch.randperm(135, generator=gen)[: a - 1].add(64).tolist()),
-               sorted(torch.randperm(104, generator=gen)[:a].add(96).tolist()))
-    assert_matches_eager(3, 4, 2, 16, torch.float32, None, True, doc_lengths=([200], [33, 167]),
-                         anchors=anchors, valid=([1] * a, [1] * a), t=200)
+    anchors = (
+        [63] + sorted(torch.randperm(135, generator=gen)[: a - 1].add(64).tolist()),
+        sorted(torch.randperm(104, generator=gen)[:a].add(96).tolist()),
+    )
+    assert_matches_eager(
+        3,
+        4,
+        2,
+        16,
+        torch.float32,
+        None,
+        True,
+        doc_lengths=([200], [33, 167]),
+        anchors=anchors,
+        valid=([1] * a, [1] * a),
+        t=200,
+    )
 
 
 def test_context_is_strictly_before_anchor():
@@ -109,7 +128,9 @@ def test_context_is_strictly_before_anchor():
         if pos is not None:
             kc[0, pos] += 3.0
             vc[0, pos] += 3.0
-        return anchored_attention(q.detach(), kc, vc, k_blk.detach(), v_blk.detach(), anchors, valid, docs, block_size)[0, rows]
+        return anchored_attention(q.detach(), kc, vc, k_blk.detach(), v_blk.detach(), anchors, valid, docs, block_size)[
+            0, rows
+        ]
 
     base = block_output(None)
     torch.testing.assert_close(block_output(a), base, atol=0, rtol=0)
@@ -159,15 +180,31 @@ def test_bf16_matches_eager_at_drafter_head_dim(causal):
     doc_lengths = ([300, 200, 140], [640])
     anchors = [sorted(torch.randperm(t - 1, generator=gen)[:a].tolist()) for _ in range(2)]
     valid = [[1] * (a - 3) + [0] * 3, [1] * a]
-    assert_matches_eager(16, 8, 2, 128, torch.bfloat16, 256 if causal else None, causal,
-                         doc_lengths=doc_lengths, anchors=anchors, valid=valid, t=t)
+    assert_matches_eager(
+        16,
+        8,
+        2,
+        128,
+        torch.bfloat16,
+        256 if causal else None,
+        causal,
+        doc_lengths=doc_lengths,
+        anchors=anchors,
+        valid=valid,
+        t=t,
+    )
 
 
 def test_bench_smoke_writes_results(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if not torch.cuda.is_available():
         env["TRITON_INTERPRET"] = "1"
-    subprocess.run([sys.executable, os.path.join(REPO, "bench", "bench_attention.py"), "--smoke", "--out", str(tmp_path)],
-                   check=True, env=env, cwd=REPO, timeout=300)
+    subprocess.run(
+        [sys.executable, os.path.join(REPO, "bench", "bench_attention.py"), "--smoke", "--out", str(tmp_path)],
+        check=True,
+        env=env,
+        cwd=REPO,
+        timeout=300,
+    )
     rows = json.loads((tmp_path / "bench_attention.json").read_text())["rows"]
     assert any(r["impl"] == "triton" and r["fwd_bwd_ms"] > 0 for r in rows)

@@ -11,14 +11,14 @@ import os
 import subprocess
 import sys
 
+import dflash_fast.kernels.lm_head_loss as kernel
 import pytest
 import torch
 import torch.nn.functional as F
 import triton
-
-import dflash_fast.kernels.lm_head_loss as kernel
-from dflash_fast import eager, ops
 from dflash_fast.kernels.lm_head_loss import lm_head_loss
+
+from dflash_fast import eager, ops
 
 EPS = 1e-6
 # Max |kernel - eager| relative to max |eager|, per dtype: fp16 eager rounds logits and
@@ -221,7 +221,12 @@ class LaunchLog:
 
 @pytest.mark.parametrize(
     "strategy,env,expected",
-    [(None, None, "recompute"), (None, "store", "store"), ("recompute", "store", "recompute"), ("store", None, "store")],
+    [
+        (None, None, "recompute"),
+        (None, "store", "store"),
+        ("recompute", "store", "recompute"),
+        ("store", None, "store"),
+    ],
 )
 def test_strategy_argument_then_env_selects_the_kernels_that_run(monkeypatch, strategy, env, expected):
     launched = []
@@ -242,13 +247,17 @@ def test_strategy_argument_then_env_selects_the_kernels_that_run(monkeypatch, st
     assert_matches(got, run(eager.lm_head_loss, inputs, "kl", stored_labels=False), torch.float32)
 
 
-@pytest.mark.parametrize("strategy,env,source", [("stored", None, "the strategy argument"), (None, "cache", "DFLASH_LM_HEAD_STRATEGY")])
+@pytest.mark.parametrize(
+    "strategy,env,source", [("stored", None, "the strategy argument"), (None, "cache", "DFLASH_LM_HEAD_STRATEGY")]
+)
 def test_unknown_strategy_names_the_value_and_the_choices(monkeypatch, strategy, env, source):
     if env is None:
         monkeypatch.delenv("DFLASH_LM_HEAD_STRATEGY", raising=False)
     else:
         monkeypatch.setenv("DFLASH_LM_HEAD_STRATEGY", env)
-    with pytest.raises(ValueError, match=rf"'{strategy or env}' \(from {source}\) is not one of \('recompute', 'store'\)"):
+    with pytest.raises(
+        ValueError, match=rf"'{strategy or env}' \(from {source}\) is not one of \('recompute', 'store'\)"
+    ):
         run(kernel_with(strategy), make_inputs(n=4), "kl", stored_labels=False)
 
 
@@ -267,7 +276,16 @@ def test_gradients_scale_with_the_upstream_gradient():
 def test_no_grad_call_matches_and_keeps_no_graph():
     inputs = make_inputs()
     with torch.no_grad():
-        out = lm_head_loss(inputs["h"], inputs["norm_weight"], inputs["lm_head_weight"], inputs["weights"], "ce", 20.0, EPS, labels=inputs["labels"])
+        out = lm_head_loss(
+            inputs["h"],
+            inputs["norm_weight"],
+            inputs["lm_head_weight"],
+            inputs["weights"],
+            "ce",
+            20.0,
+            EPS,
+            labels=inputs["labels"],
+        )
     ref = run(eager.lm_head_loss, inputs, "ce")[0]
     assert not out.loss.requires_grad
     assert abs(out.loss.item() - ref.loss.item()) <= 1e-5 * max(1.0, abs(ref.loss.item()))
@@ -282,7 +300,12 @@ def test_tensor_normalizer_is_clamped_to_one():
 
 @pytest.mark.parametrize(
     "kind,drop,message",
-    [("ce_data", "labels", "needs labels"), ("kl", "last", "needs last"), ("kl_topk", "topk_lse", "needs topk_ids"), ("mse", None, "is not one of")],
+    [
+        ("ce_data", "labels", "needs labels"),
+        ("kl", "last", "needs last"),
+        ("kl_topk", "topk_lse", "needs topk_ids"),
+        ("mse", None, "is not one of"),
+    ],
 )
 def test_missing_inputs_raise_naming_the_input(kind, drop, message):
     inputs = make_inputs(n=4)
@@ -311,7 +334,11 @@ def test_bench_smoke_writes_results(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(
         [sys.executable, "bench/bench_lm_head_loss.py", "--smoke", "--out", str(tmp_path)],
-        cwd=root, env=env, capture_output=True, text=True, timeout=300,
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads((tmp_path / "lm_head_loss.json").read_text())["rows"]

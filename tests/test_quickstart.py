@@ -5,24 +5,49 @@ import os
 
 from dflash_fast.quickstart import quickstart
 
-SMALL = ["schedule.steps=3", "logging.every=1", "validation.every=0", "data.batch_rows=1", "data.seq_len=256", "data.num_anchors=16"]
+SMALL = [
+    "schedule.steps=3",
+    "logging.every=1",
+    "validation.every=0",
+    "data.batch_rows=1",
+    "data.seq_len=256",
+    "data.num_anchors=16",
+]
 
 
 def test_quickstart_pipeline_runs_end_to_end_on_a_small_budget(tmp_path):
     out = tmp_path / "qs"
-    report = quickstart(str(out), num_prompts=12, eval_prompts=2, max_new_tokens=24, eval_max_new_tokens=16,
-                        extra_overrides=SMALL, progress=False)
+    report = quickstart(
+        str(out),
+        num_prompts=12,
+        eval_prompts=2,
+        max_new_tokens=24,
+        eval_max_new_tokens=16,
+        extra_overrides=SMALL,
+        progress=False,
+    )
     assert report["prompts"] == 2 and report["greedy_mismatches"] == 0
     assert report["tau"] >= 1.0 and report["tau_offline"] >= 1.0
     assert json.loads((out / "eval.json").read_text())["tau"] == report["tau"]
     exported = json.loads((out / "run" / "export" / "config.json").read_text())
     assert exported["speculators_model_type"] == "dflash"
-    assert exported["aux_hidden_state_layer_ids"] == [i + 1 for i in json.loads((out / "store" / "manifest.json").read_text())["layer_ids"]]
-    steps = [json.loads(line)["step"] for line in (out / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert exported["aux_hidden_state_layer_ids"] == [
+        i + 1 for i in json.loads((out / "store" / "manifest.json").read_text())["layer_ids"]
+    ]
+    steps = [
+        json.loads(line)["step"] for line in (out / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()
+    ]
     assert max(steps) == 3
     # a second run resumes every stage instead of redoing it
-    again = quickstart(str(out), num_prompts=12, eval_prompts=2, max_new_tokens=24, eval_max_new_tokens=16,
-                       extra_overrides=SMALL, progress=False)
+    again = quickstart(
+        str(out),
+        num_prompts=12,
+        eval_prompts=2,
+        max_new_tokens=24,
+        eval_max_new_tokens=16,
+        extra_overrides=SMALL,
+        progress=False,
+    )
     assert again["tau"] == report["tau"]
     assert len((out / "train.jsonl").read_text().splitlines()) == 12
     assert os.path.isdir(out / "run" / "checkpoints")

@@ -3,21 +3,31 @@ import json
 
 import pytest
 import torch
+from tiny_targets import make_tiny_target, write_jsonl
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_fast import regenerate as regen
 from dflash_fast.cli import main
 from dflash_fast.extract import ChatTokenizer
-from tiny_targets import make_tiny_target, write_jsonl
 
 PROMPTS = [
     {"conversations": [{"role": "user", "content": "parse the arguments"}], "source": "argparse.py"},
     {"text": "def dumps(obj, *, skipkeys=False,"},
-    {"conversations": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "wrap this text at forty columns please"}]},
+    {
+        "conversations": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "wrap this text at forty columns please"},
+        ]
+    },
     {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "an old reply that is replaced"}]},
     {"text": "the anchor"},
-    {"conversations": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
-                       {"role": "user", "content": "and the drafter?"}]},
+    {
+        "conversations": [
+            {"role": "user", "content": "a"},
+            {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "and the drafter?"},
+        ]
+    },
     {"text": "class TextWrapper:\n    def __init__(self, width=70):"},
 ]
 
@@ -59,7 +69,9 @@ def test_resume_after_interruption_neither_duplicates_nor_drops(target, tmp_path
     monkeypatch.setattr(regen, "generate_batch", real)
     resumed = regen.regenerate(target, str(data), str(out), **sampled)
     assert (resumed["written"], resumed["skipped"]) == (len(PROMPTS) - 3, 3)
-    assert by_index(out) == by_index(tmp_path / "whole.jsonl"), "a resumed run must write what one uninterrupted run writes"
+    assert by_index(out) == by_index(tmp_path / "whole.jsonl"), (
+        "a resumed run must write what one uninterrupted run writes"
+    )
     again = regen.regenerate(target, str(data), str(out), **sampled)
     assert again["written"] == 0 and len(by_index(out)) == len(PROMPTS)
 
@@ -67,8 +79,24 @@ def test_resume_after_interruption_neither_duplicates_nor_drops(target, tmp_path
 def test_batched_greedy_responses_are_the_targets_own_and_extract_reads_them(target, tmp_path):
     data = write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)
     out = tmp_path / "out.jsonl"
-    assert main(["regenerate", "--target", target, "--data", str(data), "--out", str(out), "--batch-size", "4",
-                 "--max-new-tokens", "12"]) == 0
+    assert (
+        main(
+            [
+                "regenerate",
+                "--target",
+                target,
+                "--data",
+                str(data),
+                "--out",
+                str(out),
+                "--batch-size",
+                "4",
+                "--max-new-tokens",
+                "12",
+            ]
+        )
+        == 0
+    )
     records = by_index(out)
     assert sorted(records) == list(range(len(PROMPTS)))
     model, tok = AutoModelForCausalLM.from_pretrained(target).eval(), AutoTokenizer.from_pretrained(target)
@@ -76,12 +104,14 @@ def test_batched_greedy_responses_are_the_targets_own_and_extract_reads_them(tar
     for i, prompt in enumerate(regen.read_prompts(PROMPTS)):
         ids = regen.encode_prompt(tok, prompt)
         with torch.no_grad():
-            alone = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=12)[0, len(ids):]
+            alone = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=12)[0, len(ids) :]
         want = tok.decode(alone, skip_special_tokens=True)
         got = records[i]
         if prompt.messages is not None:
             assert got["conversations"][:-1] == prompt.messages
-            assert got["conversations"][-1] == {"role": "assistant", "content": want}, f"prompt {i}: batching changed the reply"
+            assert got["conversations"][-1] == {"role": "assistant", "content": want}, (
+                f"prompt {i}: batching changed the reply"
+            )
         else:
             assert got["text"] == prompt.text + want
         assert reader.record(got).loss_mask.any()
@@ -96,6 +126,8 @@ def test_output_of_another_prompt_file_is_refused(target, tmp_path):
 
 
 def test_conversation_without_a_user_turn_names_its_line(tmp_path):
-    data = write_jsonl(tmp_path / "prompts.jsonl", [PROMPTS[0], {"conversations": [{"role": "system", "content": "x"}]}])
+    data = write_jsonl(
+        tmp_path / "prompts.jsonl", [PROMPTS[0], {"conversations": [{"role": "system", "content": "x"}]}]
+    )
     with pytest.raises(ValueError, match=r"prompts.jsonl:2: the conversation has no user turn"):
         regen.read_prompts(str(data))

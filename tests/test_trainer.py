@@ -14,14 +14,21 @@ import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny_targets import make_tiny_target, sample_records, write_jsonl
 
 from dflash_fast import trainer
 from dflash_fast.config import ConfigError, load_config
 from dflash_fast.extract import extract
 from dflash_fast.store import HiddenStateStore
-from dflash_fast.trainer import (NonFiniteLoss, StoreMismatch, check_store_matches, deepspeed_config, load_drafter_for_export,
-                                 lr_multiplier, train)
-from tiny_targets import make_tiny_target, sample_records, write_jsonl
+from dflash_fast.trainer import (
+    NonFiniteLoss,
+    StoreMismatch,
+    check_store_matches,
+    deepspeed_config,
+    load_drafter_for_export,
+    lr_multiplier,
+    train,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_YAML = os.path.join(REPO, "configs", "tiny.yaml")
@@ -41,10 +48,23 @@ def tiny(tmp_path_factory):
 def settings(tiny, out, **extra):
     """Overrides of configs/tiny.yaml for a run of a few seconds: 2 rows of 64 tokens, 8 anchors, blocks of 4."""
     values = {
-        "data.store": tiny.store, "output_dir": out, "model.mask_token_id": 383, "model.num_layers": 1,
-        "model.block_size": BLOCK, "data.seq_len": 64, "data.num_anchors": 8, "data.batch_rows": 2, "data.num_workers": 0,
-        "data.val_fraction": 0.0, "validation.every": 0, "logging.every": 1, "logging.progress": False,
-        "checkpoint.every": 0, "schedule.steps": 4, "optimizer.lr": 3e-3, "export_dtype": "fp32",
+        "data.store": tiny.store,
+        "output_dir": out,
+        "model.mask_token_id": 383,
+        "model.num_layers": 1,
+        "model.block_size": BLOCK,
+        "data.seq_len": 64,
+        "data.num_anchors": 8,
+        "data.batch_rows": 2,
+        "data.num_workers": 0,
+        "data.val_fraction": 0.0,
+        "validation.every": 0,
+        "logging.every": 1,
+        "logging.progress": False,
+        "checkpoint.every": 0,
+        "schedule.steps": 4,
+        "optimizer.lr": 3e-3,
+        "export_dtype": "fp32",
         "deepspeed": os.path.join(REPO, "configs", "ds_zero2.json"),
     }
     values.update({k.replace("__", "."): v for k, v in extra.items()})
@@ -76,6 +96,7 @@ def free_port():
 
 # ---------------------------------------------------------------- config
 
+
 def test_unknown_config_keys_are_refused_by_name(tmp_path, capsys):
     yaml_path = tmp_path / "bad.yaml"
     yaml_path.write_text("optimizer:\n  lrr: 1.0e-3\n")
@@ -92,7 +113,10 @@ def test_unknown_config_keys_are_refused_by_name(tmp_path, capsys):
 
 
 def test_overrides_are_typed_like_the_yaml():
-    cfg = load_config(TINY_YAML, ["optimizer.lr=3e-4", "model.layer_ids=1,9,17", "optimizer.betas=[0.8,0.9]", "logging.tensorboard=false"])
+    cfg = load_config(
+        TINY_YAML,
+        ["optimizer.lr=3e-4", "model.layer_ids=1,9,17", "optimizer.betas=[0.8,0.9]", "logging.tensorboard=false"],
+    )
     assert cfg.optimizer.lr == 3e-4 and cfg.model.layer_ids == [1, 9, 17] and cfg.optimizer.betas == (0.8, 0.9)
     assert cfg.logging.tensorboard is False
 
@@ -113,6 +137,7 @@ def test_lr_warms_up_linearly_then_decays_by_cosine_to_the_floor():
 
 # ---------------------------------------------------------------- checks before step 1
 
+
 def test_store_drafter_mismatch_names_both_values(tiny, tmp_path):
     with pytest.raises(StoreMismatch, match=r"layer ids: the store has \[1, 2\], the drafter has \[0, 2\]"):
         run(tiny, str(tmp_path / "ids"), model__layer_ids="[0,2]")
@@ -120,7 +145,9 @@ def test_store_drafter_mismatch_names_both_values(tiny, tmp_path):
     shutil.copytree(tiny.target, other)
     config = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps(dict(config, rms_norm_eps=1e-5)))
-    with pytest.raises(StoreMismatch, match=r"target fingerprint .*: the store has [0-9a-f]{64}, the drafter has [0-9a-f]{64}"):
+    with pytest.raises(
+        StoreMismatch, match=r"target fingerprint .*: the store has [0-9a-f]{64}, the drafter has [0-9a-f]{64}"
+    ):
         run(tiny, str(tmp_path / "fp"), model__target=str(other))
     store = HiddenStateStore(tiny.store)
     manifest = dict(store.manifest, hidden_size=48, vocab_size=500)
@@ -133,6 +160,7 @@ def test_store_drafter_mismatch_names_both_values(tiny, tmp_path):
 
 # ---------------------------------------------------------------- training
 
+
 def test_loss_falls_and_the_export_holds_the_trained_weights(tiny, tmp_path):
     out = str(tmp_path / "run")
     result = run(tiny, out, schedule__steps=40, optimizer__lr=1e-2, data__val_fraction=0.1, validation__every=10)
@@ -142,8 +170,20 @@ def test_loss_falls_and_the_export_holds_the_trained_weights(tiny, tmp_path):
     val = [r["loss"] for r in records(out, "val")]  # the same held-out batches every time
     assert len(val) == 4 and all(a > b for a, b in zip(val, val[1:])), f"the held-out loss did not fall: {val}"
     record = records(out)[-1]
-    for key in ["loss", "kl", "tau_offline", "lr", "grad_norm", "tokens_per_s", "anchors_per_s", "time_fetch_ms",
-                "time_forward_ms", "time_backward_ms", "time_optimizer_ms", "peak_memory_mb"] + [f"acc_{j}" for j in range(1, BLOCK)]:
+    for key in [
+        "loss",
+        "kl",
+        "tau_offline",
+        "lr",
+        "grad_norm",
+        "tokens_per_s",
+        "anchors_per_s",
+        "time_fetch_ms",
+        "time_forward_ms",
+        "time_backward_ms",
+        "time_optimizer_ms",
+        "peak_memory_mb",
+    ] + [f"acc_{j}" for j in range(1, BLOCK)]:
         assert record[key] is not None, key
     assert result["export"] == os.path.join(out, "export") and not result["interrupted"]
     drafter, verifier = load_drafter_for_export(out)
@@ -157,7 +197,15 @@ def test_tensorboard_holds_the_metrics_jsonl_scalars(tiny, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = str(tmp_path / "run")
-    run(tiny, out, schedule__steps=3, logging__tensorboard="true", data__val_fraction=0.1, validation__every=3, export="false")
+    run(
+        tiny,
+        out,
+        schedule__steps=3,
+        logging__tensorboard="true",
+        data__val_fraction=0.1,
+        validation__every=3,
+        export="false",
+    )
     events = EventAccumulator(os.path.join(out, "tensorboard"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
@@ -169,8 +217,14 @@ def test_tensorboard_holds_the_metrics_jsonl_scalars(tiny, tmp_path):
 
 def test_stop_by_sigterm_and_resume_equals_an_uninterrupted_run(tiny, tmp_path, monkeypatch):
     # Two micro-batches a step, hidden-state noise, a loader worker, and an epoch boundary after the stop.
-    common = dict(schedule__steps=9, schedule__grad_accum=2, data__noise_std=0.05, data__num_workers=1, checkpoint__every=2,
-                  checkpoint__keep_last=1)
+    common = dict(
+        schedule__steps=9,
+        schedule__grad_accum=2,
+        data__noise_std=0.05,
+        data__num_workers=1,
+        checkpoint__every=2,
+        checkpoint__keep_last=1,
+    )
     whole = str(tmp_path / "whole")
     run(tiny, whole, **common)
 
@@ -190,7 +244,9 @@ def test_stop_by_sigterm_and_resume_equals_an_uninterrupted_run(tiny, tmp_path, 
     stopped = run(tiny, parts, **common)
     monkeypatch.undo()
     assert stopped["interrupted"] and stopped["step"] == 5
-    assert trainer.checkpoint_tags(os.path.join(parts, "checkpoints")) == ["step00000005"], "keep_last=1 keeps the newest only"
+    assert trainer.checkpoint_tags(os.path.join(parts, "checkpoints")) == ["step00000005"], (
+        "keep_last=1 keeps the newest only"
+    )
     with pytest.raises(ConfigError, match="already holds checkpoints .*pass --resume"):
         run(tiny, parts, **common)
     resumed = run(tiny, parts, checkpoint__resume="latest", **common)
@@ -210,7 +266,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tiny, tmp_path
     hidden = np.memmap(shard / "hidden.bin", dtype=np.float32, mode="r+")
     doc = 5
     start = int(lengths[:doc].sum())
-    hidden.reshape(int(lengths.sum()), -1)[start:start + lengths[doc]] = np.nan
+    hidden.reshape(int(lengths.sum()), -1)[start : start + lengths[doc]] = np.nan
     hidden.flush()
     out = str(tmp_path / "run")
     with pytest.raises(NonFiniteLoss) as err:
@@ -229,19 +285,36 @@ def test_two_ranks_agree_with_one_rank_and_zero_1_2_3_agree(tiny, tmp_path):
     ds3 = json.loads(open(os.path.join(REPO, "configs", "ds_zero3.json")).read())
     ds3["zero_optimization"].update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=0)
     (tmp_path / "ds_zero3_partitioned.json").write_text(json.dumps(ds3))
-    ds_files = [os.path.join(REPO, "configs", "ds_zero1.json"), os.path.join(REPO, "configs", "ds_zero2.json"),
-                str(tmp_path / "ds_zero3_partitioned.json")]
+    ds_files = [
+        os.path.join(REPO, "configs", "ds_zero1.json"),
+        os.path.join(REPO, "configs", "ds_zero2.json"),
+        str(tmp_path / "ds_zero3_partitioned.json"),
+    ]
     common = dict(schedule__steps=3, data__val_fraction=0.1)
 
     one = str(tmp_path / "one_rank")
     run(tiny, one, schedule__grad_accum=2, **common)
 
     # The in-process runs made this process a world of one; the launcher's ranks get their own variables.
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
     launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    cmd = [launcher, "--num_gpus", "2", "--master_port", str(free_port()), os.path.join(REPO, "tests", "test_trainer_launch.py"),
-           str(tmp_path / "two"), ",".join(ds_files), TINY_YAML, *settings(tiny, "unused", **common)]
+    cmd = [
+        launcher,
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(free_port()),
+        os.path.join(REPO, "tests", "test_trainer_launch.py"),
+        str(tmp_path / "two"),
+        ",".join(ds_files),
+        TINY_YAML,
+        *settings(tiny, "unused", **common),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
