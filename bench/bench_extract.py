@@ -32,8 +32,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.harness import peak_memory_mb, time_calls_ms, write_results  # noqa: E402
-from dflash_fast.extract import Example, TargetRunner, _run_shards, attention_implementation  # noqa: E402
+from dflash_fast.extract import Example, TargetRunner, _run_shards  # noqa: E402
 from dflash_fast.store import Layout, StoreWriter, default_layer_ids  # noqa: E402
+from dflash_fast.target import attention_implementation  # noqa: E402
 
 MODELS = {
     "8b": dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,

@@ -60,6 +60,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.harness import write_results  # noqa: E402
+from dflash_fast.store import torch_dtype  # noqa: E402
 
 # Per-block shared memory a kernel may opt into, and SMs (which size some grids), per compute capability.
 ARCHS = {
@@ -69,7 +70,6 @@ ARCHS = {
 }
 REGISTERS_PER_SM = 65536
 KERNELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels")
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 REFERENCE = dict(H=4096, H_t=4096, K=5, Hq=32, Hkv=8, D=128, V=151936, B=16, A=512, T=3072, docs=4)
 RAGGED = dict(REFERENCE, H_t=4000, A=509, T=3001)
 SHAPES = {"reference": REFERENCE, "ragged": RAGGED}
@@ -402,7 +402,7 @@ def main(argv=None) -> int:
                 if shape == "ragged" and dtype != "bf16":
                     continue  # the masked tails are dtype-independent code; bf16 is the training dtype
                 for op in args.ops.split(","):
-                    for name, step in CASES[op](modules[op], SHAPES[shape], DTYPES[dtype]).items():
+                    for name, step in CASES[op](modules[op], SHAPES[shape], torch_dtype(dtype)).items():
                         recorder.case, recorder.dtype = f"{op} {dtype} {shape} {name}", dtype
                         if re.search(args.cases, recorder.case):
                             print(recorder.case, flush=True)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from dflash_fast import ops
 from dflash_fast.eager import rms_norm
+from dflash_fast.store import final_norm_weight
 
 LAYER_KINDS = ("full", "sliding")
 # Models whose RMSNorm scales by (1 + w): the frozen final norm is stored as the effective weight.
@@ -255,9 +256,8 @@ def slot_targets(batch: Dict[str, torch.Tensor], block_size: int) -> Targets:
     t = batch["input_ids"].shape[1]
     j = torch.arange(block_size, device=anchors.device)
     p = anchors[:, :, None] + j
-    pc = p.clamp(max=t - 1)
-    flat = lambda x: x.flatten(1)
-    gather = lambda src: src.gather(1, flat(pc)).view(pc.shape)
+    in_row = p.clamp(max=t - 1)
+    gather = lambda src: src.gather(1, in_row.flatten(1)).view(in_row.shape)
     anchor_doc = batch["document_ids"].gather(1, anchors)[:, :, None]
     mask = (
         (j >= 1)
@@ -266,7 +266,7 @@ def slot_targets(batch: Dict[str, torch.Tensor], block_size: int) -> Targets:
         & (gather(batch["document_ids"]) == anchor_doc)
         & gather(batch["loss_mask"].bool())
     )
-    return Targets(mask, pc, (p - 1).clamp(0, t - 1))
+    return Targets(mask, in_row, (p - 1).clamp(0, t - 1))
 
 
 def gather_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -474,8 +474,6 @@ def load_frozen_tensors(
     `norm_kind` is the kind extraction measured (the store manifest's `final_norm.kind`); without it
     the model type decides."""
     from safetensors import safe_open
-
-    from dflash_fast.store import final_norm_weight
 
     with open(os.path.join(target_path, "config.json")) as f:
         config = json.load(f)

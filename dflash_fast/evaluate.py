@@ -30,9 +30,9 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, 
 import torch
 
 from dflash_fast.drafter import DFlashDrafter, load_frozen_tensors, slot_metrics
-from dflash_fast.extract import final_norm_module, tapped_layers
 from dflash_fast.regenerate import encode_prompt, eos_token_ids, load_model, read_prompts
 from dflash_fast.store import check_layer_ids, default_layer_ids
+from dflash_fast.target import final_norm_module, tapped_layers
 
 # propose(hidden [T, K, H_t] of positions 0..T-1, anchor token x_T, context_ids [T+1] = x_0..x_T) -> [B-1] guesses.
 Proposer = Callable[[torch.Tensor, int, torch.Tensor], torch.Tensor]
@@ -255,7 +255,7 @@ def load_drafter(path: str, target: str) -> DFlashDrafter:
         with open(config) as f:
             if json.load(f).get("speculators_model_type") == "dflash":
                 return load_exported(path, target)
-    from dflash_fast.trainer import load_drafter_for_export
+    from dflash_fast.checkpoint import load_drafter_for_export
 
     drafter, _ = load_drafter_for_export(path)
     drafter.set_frozen(**load_frozen_tensors(target))

@@ -12,7 +12,9 @@ from typing import Dict, Optional
 
 import torch
 
+from dflash_fast.checkpoint import load_drafter_for_export
 from dflash_fast.drafter import DFlashDrafter, DrafterConfig, load_frozen_tensors
+from dflash_fast.store import torch_dtype
 
 HF_LAYER_TYPES = {"full": "full_attention", "sliding": "sliding_attention"}
 
@@ -164,9 +166,7 @@ def add_arguments(parser):
 
 
 def run(args):
-    from dflash_fast.trainer import load_drafter_for_export
-
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    dtype = torch_dtype(args.dtype)
     drafter, verifier = load_drafter_for_export(args.checkpoint)
     export_drafter(drafter, args.out, verifier, dtype)
     print(f"exported {sum(p.numel() for p in drafter.parameters()):,} parameters to {args.out}")

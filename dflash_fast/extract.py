@@ -19,18 +19,15 @@ and leave a note in `ranks/`; rank 0 waits for every note and writes the one
 manifest.
 """
 import argparse
-import copy
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
 import sys
-import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -38,25 +35,31 @@ import torch
 from dflash_fast.eager import rms_norm
 from dflash_fast.store import (
     DTYPES,
-    LAYER_ID_CONVENTION,
     MANIFEST,
-    NORM_KINDS,
     SCHEMA_VERSION,
     HiddenStateStore,
     Layout,
     StoreWriter,
+    build_manifest,
     check_layer_ids,
     default_layer_ids,
     final_norm_weight,
     normalise_dtype,
     parse_layer_ids,
     read_manifest,
-    sha256_file,
+    write_json_atomic,
+)
+from dflash_fast.target import (
+    KNOWN_ROLES,
+    ROLE_ALIASES,
+    config_sha256,
+    detect_norm_kind,
+    final_norm_module,
+    load_target,
+    tapped_layers,
 )
 
 RANKS_DIR = "ranks"
-ROLE_ALIASES = {"human": "user", "gpt": "assistant", "model": "assistant"}
-KNOWN_ROLES = ("system", "user", "assistant", "tool")
 # Parity tolerance on |lm_head(norm(last)) - logits|, relative to the largest |logit|.
 PARITY_RTOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 2e-2}
 LOGIT_CHUNK = 2048  # tokens per fp32 top-k / lse chunk: bounds the fp32 copy of [n, V]
@@ -264,103 +267,7 @@ def read_examples(path, tokenizer: ChatTokenizer, max_seq_len, skip_bad=False, r
     return examples, stats, digest.hexdigest()
 
 
-# ---------------------------------------------------------------- target
-
-def final_norm_module(model):
-    """The final norm of a causal LM (`model.model.norm`) and its dotted name."""
-    for name in ("model.norm", "model.language_model.norm"):
-        module = model
-        for part in name.split("."):
-            module = getattr(module, part, None)
-        if isinstance(module, torch.nn.Module):
-            return module, name
-    raise ValueError(f"{type(model).__name__}: cannot find the final norm (looked for model.norm); unsupported target")
-
-
-def detect_norm_kind(norm) -> Tuple[str, float]:
-    """Which RMSNorm formula the final norm computes: 'rmsnorm' (x*w) or 'rmsnorm_zero_centred' (x*(1+w)).
-
-    Probed on a copy with random weights: class names lie, the arithmetic does not.
-    """
-    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
-    weight = getattr(norm, "weight", None)
-    if eps is None or weight is None or weight.dim() != 1:
-        raise ValueError(f"final norm {type(norm).__name__} is not an RMSNorm with (weight, eps); unsupported target")
-    probe = copy.deepcopy(norm).to(device="cpu", dtype=torch.float32)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        probe.weight.copy_(torch.randn(weight.shape, generator=gen))
-        x = torch.randn(4, weight.shape[0], generator=gen)
-        y = probe(x)
-        for kind in NORM_KINDS:
-            if torch.allclose(rms_norm(x, final_norm_weight(probe.weight, kind), eps), y, rtol=1e-5, atol=1e-6):
-                return kind, float(eps)
-    raise ValueError(f"final norm {type(norm).__name__} computes neither x*w nor x*(1+w) RMSNorm; unsupported target")
-
-
-def attention_implementation(device: torch.device) -> str:
-    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
-        return "flash_attention_2"
-    return "sdpa"
-
-
-# transformers' from_pretrained swaps PreTrainedModel.tie_weights for a no-op while it loads and
-# puts it back afterwards; two loads in parallel threads can restore the no-op for good, after
-# which every tied lm_head of the process stays on the meta device. Loads are serialised.
-_LOAD_LOCK = threading.Lock()
-
-
-def load_target(target, device, compute_dtype, trust_remote_code=False):
-    from transformers import AutoModelForCausalLM
-
-    kwargs = {}
-    if device.type == "cuda" and importlib.util.find_spec("accelerate") is not None:
-        # Loads straight onto the GPU; without accelerate the model passes through host memory.
-        kwargs["device_map"] = {"": device}
-    with _LOAD_LOCK:
-        model = AutoModelForCausalLM.from_pretrained(
-            target,
-            dtype=compute_dtype,
-            attn_implementation=attention_implementation(device),
-            trust_remote_code=trust_remote_code,
-            **kwargs,
-        )
-        model.tie_weights()  # a tied lm_head left unmaterialised by a meta-device load is re-tied, not copied from meta
-    check_materialised(model, target)
-    return model.to(device).eval()
-
-
-def check_materialised(model, target) -> None:
-    """Refuse a model with weights left on the meta device (never loaded), or an lm_head the config
-    ties to the embeddings that is not tied: both would give teacher logits from random numbers."""
-    on_meta = [name for name, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
-    if on_meta:
-        raise RuntimeError(
-            f"{target}: weights left unloaded (on the meta device) after from_pretrained: {', '.join(on_meta[:5])}"
-            + (f" and {len(on_meta) - 5} more" if len(on_meta) > 5 else "")
-        )
-    config = getattr(model.config, "get_text_config", lambda: model.config)()
-    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
-    if getattr(config, "tie_word_embeddings", False) and head is not None and head.weight is not embed.weight:
-        if not torch.equal(head.weight.detach().cpu(), embed.weight.detach().cpu()):
-            raise RuntimeError(f"{target}: the config ties lm_head to embed_tokens but the loaded lm_head differs")
-
-
-def config_sha256(target) -> str:
-    """sha256 of the target's config.json (local directory or hub cache)."""
-    path = os.path.join(target, "config.json")
-    if not os.path.isfile(path):
-        from transformers.utils import cached_file
-
-        path = cached_file(target, "config.json")
-    return sha256_file(path)
-
-
-def tapped_layers(hidden_states, last, layer_ids) -> List[torch.Tensor]:
-    """SPEC §1: layer id l is HF hidden_states[l + 1], except that hidden_states[L] is the last layer
-    AFTER the final norm, so id L-1 is taken before it: `last`, the final norm's input."""
-    num_layers = len(hidden_states) - 1
-    return [hidden_states[i + 1] if i < num_layers - 1 else last for i in layer_ids]
+# ---------------------------------------------------------------- the target forward
 
 
 class TargetRunner:
@@ -521,65 +428,76 @@ def _default_device():
 
 # ---------------------------------------------------------------- the stage
 
-def extract(
-    target,
-    data,
-    out,
-    layer_ids: Optional[Sequence[int]] = None,
-    num_tapped: int = 5,
-    max_seq_len: int = 2048,
-    batch_tokens: int = 16384,
-    dtype: str = "bf16",
-    shard_tokens: Optional[int] = None,
-    topk: int = 8,
-    no_last: bool = False,
-    skip_bad: bool = False,
-    trust_remote_code: bool = False,
-    parity_every: int = 50,
-    device=None,
-    rank: Optional[int] = None,
-    world_size: Optional[int] = None,
-    progress: bool = True,
-) -> dict:
-    """Extract a store from `target` over `data` (JSONL) into `out`; resume when `out` holds a partial run.
+@dataclass(frozen=True)
+class ExtractOptions:
+    """Everything `dflash-fast extract` takes besides target, data and out (the CLI flags of the same names)."""
 
-    Inputs are validated before the model loads (layer ids against the
-    target's config, every JSONL record of this rank). `rank`/`world_size`
-    default to the launcher's RANK/WORLD_SIZE. Returns a summary dict (tokens
-    run, bytes written, seconds, GB/s, input counts; `num_sequences` and
-    `num_tokens` of the finished store on rank 0).
-    """
+    layer_ids: Optional[Sequence[int]] = None  # None: num_tapped ids spread over 1..L-3
+    num_tapped: int = 5
+    max_seq_len: int = 2048
+    batch_tokens: int = 16384
+    dtype: str = "bf16"
+    shard_tokens: Optional[int] = None  # None: about 1 GiB per shard
+    topk: int = 8
+    no_last: bool = False
+    skip_bad: bool = False
+    trust_remote_code: bool = False
+    parity_every: int = 50
+
+    def __post_init__(self):
+        if self.topk < 1:
+            raise ValueError(f"topk must be >= 1 (the argmax is always kept), got {self.topk}")
+        if self.parity_every < 1:
+            raise ValueError(f"parity_every must be >= 1, got {self.parity_every}")
+
+
+@dataclass
+class Job:
+    """One extraction run on one rank, planned and validated before the model loads."""
+
+    target: str
+    data: str
+    out: str
+    options: ExtractOptions
+    rank: int
+    world_size: int
+    device: torch.device
+    compute_dtype: torch.dtype
+    config: object  # the target's transformers config
+    layer_ids: List[int]
+    layout: Layout
+    shard_tokens: int
+    tokenizer: object
+    examples: List[Example]
+    stats: InputStats
+    identity: dict  # what makes two runs the same extraction
+    id: str  # sha256 of `identity`
+
+
+def plan_job(target: str, data: str, out: str, options: ExtractOptions, device=None, rank=None, world_size=None) -> Job:
+    """Check the layer ids against the target's config and tokenize this rank's JSONL records -> Job.
+    `rank` / `world_size` default to the launcher's RANK / WORLD_SIZE."""
     from transformers import AutoConfig, AutoTokenizer
 
-    target, data, out = str(target), str(data), str(out)
     rank, world_size = _launcher_env(rank, world_size)
     device = torch.device(device) if device is not None else _default_device()
-    dtype = normalise_dtype(dtype)
+    dtype = normalise_dtype(options.dtype)
     compute_dtype = torch.bfloat16 if device.type == "cuda" and dtype != "float32" else torch.float32
-    if topk < 1:
-        raise ValueError(f"topk must be >= 1 (the argmax is always kept), got {topk}")
-    if parity_every < 1:
-        raise ValueError(f"parity_every must be >= 1, got {parity_every}")
-
-    config = AutoConfig.from_pretrained(target, trust_remote_code=trust_remote_code)
+    config = AutoConfig.from_pretrained(target, trust_remote_code=options.trust_remote_code)
     text_config = config.get_text_config()
-    num_layers, hidden_size, vocab_size = (
-        text_config.num_hidden_layers, text_config.hidden_size, text_config.vocab_size
-    )
-    layer_ids = check_layer_ids(
-        default_layer_ids(num_layers, num_tapped) if layer_ids is None else layer_ids, num_layers
-    )
-    if topk > vocab_size:
-        raise ValueError(f"topk {topk} exceeds the vocabulary size {vocab_size}")
-    layout = Layout(len(layer_ids), hidden_size, topk, dtype, not no_last)
-    if shard_tokens is None:
-        shard_tokens = max(1, (1 << 30) // layout.bytes_per_token())
-    tokenizer = AutoTokenizer.from_pretrained(target, trust_remote_code=trust_remote_code)
+    num_layers, vocab_size = text_config.num_hidden_layers, text_config.vocab_size
+    layer_ids = options.layer_ids
+    layer_ids = check_layer_ids(default_layer_ids(num_layers, options.num_tapped) if layer_ids is None else layer_ids,
+                                num_layers)
+    if options.topk > vocab_size:
+        raise ValueError(f"topk {options.topk} exceeds the vocabulary size {vocab_size}")
+    layout = Layout(len(layer_ids), text_config.hidden_size, options.topk, dtype, not options.no_last)
+    shard_tokens = options.shard_tokens or max(1, (1 << 30) // layout.bytes_per_token())
+    tokenizer = AutoTokenizer.from_pretrained(target, trust_remote_code=options.trust_remote_code)
     examples, stats, data_sha = read_examples(
-        data, ChatTokenizer(tokenizer, vocab_size), max_seq_len, skip_bad, rank, world_size
+        data, ChatTokenizer(tokenizer, vocab_size), options.max_seq_len, options.skip_bad, rank, world_size
     )
-
-    job = {
+    identity = {
         "schema_version": SCHEMA_VERSION,
         "target_config_sha256": config_sha256(target),
         "data_sha256": data_sha,
@@ -587,63 +505,72 @@ def extract(
         "dtype": dtype,
         "compute_dtype": str(compute_dtype).replace("torch.", ""),
         "has_last": layout.has_last,
-        "topk": topk,
-        "max_seq_len": max_seq_len,
+        "topk": options.topk,
+        "max_seq_len": options.max_seq_len,
         "shard_tokens": shard_tokens,
         "world_size": world_size,
     }
-    job_id = hashlib.sha256(json.dumps(job, sort_keys=True).encode()).hexdigest()
-    if _complete_store(out, job_id, rank):
-        run = {"tokens_run": 0, "bytes_written": 0, "seconds": 0.0, "skipped_shards": None}
-        return _summarise(out, rank, stats, run, progress)
+    job_id = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+    return Job(target, data, out, options, rank, world_size, device, compute_dtype, config, layer_ids, layout,
+               shard_tokens, tokenizer, examples, stats, identity, job_id)
 
-    model = load_target(target, device, compute_dtype, trust_remote_code)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    runner = TargetRunner(model, layer_ids, layout, pad_id, parity_every)
-    manifest = {
-        "format": "dflash-fast hidden-state store",
-        "target": {
+
+def job_manifest(job: Job, runner: "TargetRunner") -> dict:
+    """The store's manifest before its shards are counted (rank 0 adds those when every rank is done)."""
+    config, target = job.config, job.target
+    return build_manifest(
+        target={
             "path": os.path.abspath(target) if os.path.isdir(target) else target,
-            "config_sha256": job["target_config_sha256"],
-            "architectures": list(getattr(config, "architectures", None) or [type(model).__name__]),
+            "config_sha256": job.identity["target_config_sha256"],
+            "architectures": list(getattr(config, "architectures", None) or [type(runner.model).__name__]),
             "model_type": config.model_type,
         },
-        "num_layers": num_layers,
-        "hidden_size": hidden_size,
-        "vocab_size": runner.vocab_size,
-        "layer_ids": layer_ids,
-        "layer_id_convention": LAYER_ID_CONVENTION,
-        "dtype": dtype,
-        "compute_dtype": job["compute_dtype"],
-        "has_last": layout.has_last,
-        "last_is_pre_norm": True,
-        "final_norm": {"kind": runner.norm_kind, "eps": runner.norm_eps, "module": runner.norm_name},
-        "topk": topk,
-        "extraction": {
-            "job": job_id,
-            "data": os.path.abspath(data),
-            **{k: job[k] for k in ("data_sha256", "max_seq_len", "shard_tokens", "world_size")},
+        num_layers=runner.num_layers,
+        vocab_size=runner.vocab_size,
+        layer_ids=job.layer_ids,
+        layout=job.layout,
+        compute_dtype=job.identity["compute_dtype"],
+        final_norm={"kind": runner.norm_kind, "eps": runner.norm_eps, "module": runner.norm_name},
+        extraction={
+            "job": job.id,
+            "data": os.path.abspath(job.data),
+            **{k: job.identity[k] for k in ("data_sha256", "max_seq_len", "shard_tokens", "world_size")},
         },
-    }
+    )
 
-    writer = StoreWriter(out, layout)
-    writer.remove_torn(rank)
-    note_path = os.path.join(out, RANKS_DIR, f"rank{rank:05d}.json")
+
+def extract(target, data, out, device=None, rank: Optional[int] = None, world_size: Optional[int] = None,
+            progress: bool = True, **options) -> dict:
+    """Extract a store from `target` over `data` (JSONL) into `out`; resume when `out` holds a partial run.
+
+    `options` are ExtractOptions fields. Inputs are validated before the model loads (layer ids against the
+    target's config, every JSONL record of this rank). Returns a summary dict (tokens run, bytes written,
+    seconds, GB/s, input counts; `num_sequences` and `num_tokens` of the finished store on rank 0).
+    """
+    job = plan_job(str(target), str(data), str(out), ExtractOptions(**options), device, rank, world_size)
+    if _complete_store(job.out, job.id, job.rank):
+        run = {"tokens_run": 0, "bytes_written": 0, "seconds": 0.0, "skipped_shards": None}
+        return _summarise(job.out, job.rank, job.stats, run, progress)
+    model = load_target(job.target, job.device, job.compute_dtype, job.options.trust_remote_code)
+    pad_id = job.tokenizer.pad_token_id if job.tokenizer.pad_token_id is not None else 0
+    runner = TargetRunner(model, job.layer_ids, job.layout, pad_id, job.options.parity_every)
+    manifest = job_manifest(job, runner)
+    writer = StoreWriter(job.out, job.layout)
+    writer.remove_torn(job.rank)
+    note_path = os.path.join(job.out, RANKS_DIR, f"rank{job.rank:05d}.json")
     os.makedirs(os.path.dirname(note_path), exist_ok=True)
     if os.path.exists(note_path):
         os.remove(note_path)
-    entries, run = _run_shards(writer, runner, examples, rank, job_id, shard_tokens, batch_tokens, progress)
-    note = {"job": job_id, "shards": entries, "input": stats.to_dict(), "run": run}
-    with open(note_path + ".tmp", "w") as f:
-        json.dump(note, f)
-    os.replace(note_path + ".tmp", note_path)
-    if rank == 0:
-        notes = _wait_for_ranks(out, world_size, job_id)
+    entries, run = _run_shards(writer, runner, job.examples, job.rank, job.id, job.shard_tokens,
+                               job.options.batch_tokens, progress)
+    write_json_atomic(note_path, {"job": job.id, "shards": entries, "input": job.stats.to_dict(), "run": run})
+    if job.rank == 0:
+        notes = _wait_for_ranks(job.out, job.world_size, job.id)
         _finish(writer, manifest, notes)
         # Report the whole job: ranks ran in parallel, so the slowest one sets the time.
         run = {k: sum(n["run"][k] for n in notes) for k in ("tokens_run", "bytes_written", "skipped_shards")}
         run["seconds"] = max(n["run"]["seconds"] for n in notes)
-    return _summarise(out, rank, stats, run, progress)
+    return _summarise(job.out, job.rank, job.stats, run, progress)
 
 
 def _run_shards(writer, runner, examples, rank, job_id, shard_tokens, batch_tokens, progress):

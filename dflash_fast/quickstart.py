@@ -13,10 +13,10 @@ import subprocess
 import time
 from typing import Dict, List
 
+from dflash_fast.checkpoint import checkpoint_tags
 from dflash_fast.evaluate import evaluate
 from dflash_fast.extract import extract
 from dflash_fast.regenerate import regenerate
-from dflash_fast.trainer import checkpoint_tags
 
 PACKAGE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(PACKAGE)

@@ -28,9 +28,8 @@ from typing import Dict, List, Optional, Sequence, Set, Union
 
 import torch
 
-from dflash_fast.extract import KNOWN_ROLES, ROLE_ALIASES, load_target
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+from dflash_fast.store import torch_dtype
+from dflash_fast.target import KNOWN_ROLES, ROLE_ALIASES, load_target
 
 
 @dataclass
@@ -112,9 +111,7 @@ def encode_prompt(tokenizer, prompt: Prompt) -> List[int]:
 def load_model(target: str, device=None, dtype: Optional[str] = None, trust_remote_code: bool = False):
     """The target in eval mode: cuda when present (bf16 by default), else cpu (fp32 by default)."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
-    compute = DTYPES[dtype] if dtype else torch.bfloat16 if device.type == "cuda" else torch.float32
+    compute = torch_dtype(dtype) if dtype else torch.bfloat16 if device.type == "cuda" else torch.float32
     return load_target(target, device, compute, trust_remote_code)
 
 

@@ -183,6 +183,11 @@ def normalise_dtype(name: str) -> str:
     return canon
 
 
+def torch_dtype(name: str) -> torch.dtype:
+    """'bf16' | 'bfloat16' | 'fp16' | ... -> the torch dtype (the one dtype-name map of the project)."""
+    return DTYPES[normalise_dtype(name)][1]
+
+
 def sha256_file(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -201,7 +206,9 @@ def _read_json(path: str, what: str) -> dict:
         raise ValueError(f"{path}: {what} is not valid JSON ({e}); the store is corrupted") from None
 
 
-def _write_json_atomic(path: str, obj: dict) -> None:
+def write_json_atomic(path: str, obj: dict) -> None:
+    """Write `obj` to `path` so that a crash leaves the old file or the new one, never a torn one (fsynced,
+    renamed into place, directory fsynced): every JSON marker and manifest of the project goes through here."""
     tmp = path + TMP_SUFFIX
     with open(tmp, "w") as f:
         json.dump(obj, f, indent=1)
@@ -285,7 +292,7 @@ class ShardWriter:
             "files": files,
             "lengths": self.lengths,
         }
-        _write_json_atomic(os.path.join(self.tmp, INDEX), index)
+        write_json_atomic(os.path.join(self.tmp, INDEX), index)
         os.replace(self.tmp, self.final)
         _fsync_dir(os.path.dirname(self.final))
 
@@ -350,8 +357,31 @@ class StoreWriter:
             shard = os.path.join(self.shards_dir, entry["name"])
             index = _read_json(os.path.join(shard, INDEX), "the shard index")
             _check_shard(shard, self.layout, index, {k: entry[k] for k in ("num_sequences", "num_tokens")})
-        _write_json_atomic(os.path.join(self.path, MANIFEST), {"schema_version": SCHEMA_VERSION, **manifest})
+        write_json_atomic(os.path.join(self.path, MANIFEST), {"schema_version": SCHEMA_VERSION, **manifest})
         HiddenStateStore(self.path)
+
+
+def build_manifest(*, target: dict, num_layers: int, vocab_size: int, layer_ids: Sequence[int], layout: Layout,
+                   compute_dtype: str, final_norm: dict, extraction: dict) -> dict:
+    """A store's manifest before its shards are counted (the writer adds shards and counts, then writes it):
+    what a reader needs to trust the files — the target and its sizes, the layer ids and their convention,
+    dtypes, whether `last` is stored and is pre-norm, the final norm, the teacher top-k."""
+    return {
+        "format": "dflash-fast hidden-state store",
+        "target": target,
+        "num_layers": num_layers,
+        "hidden_size": layout.hidden_size,
+        "vocab_size": vocab_size,
+        "layer_ids": list(layer_ids),
+        "layer_id_convention": LAYER_ID_CONVENTION,
+        "dtype": layout.dtype,
+        "compute_dtype": compute_dtype,
+        "has_last": layout.has_last,
+        "last_is_pre_norm": True,
+        "final_norm": final_norm,
+        "topk": layout.topk,
+        "extraction": extraction,
+    }
 
 
 def read_manifest(path: str) -> Optional[dict]:

@@ -26,12 +26,9 @@ under `deepspeed` (or `torchrun`) every rank runs it. `train(cfg)` runs one job
 in this process (tests run several); `main()` is the process entry point.
 """
 import argparse
-import glob
 import json
 import math
 import os
-import random
-import re
 import resource
 import shutil
 import signal
@@ -39,22 +36,28 @@ import socket
 import sys
 import time
 import warnings
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import yaml
 
 from dflash_fast import ops
 from dflash_fast.batches import derive_seed, make_loader, steps_per_epoch
+from dflash_fast.checkpoint import (
+    CLIENT_STATE,
+    checkpoint_tags,
+    read_client_state,
+    resolve_checkpoint,
+    rng_state,
+    set_rng_state,
+)
 from dflash_fast.config import ConfigError, TrainConfig, load_config
 from dflash_fast.drafter import DFlashDrafter, DrafterConfig, DrafterOutput, build_drafter, slot_metrics, slot_targets
-from dflash_fast.store import HiddenStateStore
+from dflash_fast.export import export_drafter
+from dflash_fast.store import HiddenStateStore, torch_dtype, write_json_atomic
+from dflash_fast.target import config_sha256
 
-EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-CHECKPOINT_TAG = re.compile(r"^step(\d{8})$")
-CLIENT_STATE = "dflash_fast.json"  # written last into a checkpoint: step, data position, drafter config
 # DeepSpeed JSON keys the YAML owns: one source of truth for every training hyperparameter.
 YAML_OWNED = {
     "train_batch_size": "data.batch_rows and schedule.grad_accum",
@@ -89,8 +92,6 @@ def resolve_loss_kind(kind: str, manifest: Dict) -> str:
 
 def check_store_matches(store_path: str, manifest: Dict, drafter: DrafterConfig, target: str, loss_kind: str) -> None:
     """Refuse a store whose manifest disagrees with the drafter (and its target), naming both values."""
-    from dflash_fast.extract import config_sha256
-
     problems = []
 
     def compare(what: str, store_value, drafter_value, fix: str):
@@ -310,89 +311,34 @@ class Sums:
         return out
 
 
-def _rng_state() -> Dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
+class Window:
+    """What the steps since the last metrics record add up to: their Sums, seconds per phase, wall seconds."""
 
+    def __init__(self, block_size: int, device):
+        self.sums, self.phase_seconds, self.steps, self.seconds = Sums(block_size, device), {}, 0, 0.0
 
-def _set_rng_state(state: Dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+    def add(self, sums: Sums, phase_seconds: Dict[str, float], seconds: float) -> None:
+        self.sums.merge(sums)
+        self.steps += 1
+        self.seconds += seconds
+        for phase, value in phase_seconds.items():
+            self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + value
+
+    def metrics(self, with_kl: bool) -> Dict[str, Optional[float]]:
+        """SPEC §6 metrics of the window, throughput, and mean milliseconds per phase and per step."""
+        return {
+            **self.sums.metrics(with_kl),
+            "tokens_per_s": self.sums["tokens"] / self.seconds,
+            "anchors_per_s": self.sums["anchors"] / self.seconds,
+            **{f"time_{phase}_ms": 1e3 * value / self.steps for phase, value in self.phase_seconds.items()},
+            "step_time_ms": 1e3 * self.seconds / self.steps,
+        }
 
 
 def _peak_memory_mb() -> float:
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
-
-
-# ---------------------------------------------------------------- checkpoints (also used by `dflash-fast export`)
-
-
-def checkpoint_tags(checkpoints_dir: str) -> List[str]:
-    """Complete checkpoint tags in `checkpoints_dir`, oldest first."""
-    if not os.path.isdir(checkpoints_dir):
-        return []
-    return sorted(
-        t
-        for t in os.listdir(checkpoints_dir)
-        if CHECKPOINT_TAG.match(t) and os.path.isfile(os.path.join(checkpoints_dir, t, CLIENT_STATE))
-    )
-
-
-def resolve_checkpoint(path: str) -> Tuple[str, str]:
-    """A run directory or its checkpoints directory (-> the newest complete checkpoint), or one
-    checkpoint -> (checkpoints dir, tag)."""
-    path = os.path.abspath(path)
-    if os.path.isdir(os.path.join(path, "checkpoints")):
-        path = os.path.join(path, "checkpoints")
-    if os.path.isfile(os.path.join(path, CLIENT_STATE)):
-        return os.path.dirname(path), os.path.basename(path)
-    tags = checkpoint_tags(path)
-    if tags:
-        return path, tags[-1]
-    raise FileNotFoundError(
-        f"{path} is not a run directory, a checkpoints directory or a checkpoint "
-        f"(no complete checkpoint: none holds {CLIENT_STATE})"
-    )
-
-
-def read_client_state(load_dir: str, tag: str) -> Dict:
-    with open(os.path.join(load_dir, tag, CLIENT_STATE)) as f:
-        return json.load(f)
-
-
-def load_drafter_for_export(checkpoint: str) -> Tuple[DFlashDrafter, str]:
-    """The trained drafter of a checkpoint (fp32 master weights, gathered from every ZeRO partition) and
-    the verifier (target) path it was trained against. Frozen target tensors are not loaded: export
-    writes trainable weights only."""
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    load_dir, tag = resolve_checkpoint(checkpoint)
-    client = read_client_state(load_dir, tag)
-    drafter = DFlashDrafter(DrafterConfig(**client["drafter"]))
-    if glob.glob(os.path.join(load_dir, tag, "*optim_states.pt")):
-        weights = get_fp32_state_dict_from_zero_checkpoint(load_dir, tag)
-    else:  # no ZeRO: the module's own weights
-        weights = torch.load(
-            os.path.join(load_dir, tag, "mp_rank_00_model_states.pt"), map_location="cpu", weights_only=False
-        )["module"]
-    expected = dict(drafter.named_parameters())
-    missing, extra = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
-    if missing or extra:
-        raise ValueError(
-            f"{os.path.join(load_dir, tag)} does not match its drafter config: missing {missing[:5]}, "
-            f"unexpected {extra[:5]}"
-        )
-    with torch.no_grad():
-        for name, p in expected.items():
-            p.copy_(weights[name].float())
-    return drafter, client["verifier"]
 
 
 # ---------------------------------------------------------------- the trainer
@@ -546,14 +492,12 @@ class Trainer:
             "config": self.cfg.to_dict(),
         }
         self.engine.save_checkpoint(self.checkpoints_dir, tag=tag)
-        torch.save(_rng_state(), os.path.join(self.checkpoints_dir, tag, f"rng_rank{self.rank:05d}.pt"))
+        torch.save(rng_state(), os.path.join(self.checkpoints_dir, tag, f"rng_rank{self.rank:05d}.pt"))
         dist.barrier()
         self.last_checkpoint = os.path.join(self.checkpoints_dir, tag)
         if self.rank == 0:
             marker = os.path.join(self.last_checkpoint, CLIENT_STATE)
-            with open(marker + ".tmp", "w") as f:
-                json.dump(client, f)
-            os.replace(marker + ".tmp", marker)
+            write_json_atomic(marker, client)
             for old in checkpoint_tags(self.checkpoints_dir)[: -self.cfg.checkpoint.keep_last]:
                 shutil.rmtree(os.path.join(self.checkpoints_dir, old), ignore_errors=True)
         dist.barrier()
@@ -602,7 +546,7 @@ class Trainer:
             client["epoch"],
             client["micro_batch"],
         )
-        _set_rng_state(torch.load(os.path.join(load_dir, tag, f"rng_rank{self.rank:05d}.pt"), weights_only=False))
+        set_rng_state(torch.load(os.path.join(load_dir, tag, f"rng_rank{self.rank:05d}.pt"), weights_only=False))
         self.last_checkpoint = os.path.join(load_dir, tag)
         self.log(
             f"resumed from {self.last_checkpoint} at step {self.step} (epoch {client['epoch']}, "
@@ -703,8 +647,6 @@ class Trainer:
         """Gather the 16-bit (or fp32) module weights from every ZeRO-3 partition; rank 0 writes OUT/export."""
         import deepspeed
 
-        from dflash_fast.export import export_drafter
-
         module = self.engine.module
         params = dict(module.named_parameters())
         state = None
@@ -717,7 +659,7 @@ class Trainer:
                 module,
                 os.path.join(self.out_dir, "export"),
                 self.target,
-                EXPORT_DTYPES[self.cfg.export_dtype],
+                torch_dtype(self.cfg.export_dtype),
                 state_dict=state,
             )
             self.log(f"exported the drafter to {path} (speculators format, {self.cfg.export_dtype})")
@@ -743,7 +685,7 @@ class Trainer:
             dynamic_ncols=True,
             file=sys.stdout,
         )
-        window, window_times, window_steps, window_seconds = Sums(self.block_size, self.device), {}, 0, 0.0
+        window = Window(self.block_size, self.device)
         with_kl = self.loss_kind in ("kl", "kl_topk")
         saved_at = self.step if self.last_checkpoint else None
         validated_at = None
@@ -758,8 +700,7 @@ class Trainer:
                     where = (
                         (
                             f"the last good checkpoint is {self.last_checkpoint} (continue from it with "
-                            f"--resume after lowering "
-                            f"optimizer.lr or checking the store)"
+                            f"--resume after lowering optimizer.lr or checking the store)"
                         )
                         if self.last_checkpoint
                         else "no checkpoint was saved before it"
@@ -768,11 +709,7 @@ class Trainer:
                         f"non-finite loss or gradient norm at step {self.step} (loss {sums.metrics(False)['loss']}, "
                         f"grad norm {grad_norm}): stopped without saving; {where}"
                     )
-                window.merge(sums)
-                window_steps += 1
-                window_seconds += seconds
-                for k, v in times.items():
-                    window_times[k] = window_times.get(k, 0.0) + v
+                window.add(sums, times, seconds)
                 step_metrics = sums.metrics(False)
                 bar.update(1)
                 bar.set_postfix(
@@ -793,14 +730,10 @@ class Trainer:
                             **window.metrics(with_kl),
                             "lr": lr,
                             "grad_norm": grad_norm,
-                            "tokens_per_s": window["tokens"] / window_seconds,
-                            "anchors_per_s": window["anchors"] / window_seconds,
-                            **{f"time_{k}_ms": 1e3 * v / window_steps for k, v in window_times.items()},
-                            "step_time_ms": 1e3 * window_seconds / window_steps,
                             "peak_memory_mb": _peak_memory_mb(),
                         }
                     )
-                    window, window_times, window_steps, window_seconds = Sums(self.block_size, self.device), {}, 0, 0.0
+                    window = Window(self.block_size, self.device)
                 if cfg.validation.every and self.step % cfg.validation.every == 0:
                     self.validate()
                     validated_at = self.step

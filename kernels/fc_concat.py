@@ -25,13 +25,12 @@ useful BLOCK_N (128 x 4096 fp32 is 2 MB of registers). Fusing it would need cros
 reductions (atomics on sum-of-squares plus a second normalising pass anyway) or tiny row tiles that
 waste the tensor cores. The separate pass costs one read of y and one write of ctx (2 x 64 MB at
 N = 8192, H = 4096, bf16: ~30 us on an H200), against ~2 ms for the GEMM, and gives the backward the
-y it needs. Only this variant exists; it has not been measured against a fused epilogue.
+y it needs.
 
 Why the weight gradient is a Triton GEMM and not cuBLAS: with noise the backward must see the same
 noisy x as the forward, and only an in-kernel Philox draw gets it without storing a noisy copy; the
 same kernel reads the K layers through their own strides without a concat. Without noise, one
-cuBLAS `dy.T @ x[:, k]` per layer would also avoid the concat and may be a little faster; the
-benchmark measures the Triton path only.
+cuBLAS `dy.T @ x[:, k]` per layer would also avoid the concat.
 
 Runs on CUDA and, with TRITON_INTERPRET=1, on CPU tensors (fp32/fp16; the interpreter's bf16 is
 wrong). Several configurations are autotuned only on a GPU.
@@ -100,9 +99,9 @@ def _add_uniform_noise(b_x, seed, noise_std, o_n, layer, K, H_T, t0,
 @triton.heuristics({"EVEN_T": lambda a: a["H_T"] % a["BLOCK_T"] == 0})
 @triton.jit(do_not_specialize=["seed"])
 def _fc_concat_fwd_kernel(
-    X, SXN,  # K-tuples: layer pointers [N, H_t] (unit column stride), their row strides
-    W, SWH,  # fc weight [H, K*H_t] (unit column stride), its row stride
-    Y,  # [N, H] contiguous, pre-norm output in the input dtype
+    x_ptrs, stride_x,  # K-tuples: layer pointers [N, H_t] (unit column stride), their row strides
+    w_ptr, stride_w,  # fc weight [H, K*H_t] (unit column stride), its row stride
+    y_ptr,  # [N, H] contiguous, pre-norm output in the input dtype
     N, H, H_T, noise_std, seed,
     K: tl.constexpr, NOISE: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, GROUP: tl.constexpr,
@@ -114,10 +113,10 @@ def _fc_concat_fwd_kernel(
     o_t = tl.arange(0, BLOCK_T)
     m_n = o_n < N
     m_h = o_h < H
-    acc = tl.zeros([BLOCK_N, BLOCK_H], dtype=tl.float32)
+    b_acc = tl.zeros([BLOCK_N, BLOCK_H], dtype=tl.float32)
     for layer in tl.static_range(K):
-        p_x = X[layer] + o_n[:, None] * SXN[layer] + o_t[None, :]
-        p_w = W + o_h.to(tl.int64)[None, :] * SWH + (layer * H_T + o_t)[:, None]
+        p_x = x_ptrs[layer] + o_n[:, None] * stride_x[layer] + o_t[None, :]
+        p_w = w_ptr + o_h.to(tl.int64)[None, :] * stride_w + (layer * H_T + o_t)[:, None]
         for t0 in range(0, H_T, BLOCK_T):
             if EVEN_T:
                 b_x = tl.load(p_x, mask=m_n[:, None], other=0.0)
@@ -129,19 +128,20 @@ def _fc_concat_fwd_kernel(
             if NOISE:
                 # Masked lanes pick up noise too, but they meet zero weight rows or unstored rows.
                 b_x = _add_uniform_noise(b_x, seed, noise_std, o_n, layer, K, H_T, t0, BLOCK_N, BLOCK_T)
-            acc = tl.dot(b_x, b_w, acc, input_precision=PRECISION)
+            b_acc = tl.dot(b_x, b_w, b_acc, input_precision=PRECISION)
             p_x += BLOCK_T
             p_w += BLOCK_T
-    tl.store(Y + o_n[:, None] * H + o_h[None, :], acc.to(Y.dtype.element_ty), mask=m_n[:, None] & m_h[None, :])
+    p_y = y_ptr + o_n[:, None] * H + o_h[None, :]
+    tl.store(p_y, b_acc.to(y_ptr.dtype.element_ty), mask=m_n[:, None] & m_h[None, :])
 
 
 @triton.autotune(configs=_configs("BLOCK_H", "BLOCK_T", "BLOCK_N"), key=["N", "H", "H_T", "NOISE"])
 @triton.heuristics({"EVEN_N": lambda a: a["N"] % a["BLOCK_N"] == 0})
 @triton.jit(do_not_specialize=["layer", "seed"])
 def _fc_weight_grad_kernel(
-    DY,  # [N, H] contiguous
-    X, SXN,  # layer `layer`: [N, H_t] (unit column stride), its row stride
-    DW, SDW,  # fc weight gradient [H, K*H_t] (unit column stride), its row stride
+    dy_ptr,  # [N, H] contiguous
+    x_ptr, stride_x,  # layer `layer`: [N, H_t] (unit column stride), its row stride
+    dw_ptr, stride_dw,  # fc weight gradient [H, K*H_t] (unit column stride), its row stride
     N, H, H_T, layer, K, noise_std, seed,
     NOISE: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
@@ -153,9 +153,9 @@ def _fc_weight_grad_kernel(
     o_n = tl.arange(0, BLOCK_N)
     m_h = o_h < H
     m_t = o_t < H_T
-    p_dy = DY + o_n[None, :] * H + o_h[:, None]  # [BLOCK_H, BLOCK_N] tile of dy.T
-    p_x = X + o_n[:, None] * SXN + o_t[None, :]  # [BLOCK_N, BLOCK_T]
-    acc = tl.zeros([BLOCK_H, BLOCK_T], dtype=tl.float32)
+    p_dy = dy_ptr + o_n[None, :] * H + o_h[:, None]  # [BLOCK_H, BLOCK_N] tile of dy.T
+    p_x = x_ptr + o_n[:, None] * stride_x + o_t[None, :]  # [BLOCK_N, BLOCK_T]
+    b_acc = tl.zeros([BLOCK_H, BLOCK_T], dtype=tl.float32)
     for n0 in range(0, N, BLOCK_N):
         if EVEN_N:
             b_dy = tl.load(p_dy, mask=m_h[:, None], other=0.0)
@@ -167,11 +167,11 @@ def _fc_weight_grad_kernel(
         if NOISE:
             # Masked lanes pick up noise too, but they meet zero dy columns or unstored columns.
             b_x = _add_uniform_noise(b_x, seed, noise_std, n0 + o_n, layer, K, H_T, i_t * BLOCK_T, BLOCK_N, BLOCK_T)
-        acc = tl.dot(b_dy, b_x, acc, input_precision=PRECISION)
+        b_acc = tl.dot(b_dy, b_x, b_acc, input_precision=PRECISION)
         p_dy += BLOCK_N * H
-        p_x += BLOCK_N * SXN
-    p_dw = DW + o_h.to(tl.int64)[:, None] * SDW + (layer * H_T + o_t)[None, :]
-    tl.store(p_dw, acc.to(DW.dtype.element_ty), mask=m_h[:, None] & m_t[None, :])
+        p_x += BLOCK_N * stride_x
+    p_dw = dw_ptr + o_h.to(tl.int64)[:, None] * stride_dw + (layer * H_T + o_t)[None, :]
+    tl.store(p_dw, b_acc.to(dw_ptr.dtype.element_ty), mask=m_h[:, None] & m_t[None, :])
 
 
 def split_layers(hidden: Union[torch.Tensor, Sequence[torch.Tensor]]) -> List[torch.Tensor]:
@@ -180,8 +180,9 @@ def split_layers(hidden: Union[torch.Tensor, Sequence[torch.Tensor]]) -> List[to
     strided is copied (that one layer, never the concatenation)."""
     if isinstance(hidden, torch.Tensor):
         if hidden.dim() != 3:
-            raise ValueError(f"hidden must be [N, K, H_t] or a sequence of K tensors [N, H_t], got shape "
-            f"{tuple(hidden.shape)}")
+            raise ValueError(
+                f"hidden must be [N, K, H_t] or a sequence of K tensors [N, H_t], got shape {tuple(hidden.shape)}"
+            )
         layers = list(hidden.detach().unbind(1))
     else:
         layers = [x.detach() for x in hidden]

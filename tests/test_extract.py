@@ -15,6 +15,7 @@ from tiny_targets import make_tiny_target, make_tokenizer, sample_records, write
 
 from dflash_fast import cli
 from dflash_fast import extract as extract_module
+from dflash_fast import target as target_module
 from dflash_fast.eager import rms_norm
 from dflash_fast.extract import ChatTokenizer, extract
 from dflash_fast.store import MANIFEST, HiddenStateStore, ShardWriter, final_norm_weight
@@ -269,7 +270,7 @@ def test_parallel_loads_leave_weight_tying_working():
 
     def load():
         try:
-            models.append(extract_module.load_target(TARGET, torch.device("cpu"), torch.float32))
+            models.append(target_module.load_target(TARGET, torch.device("cpu"), torch.float32))
         except Exception as e:  # surfaced below
             errors.append(e)
 
@@ -280,7 +281,7 @@ def test_parallel_loads_leave_weight_tying_working():
         t.join()
     assert not errors and len(models) == 4
     assert PreTrainedModel.tie_weights.__name__ == "tie_weights"
-    for m in models + [extract_module.load_target(TARGET, torch.device("cpu"), torch.float32)]:
+    for m in models + [target_module.load_target(TARGET, torch.device("cpu"), torch.float32)]:
         assert m.lm_head.weight is m.model.embed_tokens.weight and not m.lm_head.weight.is_meta
 
 
@@ -291,7 +292,7 @@ def test_a_target_with_unloaded_weights_is_refused(targets):
     with torch.device("meta"):
         model.lm_head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False)
     with pytest.raises(RuntimeError, match="lm_head.weight"):
-        extract_module.check_materialised(model, "tiny")
+        target_module.check_materialised(model, "tiny")
 
 
 # ---------------------------------------------------------------- input

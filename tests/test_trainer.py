@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from tiny_targets import make_tiny_target, sample_records, write_jsonl
 
 from dflash_fast import trainer
+from dflash_fast.checkpoint import checkpoint_tags, load_drafter_for_export
 from dflash_fast.config import ConfigError, load_config
 from dflash_fast.extract import extract
 from dflash_fast.store import HiddenStateStore
@@ -25,7 +26,6 @@ from dflash_fast.trainer import (
     StoreMismatch,
     check_store_matches,
     deepspeed_config,
-    load_drafter_for_export,
     lr_multiplier,
     train,
 )
@@ -244,7 +244,7 @@ def test_stop_by_sigterm_and_resume_equals_an_uninterrupted_run(tiny, tmp_path, 
     stopped = run(tiny, parts, **common)
     monkeypatch.undo()
     assert stopped["interrupted"] and stopped["step"] == 5
-    assert trainer.checkpoint_tags(os.path.join(parts, "checkpoints")) == ["step00000005"], (
+    assert checkpoint_tags(os.path.join(parts, "checkpoints")) == ["step00000005"], (
         "keep_last=1 keeps the newest only"
     )
     with pytest.raises(ConfigError, match="already holds checkpoints .*pass --resume"):
@@ -275,7 +275,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tiny, tmp_path
     assert step > 1, "the poisoned document must not be in the first step, or there is no good checkpoint to keep"
     last_good = os.path.join(out, "checkpoints", f"step{step - 1:08d}")
     assert f"the last good checkpoint is {last_good}" in str(err.value)
-    assert trainer.checkpoint_tags(os.path.join(out, "checkpoints"))[-1] == f"step{step - 1:08d}"
+    assert checkpoint_tags(os.path.join(out, "checkpoints"))[-1] == f"step{step - 1:08d}"
     assert not os.path.exists(os.path.join(out, "export"))
 
 
