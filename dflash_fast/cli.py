@@ -1,25 +1,35 @@
 """`dflash-fast <command>`: one subcommand per pipeline stage.
 
 Each stage module defines `add_arguments(parser)` and `run(args)`; the module is
-imported only when its command runs, so `dflash-fast --help` stays fast.
+imported only when its command runs, so `dflash-fast --help` stays fast. A user
+error ends the command in one `error: ...` line (exit 2 for usage, 1 for data);
+`--debug` (before or after the command) or DFLASH_DEBUG=1 shows its traceback
+(dflash_fast/errors.py).
 """
 import argparse
 import importlib
 import sys
 
+from dflash_fast.errors import DEBUG_ENV, run_reporting_errors
+
 COMMANDS = {
     "extract": ("dflash_fast.extract", "run the target over JSONL data and write a hidden-state store"),
+    "verify": ("dflash_fast.store", "check every shard of a store against the sha256 sums recorded at extraction"),
     "export": ("dflash_fast.export", "write a trained drafter in the speculators/vLLM format"),
     "eval": ("dflash_fast.evaluate", "real block speculative decoding: measure acceptance length tau"),
     "regenerate": ("dflash_fast.regenerate", "let the target write the responses to a prompt set"),
     "quickstart": ("dflash_fast.quickstart", "the whole pipeline on the embedded target, on CPU"),
     "plot": ("dflash_fast.plot", "draw loss, tau_offline and per-slot accuracy curves of a run"),
 }
+DEBUG_HELP = f"show the traceback of an error (also: {DEBUG_ENV}=1)"
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = argv[:1] == ["--debug"]
+    argv = argv[1:] if debug else argv
     parser = argparse.ArgumentParser(prog="dflash-fast", description=__doc__.splitlines()[0])
+    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_text) in COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
@@ -30,8 +40,9 @@ def main(argv=None):
     module = importlib.import_module(COMMANDS[name][0])
     cmd_parser = argparse.ArgumentParser(prog=f"dflash-fast {name}", description=COMMANDS[name][1])
     module.add_arguments(cmd_parser)
+    cmd_parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     args = cmd_parser.parse_args(argv[1:])
-    return module.run(args) or 0
+    return run_reporting_errors(lambda: module.run(args), debug or args.debug)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ launched from.
 """
 import dataclasses
 import difflib
+import math
 import typing
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -264,10 +265,24 @@ def _check(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _numbers(node, prefix: str = ""):
+    """(dotted key, value) of every float in a config, tuples (optimizer.betas) included."""
+    for f in dataclasses.fields(node):
+        value, key = getattr(node, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            yield from _numbers(value, f"{key}.")
+        elif isinstance(value, (tuple, list)):
+            yield from ((f"{key}[{i}]", v) for i, v in enumerate(value) if isinstance(v, float))
+        elif isinstance(value, float):
+            yield key, value
+
+
 def validate(cfg: TrainConfig) -> None:
     """Ranges and choices; what needs the store or the target is checked by the trainer."""
     from dflash_fast import ops
 
+    for key, value in _numbers(cfg):
+        _check(math.isfinite(value), f"{key}={value} is not a finite number")
     m, d, o, s = cfg.model, cfg.data, cfg.optimizer, cfg.schedule
     _check(bool(d.store), "data.store is not set: pass data.store=PATH (a directory written by `dflash-fast extract`)")
     _check(m.num_layers >= 1, f"model.num_layers={m.num_layers} must be >= 1")
@@ -284,7 +299,11 @@ def validate(cfg: TrainConfig) -> None:
         "sliding" not in (m.layer_types or []) or bool(m.sliding_window and m.sliding_window > 0),
         "model.layer_types has 'sliding' layers: set model.sliding_window > 0",
     )
-    _check(d.seq_len >= 2, f"data.seq_len={d.seq_len} must be >= 2")
+    _check(
+        d.seq_len >= m.block_size,
+        f"data.seq_len={d.seq_len} cannot hold one anchor and its block of model.block_size={m.block_size} "
+        f"tokens: set data.seq_len >= {m.block_size}",
+    )
     _check(d.num_anchors >= 1, f"data.num_anchors={d.num_anchors} must be >= 1")
     _check(d.batch_rows >= 1, f"data.batch_rows={d.batch_rows} must be >= 1")
     _check(0 <= d.val_fraction < 1, f"data.val_fraction={d.val_fraction} must be in [0, 1)")

@@ -30,9 +30,10 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, 
 import torch
 
 from dflash_fast.drafter import DFlashDrafter, load_frozen_tensors, slot_metrics
+from dflash_fast.errors import UserError
 from dflash_fast.regenerate import encode_prompt, eos_token_ids, load_model, read_prompts
 from dflash_fast.store import check_layer_ids, default_layer_ids
-from dflash_fast.target import final_norm_module, tapped_layers
+from dflash_fast.target import check_target, final_norm_module, tapped_layers
 
 # propose(hidden [T, K, H_t] of positions 0..T-1, anchor token x_T, context_ids [T+1] = x_0..x_T) -> [B-1] guesses.
 Proposer = Callable[[torch.Tensor, int, torch.Tensor], torch.Tensor]
@@ -75,7 +76,7 @@ class TargetRunner:
         if getattr(out, "cache", None) is None:
             import transformers
 
-            raise RuntimeError(
+            raise UserError(
                 f"{type(self.model).__name__} returned no `cache` (transformers {transformers.__version__}); "
                 f"speculative decoding needs a transformers 5 release whose models take and return `cache`"
             )
@@ -303,6 +304,7 @@ def evaluate(
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
+    check_target(target)
     prompts = read_prompts(data, num_prompts)
     tokenizer = AutoTokenizer.from_pretrained(target, trust_remote_code=trust_remote_code)
     model = load_model(target, device, dtype, trust_remote_code)

@@ -52,11 +52,15 @@ from dflash_fast.store import (
 from dflash_fast.target import (
     KNOWN_ROLES,
     ROLE_ALIASES,
+    TextError,
+    check_target,
     config_sha256,
     detect_norm_kind,
     final_norm_module,
     load_target,
+    on_text,
     tapped_layers,
+    text_problem,
 )
 
 RANKS_DIR = "ranks"
@@ -166,7 +170,7 @@ class ChatTokenizer:
         if not isinstance(turns, list) or not turns:
             raise BadLine("'conversations' must be a non-empty list of {role, content} objects")
         messages = []
-        for t in turns:
+        for i, t in enumerate(turns):
             if not isinstance(t, dict):
                 raise BadLine("each turn must be an object with 'role' and 'content'")
             role = t.get("role", t.get("from"))
@@ -176,14 +180,17 @@ class ChatTokenizer:
                 raise Skip(f"unknown role {role!r}")
             if not isinstance(content, str):
                 raise Skip("turn content is not text")
+            problem = text_problem(content)
+            if problem:
+                raise BadLine(f"the content of turn {i} {problem}")
             messages.append({"role": role, "content": content})
         if not any(m["role"] == "assistant" for m in messages):
             raise Skip("no assistant turn")
         if not getattr(self.tok, "is_fast", False):
             raise ValueError("conversations need a fast (Rust) tokenizer for character offsets; the target's is slow")
-        text = self._render(messages)
+        text = on_text("the chat template", self._render, messages)
         spans = self._assistant_spans(messages, text)
-        enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        enc = on_text("the tokenizer", self.tok, text, add_special_tokens=False, return_offsets_mapping=True)
         starts = np.array([s for s, _ in enc["offset_mapping"]], dtype=np.int64)
         mask = np.zeros(len(starts), dtype=bool)
         for a, b in spans:
@@ -193,7 +200,10 @@ class ChatTokenizer:
     def text(self, text) -> Example:
         if not isinstance(text, str):
             raise BadLine("'text' must be a string")
-        ids = self.tok(text, add_special_tokens=True)["input_ids"]
+        problem = text_problem(text)
+        if problem:
+            raise BadLine(f"'text' {problem}")
+        ids = on_text("the tokenizer", self.tok, text, add_special_tokens=True)["input_ids"]
         return Example(np.asarray(ids, dtype=np.int32), np.ones(len(ids), dtype=bool))
 
     def pretokenized(self, ids, mask) -> Example:
@@ -241,8 +251,10 @@ def read_examples(path, tokenizer: ChatTokenizer, max_seq_len, skip_bad=False, r
                     record = json.loads(raw)
                 except (json.JSONDecodeError, UnicodeDecodeError) as e:
                     raise BadLine(f"not valid JSON ({e})") from None
+                except RecursionError:
+                    raise BadLine("not valid JSON (nested too deeply to parse)") from None
                 ex = tokenizer.record(record)
-            except BadLine as e:
+            except (BadLine, TextError) as e:
                 if not skip_bad:
                     raise BadLine(f"{path}:{line_no}: {e}; fix the line or pass --skip-bad to skip such lines") \
                         from None
@@ -480,6 +492,7 @@ def plan_job(target: str, data: str, out: str, options: ExtractOptions, device=N
     from transformers import AutoConfig, AutoTokenizer
 
     rank, world_size = _launcher_env(rank, world_size)
+    check_target(target)
     device = torch.device(device) if device is not None else _default_device()
     dtype = normalise_dtype(options.dtype)
     compute_dtype = torch.bfloat16 if device.type == "cuda" and dtype != "float32" else torch.float32

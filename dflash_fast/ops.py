@@ -22,6 +22,7 @@ from typing import Dict, Optional
 import torch
 
 from dflash_fast import eager
+from dflash_fast.errors import UserError
 
 OPS = ("fc_concat", "anchored_attention", "lm_head_loss")
 BACKENDS = ("eager", "triton", "auto")
@@ -59,7 +60,7 @@ def _triton_impl(op: str):
     try:
         module = importlib.import_module(f"dflash_fast.kernels.{op}")
     except ImportError as err:
-        raise RuntimeError(
+        raise UserError(
             f"the Triton kernel for {op} cannot be imported ({err}); select the eager backend: "
             f"DFLASH_KERNELS={op}=eager"
         ) from err

@@ -16,6 +16,8 @@ import re
 from collections import defaultdict
 from typing import Dict, List, Tuple
 
+from dflash_fast.errors import UserError
+
 SPLIT_PREFIX = re.compile(r"^(train|val|eval|test)[/_](.+)$")
 ACC_KEY = re.compile(r"^acc_(\d+)$")
 
@@ -58,7 +60,7 @@ def _pyplot():
     try:
         import matplotlib
     except ImportError:
-        raise RuntimeError("dflash-fast plot needs matplotlib: pip install 'dflash-fast[plot]' "
+        raise UserError("dflash-fast plot needs matplotlib: pip install 'dflash-fast[plot]' "
                            "(or pip install matplotlib)") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -14,6 +14,7 @@ import time
 from typing import Dict, List
 
 from dflash_fast.checkpoint import checkpoint_tags
+from dflash_fast.errors import UserError
 from dflash_fast.evaluate import evaluate
 from dflash_fast.extract import extract
 from dflash_fast.regenerate import regenerate
@@ -34,10 +35,10 @@ def train_command(config: str, overrides: List[str]) -> List[str]:
     """`deepspeed --num_gpus 1 train.py --config CONFIG k=v ...` (one process; CPU or one GPU)."""
     launcher = shutil.which("deepspeed")
     if launcher is None:
-        raise RuntimeError("the `deepspeed` launcher is not on PATH: pip install deepspeed (it is in install_requires)")
+        raise UserError("the `deepspeed` launcher is not on PATH: pip install deepspeed (it is in install_requires)")
     script = os.path.join(REPO, "train.py")
     if not os.path.exists(script):
-        raise RuntimeError(f"{script} not found: run the quickstart from a checkout of dflash-fast (pip install -e .)")
+        raise UserError(f"{script} not found: run the quickstart from a checkout of dflash-fast (pip install -e .)")
     return [launcher, "--num_gpus", "1", "--master_port", str(_free_port()), script, "--config", config, *overrides]
 
 
@@ -82,7 +83,9 @@ def quickstart(
     cmd = train_command(os.path.join(REPO, "configs", "tiny.yaml"), overrides + list(extra_overrides))
     print(" ".join(cmd), flush=True)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1)))
-    subprocess.run(cmd, check=True, env=env)
+    code = subprocess.run(cmd, env=env).returncode
+    if code:
+        raise UserError(f"the training stage failed (exit status {code}); its error is printed above")
 
     stage("4/5 export: written by the trainer to run/export (speculators format)")
     export_dir = os.path.join(run_dir, "export")

@@ -29,7 +29,15 @@ from typing import Dict, List, Optional, Sequence, Set, Union
 import torch
 
 from dflash_fast.store import torch_dtype
-from dflash_fast.target import KNOWN_ROLES, ROLE_ALIASES, load_target
+from dflash_fast.target import (
+    KNOWN_ROLES,
+    ROLE_ALIASES,
+    TextError,
+    check_target,
+    load_target,
+    on_text,
+    text_problem,
+)
 
 
 @dataclass
@@ -40,6 +48,7 @@ class Prompt:
     record: Dict
     messages: Optional[List[Dict[str, str]]] = None
     text: Optional[str] = None
+    where: str = ""  # FILE:LINE (or "record i"), for errors
 
 
 def _messages(turns, where: str) -> List[Dict[str, str]]:
@@ -47,12 +56,14 @@ def _messages(turns, where: str) -> List[Dict[str, str]]:
     if not isinstance(turns, list) or not turns:
         raise ValueError(f"{where}: 'conversations' must be a non-empty list of {{role, content}} objects")
     messages = []
-    for t in turns:
+    for i, t in enumerate(turns):
         role = t.get("role", t.get("from")) if isinstance(t, dict) else None
         role = ROLE_ALIASES.get(role, role)
         content = t.get("content", t.get("value")) if isinstance(t, dict) else None
         if role not in KNOWN_ROLES or not isinstance(content, str):
             raise ValueError(f"{where}: each turn needs a role in {KNOWN_ROLES} and text content, got {t!r}")
+        if text_problem(content):
+            raise ValueError(f"{where}: the content of turn {i} {text_problem(content)}")
         messages.append({"role": role, "content": content})
     users = [i for i, m in enumerate(messages) if m["role"] == "user"]
     if not users:
@@ -72,7 +83,7 @@ def read_prompts(data: Union[str, Sequence[Dict]], num_prompts: Optional[int] = 
                 if line.strip():
                     try:
                         records.append((f"{data}:{line_no}", json.loads(line)))
-                    except json.JSONDecodeError as e:
+                    except (json.JSONDecodeError, RecursionError) as e:
                         raise ValueError(f"{data}:{line_no}: not valid JSON ({e}); fix or delete the line") from None
     else:
         records = [(f"record {i}", r) for i, r in enumerate(data)]
@@ -83,9 +94,11 @@ def read_prompts(data: Union[str, Sequence[Dict]], num_prompts: Optional[int] = 
     prompts = []
     for index, (where, r) in enumerate(records):
         if isinstance(r, dict) and "conversations" in r:
-            prompts.append(Prompt(index, r, messages=_messages(r["conversations"], where)))
+            prompts.append(Prompt(index, r, messages=_messages(r["conversations"], where), where=where))
         elif isinstance(r, dict) and isinstance(r.get("text"), str):
-            prompts.append(Prompt(index, r, text=r["text"]))
+            if text_problem(r["text"]):
+                raise ValueError(f"{where}: 'text' {text_problem(r['text'])}")
+            prompts.append(Prompt(index, r, text=r["text"], where=where))
         else:
             raise ValueError(f"{where}: expected an object with 'conversations' (chat) or 'text' (string)")
     return prompts
@@ -94,17 +107,22 @@ def read_prompts(data: Union[str, Sequence[Dict]], num_prompts: Optional[int] = 
 def encode_prompt(tokenizer, prompt: Prompt) -> List[int]:
     """Token ids the target continues: the chat template with the generation prompt, or the text
     with the tokenizer's special tokens (the conventions of `dflash-fast extract`)."""
-    if prompt.messages is not None:
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError(
-                "the target's tokenizer has no chat template; give {'text': ...} prompts instead of conversations"
-            )
-        text = tokenizer.apply_chat_template(prompt.messages, tokenize=False, add_generation_prompt=True)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    else:
-        ids = tokenizer(prompt.text, add_special_tokens=True)["input_ids"]
+    where = prompt.where or f"prompt {prompt.index}"
+    try:
+        if prompt.messages is not None:
+            if not getattr(tokenizer, "chat_template", None):
+                raise ValueError(
+                    "the target's tokenizer has no chat template; give {'text': ...} prompts instead of conversations"
+                )
+            text = on_text("the chat template", tokenizer.apply_chat_template, prompt.messages, tokenize=False,
+                           add_generation_prompt=True)
+            ids = on_text("the tokenizer", tokenizer, text, add_special_tokens=False)["input_ids"]
+        else:
+            ids = on_text("the tokenizer", tokenizer, prompt.text, add_special_tokens=True)["input_ids"]
+    except TextError as e:
+        raise ValueError(f"{where}: {e}") from None
     if not ids:
-        raise ValueError(f"prompt {prompt.index} is empty after tokenization; give it some text")
+        raise ValueError(f"{where} is empty after tokenization; give it some text")
     return ids
 
 
@@ -234,6 +252,7 @@ def regenerate(
         raise ValueError(
             f"need temperature >= 0 (0 = greedy), top_p in (0, 1], top_k >= 0; got {temperature}, {top_p}, {top_k}"
         )
+    check_target(target)
     prompts = read_prompts(data, num_prompts)
     done = read_done(out, prompts)
     summary = {"out": out, "prompts": len(prompts), "written": 0, "skipped": len(done), "finished": 0}

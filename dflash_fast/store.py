@@ -15,14 +15,16 @@ float32. On disk a store is a directory:
 
     manifest.json                    written last: its presence means "complete"
     shards/rank00000-shard00000/     one directory a shard, renamed into place when complete
-        index.json                   per-sequence lengths, file shapes, the inputs' hash
+        index.json                   per-sequence lengths, file shapes and sha256 sums, the inputs' hash
         input_ids.bin ... last.bin   raw little-endian arrays, one per field
 
 Each `.bin` is a flat C-order array memory-mapped with `np.memmap`: reading
 one item touches only its bytes, and a torch tensor is a view of the mapping,
 never a copy (copy-on-write: writing into a tensor never reaches the file). A shard is written into
 `<name>.tmp/` and renamed when every sequence is in, so a crash leaves at worst a `.tmp` directory that the next
-run deletes and redoes.
+run deletes and redoes (as it redoes a shard whose files were since lost or truncated). Opening a store checks
+every file's size; `dflash-fast verify STORE` (`verify_store`) also checks every byte against the sha256 sums
+recorded at extraction: the manifest holds each index's sum, each index its files' sums.
 
 Layer ids (SPEC §1): layer id `l` is the output of decoder layer `l`,
 `0 <= l <= L-1`; in Hugging Face `outputs.hidden_states` that is
@@ -34,6 +36,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
@@ -282,7 +285,11 @@ class ShardWriter:
         for field, (np_dtype, shape, _) in self.layout.fields().items():
             os.fsync(self.fds[field])
             os.close(self.fds[field])
-            files[field] = {"dtype": np.dtype(np_dtype).name, "shape": [int(self.starts[-1]), *shape]}
+            files[field] = {
+                "dtype": np.dtype(np_dtype).name,
+                "shape": [int(self.starts[-1]), *shape],
+                "sha256": sha256_file(os.path.join(self.tmp, field + ".bin")),  # for `dflash-fast verify`
+            }
         self.fds = {}
         index = {
             "schema_version": SCHEMA_VERSION,
@@ -327,13 +334,19 @@ class StoreWriter:
     def is_complete(self, name: str, lengths: Sequence[int], meta: dict) -> bool:
         """True when shard `name` exists, holds exactly `lengths` and was written with `meta`.
 
-        A complete shard written from different inputs or settings is refused,
-        not overwritten: the directory belongs to another extraction.
+        A damaged shard (unreadable index, a missing or truncated file) is deleted and reported: False, the
+        caller redoes it. A complete shard written from different inputs or settings is refused, not
+        overwritten: the directory belongs to another extraction.
         """
         shard = os.path.join(self.shards_dir, name)
         if not os.path.isdir(shard):
             return False
-        index = _read_json(os.path.join(shard, INDEX), "the shard index")
+        try:
+            index = _read_json(os.path.join(shard, INDEX), "the shard index")
+            if not isinstance(index, dict):
+                raise ValueError(f"{os.path.join(shard, INDEX)}: not a shard index")
+        except (FileNotFoundError, ValueError) as e:
+            return self._discard(shard, e)
         theirs = {k: index.get(k) for k in meta}
         if theirs != meta or index.get("lengths") != [int(n) for n in lengths]:
             diff = sorted(k for k in meta if theirs[k] != meta[k]) or ["lengths"]
@@ -341,8 +354,17 @@ class StoreWriter:
                 f"{shard} was written by a different extraction (differs in {', '.join(diff)}); "
                 f"use a new --out directory or delete {self.path}"
             )
-        _check_shard(shard, self.layout, index, expect=None)
+        try:
+            _check_shard(shard, self.layout, index, expect=None)
+        except (FileNotFoundError, ValueError) as e:
+            return self._discard(shard, e)
         return True
+
+    @staticmethod
+    def _discard(shard: str, why: Exception) -> bool:
+        print(f"{shard} is damaged ({why}); redoing it", file=sys.stderr)
+        shutil.rmtree(shard)
+        return False
 
     def open_shard(self, name: str, lengths: Sequence[int], meta: dict) -> ShardWriter:
         return ShardWriter(self.shards_dir, name, self.layout, lengths, meta)
@@ -353,11 +375,16 @@ class StoreWriter:
         The manifest is the store's claim of completeness, so it is written
         last and only over complete, consistent shards.
         """
+        shards = []
         for entry in manifest["shards"]:
             shard = os.path.join(self.shards_dir, entry["name"])
             index = _read_json(os.path.join(shard, INDEX), "the shard index")
             _check_shard(shard, self.layout, index, {k: entry[k] for k in ("num_sequences", "num_tokens")})
-        write_json_atomic(os.path.join(self.path, MANIFEST), {"schema_version": SCHEMA_VERSION, **manifest})
+            # The index holds its files' sha256: the manifest's sum of the index closes the chain `verify` checks.
+            shards.append({**entry, "index_sha256": sha256_file(os.path.join(shard, INDEX))})
+        write_json_atomic(
+            os.path.join(self.path, MANIFEST), {"schema_version": SCHEMA_VERSION, **manifest, "shards": shards}
+        )
         HiddenStateStore(self.path)
 
 
@@ -417,6 +444,7 @@ def _check_shard(shard: str, layout: Layout, index: dict, expect: Optional[dict]
         path = os.path.join(shard, field + ".bin")
         want_shape = [num_tokens, *shape]
         described = index.get("files", {}).get(field)
+        described = {k: described.get(k) for k in ("dtype", "shape")} if isinstance(described, dict) else described
         if described != {"dtype": np.dtype(np_dtype).name, "shape": want_shape}:
             raise ValueError(
                 f"{path}: index describes {described}, the manifest implies "
@@ -430,7 +458,7 @@ def _check_shard(shard: str, layout: Layout, index: dict, expect: Optional[dict]
         if size != want_bytes:
             raise ValueError(
                 f"{path}: {size} bytes, expected {want_bytes} for {want_shape} {np.dtype(np_dtype).name}; "
-                f"the shard is truncated or corrupted: delete {shard} and re-run the extraction"
+                f"the shard is truncated or corrupted: re-run the extraction to redo it"
             )
         specs[field] = (path, np_dtype, tuple(want_shape))
     return specs
@@ -531,3 +559,49 @@ class HiddenStateStore:
             f"HiddenStateStore({self.path!r}: {len(self)} sequences, {m['num_tokens']} tokens, "
             f"layer ids {m['layer_ids']}, H={m['hidden_size']}, {m['dtype']}, last={m['has_last']})"
         )
+
+
+# ---------------------------------------------------------------- `dflash-fast verify STORE`
+
+
+def verify_store(path: str) -> List[str]:
+    """Why the store at `path` is not what its extraction wrote: [] when every shard file matches the sha256
+    recorded at extraction (the manifest holds each shard index's sum, each index its files' sums). Opening the
+    store first checks the manifest, every index and every file's size (raises on those)."""
+    store = HiddenStateStore(path)
+    problems = []
+    for entry in store.manifest["shards"]:
+        shard = os.path.join(store.path, SHARDS_DIR, entry["name"])
+        index_path = os.path.join(shard, INDEX)
+        if "index_sha256" not in entry:
+            problems.append(f"{shard}: no sha256 recorded (extracted by an older dflash-fast); re-extract to verify it")
+            continue
+        if sha256_file(index_path) != entry["index_sha256"]:
+            problems.append(f"{index_path}: its sha256 differs from the one the manifest records")
+            continue
+        files = _read_json(index_path, "the shard index")["files"]
+        for field in store.layout.fields():
+            file = os.path.join(shard, field + ".bin")
+            digest, recorded = sha256_file(file), str(files[field].get("sha256"))
+            if digest != recorded:
+                problems.append(
+                    f"{file}: sha256 {digest[:16]}... differs from the recorded {recorded[:16]}... "
+                    f"(same size: its bytes were changed)"
+                )
+    return problems
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("store", metavar="STORE", help="a store directory written by `dflash-fast extract`")
+
+
+def run(args) -> int:
+    problems = verify_store(args.store)
+    if problems:
+        raise ValueError(
+            f"the store {args.store} does not verify:\n  - " + "\n  - ".join(problems) + "\ndelete the damaged "
+            "shard directories and re-run the same `dflash-fast extract` command: it redoes missing shards"
+        )
+    m = read_manifest(args.store)
+    print(f"{args.store}: {len(m['shards'])} shards, {m['num_tokens']} tokens: every file matches its recorded sha256")
+    return 0

@@ -10,8 +10,9 @@ so there is one definition of what "layer id l" and "`last`" mean (SPEC §1-2):
 import copy
 import importlib.util
 import os
+import re
 import threading
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -21,6 +22,61 @@ from dflash_fast.store import NORM_KINDS, final_norm_weight, sha256_file
 # Conversation roles every stage accepts (ShareGPT's names are aliases).
 ROLE_ALIASES = {"human": "user", "gpt": "assistant", "model": "assistant"}
 KNOWN_ROLES = ("system", "user", "assistant", "tool")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+
+
+def text_problem(text: str) -> Optional[str]:
+    """Why `text` cannot reach a tokenizer, or None. JSON can spell strings that are not Unicode text: a lone
+    surrogate such as "\\ud800" parses, and the tokenizer then fails with a TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"holds a lone surrogate U+{ord(text[e.start]):04X} at character {e.start}, which is not Unicode text"
+    return None
+
+
+class TextError(ValueError):
+    """One record's text that the target's chat template or tokenizer cannot take; callers add where it is."""
+
+
+def on_text(what: str, fn, *args, **kwargs):
+    """fn(*args, **kwargs): the target's chat template or tokenizer run on one record's text. Whatever that
+    third-party code raises on it is this record's failure: a TextError naming `what` and the cause."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:  # any type: see the docstring
+        raise TextError(f"{what} failed on it ({type(e).__name__}: {e})") from None
+
+
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE, read as huggingface_hub reads them."""
+    return any(os.environ.get(k, "").upper() in ("1", "ON", "YES", "TRUE") for k in ("HF_HUB_OFFLINE",
+                                                                                     "TRANSFORMERS_OFFLINE"))
+
+
+def check_target(target: str) -> str:
+    """Refuse a target that cannot load, before transformers tries a hub: a local directory must hold a
+    config.json; a name that is not a local directory must look like a hub id ("name" or "org/name" whose "org"
+    is not a local directory), and with offline mode set it must already be in the hub cache. Returns `target`."""
+    target = str(target)
+    if os.path.isdir(target):
+        if not os.path.isfile(os.path.join(target, "config.json")):
+            raise FileNotFoundError(f"target {target} has no config.json: it is not a Hugging Face model directory")
+        return target
+    if os.path.exists(target):
+        raise NotADirectoryError(f"target {target} is a file: pass the model's directory")
+    parent = os.path.dirname(target)
+    if not _HUB_ID.match(target) or ".." in target or "--" in target or (parent and os.path.isdir(parent)):
+        raise FileNotFoundError(f"target {target} does not exist (no such directory)")
+    if hub_offline():
+        from huggingface_hub import try_to_load_from_cache
+
+        if not isinstance(try_to_load_from_cache(target, "config.json"), str):
+            raise FileNotFoundError(
+                f"target {target} does not exist: no such local directory, and offline mode (HF_HUB_OFFLINE) allows "
+                f"no download of a hub model that is not in the local cache"
+            )
+    return target
 
 def final_norm_module(model):
     """The final norm of a causal LM (`model.model.norm`) and its dotted name."""

@@ -54,9 +54,10 @@ from dflash_fast.checkpoint import (
 )
 from dflash_fast.config import ConfigError, TrainConfig, load_config
 from dflash_fast.drafter import DFlashDrafter, DrafterConfig, DrafterOutput, build_drafter, slot_metrics, slot_targets
+from dflash_fast.errors import DEBUG_ENV, UserError, run_reporting_errors
 from dflash_fast.export import export_drafter
 from dflash_fast.store import HiddenStateStore, torch_dtype, write_json_atomic
-from dflash_fast.target import config_sha256
+from dflash_fast.target import check_target, config_sha256
 
 # DeepSpeed JSON keys the YAML owns: one source of truth for every training hyperparameter.
 YAML_OWNED = {
@@ -76,7 +77,7 @@ class StoreMismatch(ConfigError):
     """The store was extracted from a different target or with different layer ids than the drafter uses."""
 
 
-class NonFiniteLoss(RuntimeError):
+class NonFiniteLoss(UserError):
     """A step produced a non-finite loss or gradient norm; nothing after the last good checkpoint is saved."""
 
 
@@ -381,6 +382,7 @@ class Trainer:
         self.dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
         torch.manual_seed(cfg.seed)
         try:
+            check_target(self.target)
             # The frozen embedding and lm_head are [V, H] each: loaded in the compute dtype, never as an fp32 copy.
             drafter = build_drafter(
                 self.target,
@@ -782,21 +784,25 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument(
         "--local_rank", type=int, default=None, help=argparse.SUPPRESS
     )  # the deepspeed launcher's; LOCAL_RANK is used
+    p.add_argument("--debug", action="store_true", help=f"show the traceback of an error (also: {DEBUG_ENV}=1)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides such as optimizer.lr=3e-4")
     return p.parse_intermixed_args(argv)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
+    """The process entry point: a user error ends it in one `error: ...` line, exit 2 (config) or 1 (data, a
+    non-finite loss); other exceptions keep their traceback (dflash_fast/errors.py)."""
     args = parse_args(argv)
     overrides = list(args.overrides) + (["checkpoint.resume=latest"] if args.resume else [])
-    try:
+
+    def run() -> None:
         train(load_config(args.config, overrides))
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except NonFiniteLoss as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+
+    ours = not dist.is_initialized()  # a caller's group (several runs in one process) is the caller's to destroy
+    try:
+        code = run_reporting_errors(run, args.debug)
     finally:
-        if dist.is_initialized():
+        if ours and dist.is_initialized():
             dist.destroy_process_group()
+    if code:
+        sys.exit(code)

@@ -6,6 +6,7 @@ the same.
 """
 import json
 import os
+import re
 import shutil
 import threading
 
@@ -17,7 +18,7 @@ from dflash_fast import cli
 from dflash_fast import extract as extract_module
 from dflash_fast import target as target_module
 from dflash_fast.eager import rms_norm
-from dflash_fast.extract import ChatTokenizer, extract
+from dflash_fast.extract import ChatTokenizer, extract, read_examples
 from dflash_fast.store import MANIFEST, HiddenStateStore, ShardWriter, final_norm_weight
 
 NUM_LAYERS = 6
@@ -459,3 +460,73 @@ def test_gpu_bf16_extraction_passes_parity_and_tracks_fp32(tmp_path, data, arch)
             rel = (a[name].float() - b[name]).norm() / b[name].norm()
             assert rel < 5e-2, f"{name} item {i}: relative error {rel:.3g}"
         assert (a["teacher_lse"] - b["teacher_lse"]).abs().max() < 0.1
+
+
+# ---------------------------------------------------------------- hostile input and damaged stores
+
+def test_rerun_over_a_truncated_or_torn_shard_redoes_it_without_a_manual_delete(targets, data, tmp_path, capsys):
+    run_extract(targets["qwen3"], data, tmp_path / "a", shard_tokens=400)
+    run_extract(targets["qwen3"], data, tmp_path / "b", shard_tokens=400)
+    truncated = tmp_path / "b" / "shards" / "rank00000-shard00001" / "hidden.bin"
+    with open(truncated, "r+b") as f:
+        f.truncate(os.path.getsize(truncated) - 3)
+    (tmp_path / "b" / "shards" / "rank00000-shard00002" / "index.json").write_text("")  # torn by hand
+    summary = run_extract(targets["qwen3"], data, tmp_path / "b", shard_tokens=400)
+    assert summary["tokens_run"] > 0 and summary["skipped_shards"] >= 1
+    err = capsys.readouterr().err
+    assert "rank00000-shard00001 is damaged" in err and "rank00000-shard00002 is damaged" in err
+    assert all_files(tmp_path / "b") == all_files(tmp_path / "a")
+
+
+def test_records_the_template_or_tokenizer_cannot_take_are_bad_lines_named_and_skipped(tmp_path):
+    tok = make_tokenizer(tmp_path / "tok")
+    # A template that refuses two user turns in a row, as many real ones do (raise_exception).
+    tok.chat_template = (
+        "{% for m in messages %}{% if loop.index0 > 0 and m['role'] == messages[loop.index0 - 1]['role'] %}"
+        "{{ raise_exception('roles must alternate') }}{% endif %}"
+        "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    )
+    path = tmp_path / "hostile.jsonl"
+    path.write_text(
+        '{"text": "the anchor"}\n'
+        '{"text": "\\ud800"}\n'  # valid JSON: a lone surrogate, which no tokenizer takes
+        '{"conversations": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b\\udfff"}]}\n'
+        '{"conversations": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},'
+        ' {"role": "assistant", "content": "c"}]}\n'
+        '{"text": "the block"}\n'
+    )
+    chat = ChatTokenizer(tok, len(tok))
+    where = re.escape(f"{path}:2: 'text' holds a lone surrogate U+D800 at character 0")
+    with pytest.raises(ValueError, match=rf"^{where}.*--skip-bad"):
+        read_examples(path, chat, 64)
+    examples, stats, _ = read_examples(path, chat, 64, skip_bad=True)
+    assert len(examples) == 2 and stats.bad_lines == 3 and stats.sequences == 2
+    path.write_text('{"conversations": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}, '
+                    '{"role": "assistant", "content": "c"}]}\n')
+    with pytest.raises(ValueError, match=re.escape(f"{path}:1: the chat template failed on it (TemplateError: roles")):
+        read_examples(path, chat, 64)
+
+
+def test_cli_extract_names_the_line_of_a_lone_surrogate_in_one_error_line(targets, tmp_path, capsys):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"text": "the anchor"}\n{"conversations": [{"role": "user", "content": "\\ud800"}, '
+                    '{"role": "assistant", "content": "b"}]}\n')
+    argv = ["extract", "--target", targets["qwen3"], "--data", str(path), "--out", str(tmp_path / "out"),
+            "--layer-ids", "1,3"]
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {path}:2: the content of turn 0 holds a lone surrogate") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("relative", [False, True], ids=["absolute", "relative"])
+def test_a_target_that_does_not_exist_is_reported_as_such_without_the_hub(targets, data, tmp_path, monkeypatch,
+                                                                          capsys, relative):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    target = "models/qwen3-typo" if relative else str(tmp_path / "no" / "such" / "target")
+    assert cli.main(["extract", "--target", target, "--data", str(data), "--out", str(tmp_path / "out")]) == 1
+    assert capsys.readouterr().err == f"error: target {target} does not exist (no such directory)\n"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(FileNotFoundError, match="offline mode .* allows no download"):
+        target_module.check_target("some-org/some-model")  # a hub id, but offline and not in the cache
+    assert target_module.check_target(targets["qwen3"]) == targets["qwen3"]

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from dflash_fast import cli
 from dflash_fast.store import (
     DTYPES,
     INDEX,
@@ -17,6 +18,7 @@ from dflash_fast.store import (
     check_layer_ids,
     default_layer_ids,
     final_norm_weight,
+    verify_store,
 )
 
 LAYOUT = Layout(num_tapped=3, hidden_size=16, topk=4, dtype="bfloat16", has_last=True)
@@ -224,3 +226,39 @@ def test_reader_refuses_a_manifest_whose_dims_disagree_with_the_files(tmp_path):
     (tmp_path / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(ValueError, match="hidden.bin: index describes"):
         HiddenStateStore(tmp_path)
+
+
+# ---------------------------------------------------------------- verify: every byte against its recorded sha256
+
+
+def _zero_bytes_in_place(path, offset, count):
+    """Damage a file the way a bad disk or a careless tool does: same size, some bytes zeroed."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        assert f.read(count) != bytes(count), "the bytes to zero are zero already: the damage would be invisible"
+        f.seek(offset)
+        f.write(bytes(count))
+
+
+def test_verify_finds_bytes_changed_in_place_and_names_the_file(tmp_path, capsys):
+    write_store(tmp_path)
+    assert verify_store(tmp_path) == []
+    assert cli.main(["verify", str(tmp_path)]) == 0
+    assert "every file matches its recorded sha256" in capsys.readouterr().out
+    damaged = tmp_path / "shards" / "rank00000-shard00001" / "hidden.bin"
+    _zero_bytes_in_place(damaged, 8, 16)
+    HiddenStateStore(tmp_path)  # sizes are intact: opening cannot see it
+    (problem,) = verify_store(tmp_path)
+    assert problem.startswith(f"{damaged}: sha256 ") and "same size" in problem
+    assert cli.main(["verify", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: the store {tmp_path} does not verify:") and str(damaged) in err
+
+
+def test_verify_checks_the_index_against_the_manifest(tmp_path):
+    write_store(tmp_path)
+    index = tmp_path / "shards" / "rank00000-shard00000" / INDEX
+    data = json.loads(index.read_text())
+    data["files"]["last"]["sha256"] = "0" * 64  # a hand-edited index would otherwise vouch for changed bytes
+    index.write_text(json.dumps(data, indent=1))
+    assert verify_store(tmp_path) == [f"{index}: its sha256 differs from the one the manifest records"]

@@ -1,0 +1,41 @@
+"""How a command ends when something is wrong: one `error: ...` line and an exit status, or a bug's traceback.
+
+    ConfigError (a bad flag, config key or value)                  ->  error: ...   exit 2 (usage)
+    ValueError, OSError, UserError (bad data, a missing file, a     ->  error: ...   exit 1
+      missing tool, a non-finite loss: the message says the fix)
+    KeyboardInterrupt                                               ->  error: interrupted   exit 130
+    any other exception (TypeError, KeyError, ...: a bug)           ->  the traceback, exit 1
+
+Every `dflash-fast` command and `train.py` end this way. `--debug` on the command line, or `DFLASH_DEBUG=1` in
+the environment, shows the traceback of every error.
+"""
+import os
+import sys
+from typing import Callable, Optional
+
+DEBUG_ENV = "DFLASH_DEBUG"
+
+
+class UserError(RuntimeError):
+    """A failure that is neither bad data (ValueError) nor a missing file (OSError) but whose message says what
+    is wrong and how to fix it (a missing tool, a non-finite loss): shown as one line, without a traceback."""
+
+
+def debug_requested(flag: bool = False) -> bool:
+    return flag or os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def run_reporting_errors(fn: Callable[[], Optional[int]], debug: bool = False) -> int:
+    """fn() -> its exit status (None = 0); a user error -> its one line on stderr and 2 or 1 (module docstring)."""
+    from dflash_fast.config import ConfigError
+
+    try:
+        return fn() or 0
+    except (UserError, ValueError, OSError, KeyboardInterrupt) as e:
+        if debug_requested(debug):
+            raise
+        if isinstance(e, KeyboardInterrupt):
+            print("error: interrupted", file=sys.stderr)
+            return 130
+        print(f"error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, ConfigError) else 1
