@@ -1,97 +1,300 @@
-"""Trainer checkpoints on disk: finding complete ones, their client state, RNG state, and the trained drafter.
+"""Trainer checkpoints on disk: the checksummed completion marker, verification and fall-back, client state,
+RNG state, and the trained drafter for export and eval.
 
-    OUT/checkpoints/stepNNNNNNNN/   DeepSpeed's files + rng_rankNNNNN.pt + dflash_fast.json (step, data position,
-                                    drafter config; written last, so its presence means "complete")
+    OUT/checkpoints/stepNNNNNNNN/
+        mp_rank_00_model_states.pt, *optim_states.pt   DeepSpeed's own files (pickles): only resume reads them, through
+                                                        DeepSpeed's loader, and only once they verified
+        drafter.safetensors                             the trainable weights, fp32, gathered from every ZeRO partition:
+                                                        the only weights export and eval read
+        rng_rankNNNNN.json                              each rank's Python, numpy and torch RNG state
+        dflash_fast.json                                the completion marker, written last (fsynced, renamed into
+                                                        place): the client state (step, data position, drafter
+                                                        config, ...) and the size and sha256 of every other file
 
-Used by the trainer (save / resume), `dflash-fast export` and `dflash-fast eval` (a checkpoint as the drafter).
+A checkpoint is *complete* when its marker parses (a missing, empty or corrupt marker: a save that did not finish),
+and *verified* when the files on disk are exactly the ones its marker lists, each with the recorded size and sha256.
+Readers take a run's newest verified checkpoint and say which newer ones they skipped and why; a checkpoint named
+directly must verify.
+
+Nothing in this module unpickles. Resuming does (DeepSpeed's loader), so a run directory is trusted like code:
+the checksums catch damage and files swapped in after the run wrote them, not a forged marker.
 """
-import glob
 import json
 import os
 import random
 import re
-from typing import Dict, List, Tuple
+import sys
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 import torch
 
 from dflash_fast.drafter import DFlashDrafter, DrafterConfig
+from dflash_fast.store import TMP_SUFFIX, sha256_file, write_json_atomic
 
 CHECKPOINT_TAG = re.compile(r"^step(\d{8})$")
-CLIENT_STATE = "dflash_fast.json"  # written last into a checkpoint: step, data position, drafter config
+MARKER = "dflash_fast.json"  # written last into a checkpoint: client state + every other file's size and sha256
+MARKER_FORMAT = "dflash-fast checkpoint 1"
+WEIGHTS = "drafter.safetensors"
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+class CheckpointError(ValueError):
+    """No usable checkpoint where one was asked for; the message names each file that failed and why."""
+
+
+def rng_file(rank: int) -> str:
+    return f"rng_rank{rank:05d}.json"
+
+
+class Sharing(NamedTuple):
+    """How the ranks of a job split the sha256 work of one checkpoint: this rank hashes every `world_size`-th
+    file and `gather(obj)` returns every rank's `obj`, in rank order (an all-gather; one process: [obj])."""
+
+    rank: int = 0
+    world_size: int = 1
+    gather: Callable[[Any], List[Any]] = lambda obj: [obj]
+
+
+# ---------------------------------------------------------------- the completion marker
+
+
+def _files_on_disk(ckpt: str) -> List[str]:
+    """Every file under `ckpt` but the marker (and its temporary), as sorted relative paths."""
+    names = []
+    for root, _, files in os.walk(ckpt):
+        names += [os.path.relpath(os.path.join(root, f), ckpt) for f in files]
+    return sorted(n for n in names if n not in (MARKER, MARKER + TMP_SUFFIX))
+
+
+def _digests(ckpt: str, names: List[str], sharing: Sharing) -> Dict[str, Dict]:
+    """name -> {"size", "sha256"} of every file in `names`, each rank hashing its share."""
+    mine = {
+        n: {"size": os.path.getsize(os.path.join(ckpt, n)), "sha256": sha256_file(os.path.join(ckpt, n))}
+        for n in names[sharing.rank :: sharing.world_size]
+    }
+    return {n: d for part in sharing.gather(mine) for n, d in part.items()}
+
+
+def write_marker(ckpt: str, client: Dict, sharing: Sharing = Sharing()) -> None:
+    """Hash every file of the checkpoint `ckpt` (the ranks share the work; rank 0's listing is the one used),
+    then rank 0 writes the completion marker. Every rank calls it, after every rank's files are written."""
+    names = sharing.gather(_files_on_disk(ckpt))[0]
+    files = _digests(ckpt, names, sharing)
+    if sharing.rank == 0:
+        write_json_atomic(os.path.join(ckpt, MARKER), {"format": MARKER_FORMAT, "client": client, "files": files})
+
+
+def _valid_files(files) -> bool:
+    return isinstance(files, dict) and all(
+        isinstance(name, str)
+        and not os.path.isabs(name)
+        and ".." not in name.split(os.sep)
+        and isinstance(d, dict)
+        and isinstance(d.get("size"), int)
+        and isinstance(d.get("sha256"), str)
+        and _SHA256.match(d["sha256"])
+        for name, d in files.items()
+    )
+
+
+def read_marker(ckpt: str) -> Tuple[Optional[Dict], str]:
+    """(marker, "") of a complete checkpoint, else (None, why it counts as incomplete)."""
+    try:
+        with open(os.path.join(ckpt, MARKER)) as f:
+            marker = json.load(f)
+    except FileNotFoundError:
+        return None, f"incomplete: no completion marker {MARKER} (the save did not finish)"
+    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        return None, f"incomplete: its completion marker {MARKER} is unreadable ({e})"
+    if not (
+        isinstance(marker, dict)
+        and marker.get("format") == MARKER_FORMAT
+        and isinstance(marker.get("client"), dict)
+        and _valid_files(marker.get("files"))
+    ):
+        return None, (
+            f"incomplete: {MARKER} is not a {MARKER_FORMAT!r} completion marker (hand-edited, or written by an "
+            f"older dflash-fast that recorded no checksums)"
+        )
+    return marker, ""
 
 
 def checkpoint_tags(checkpoints_dir: str) -> List[str]:
-    """Complete checkpoint tags in `checkpoints_dir`, oldest first."""
+    """Complete checkpoint tags in `checkpoints_dir` (their marker parses; not yet verified), oldest first."""
     if not os.path.isdir(checkpoints_dir):
         return []
     return sorted(
         t
         for t in os.listdir(checkpoints_dir)
-        if CHECKPOINT_TAG.match(t) and os.path.isfile(os.path.join(checkpoints_dir, t, CLIENT_STATE))
+        if CHECKPOINT_TAG.match(t) and read_marker(os.path.join(checkpoints_dir, t))[0] is not None
     )
 
 
-def resolve_checkpoint(path: str) -> Tuple[str, str]:
-    """A run directory or its checkpoints directory (-> the newest complete checkpoint), or one
-    checkpoint -> (checkpoints dir, tag)."""
+def step_of(tag: str) -> int:
+    return int(CHECKPOINT_TAG.match(tag).group(1))
+
+
+# ---------------------------------------------------------------- verification and choice
+
+
+def verify_checkpoint(ckpt: str, sharing: Sharing = Sharing()) -> List[str]:
+    """Why the checkpoint `ckpt` is not exactly what its run wrote: [] when it verifies. Sizes and the set of
+    files are checked first (cheap), then every sha256. With several ranks, every rank calls it and gets the
+    same answer."""
+    marker, why = read_marker(ckpt)
+    problems = [why] if marker is None else []
+    if marker is not None:
+        listed, on_disk = marker["files"], set(_files_on_disk(ckpt))
+        for name in sorted(set(listed) | on_disk):
+            if name not in on_disk:
+                problems.append(f"{name}: missing (the marker lists it)")
+            elif name not in listed:
+                problems.append(f"{name}: not listed in the marker (added after the checkpoint was written)")
+            elif os.path.getsize(os.path.join(ckpt, name)) != listed[name]["size"]:
+                problems.append(
+                    f"{name}: {os.path.getsize(os.path.join(ckpt, name))} bytes, the marker records "
+                    f"{listed[name]['size']} (truncated or replaced)"
+                )
+    problems = sorted({p for part in sharing.gather(problems) for p in part})
+    if problems:
+        return problems
+    digests = _digests(ckpt, sorted(listed), sharing)
+    return [
+        f"{name}: sha256 {digests[name]['sha256'][:16]}... differs from the recorded {d['sha256'][:16]}... "
+        f"(same size: its bytes were changed)"
+        for name, d in sorted(listed.items())
+        if digests[name]["sha256"] != d["sha256"]
+    ]
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+def select_checkpoint(
+    path: str, log: Callable[[str], None] = _stderr, sharing: Sharing = Sharing()
+) -> Tuple[str, str]:
+    """The checkpoint to read at `path` -> (checkpoints dir, tag).
+
+    `path` names one checkpoint (a stepNNNNNNNN directory): it must verify. A run directory or its checkpoints/
+    directory: its newest checkpoint that verifies; when newer ones were skipped, `log` says which and why.
+    Raises CheckpointError naming every failed file when there is none."""
     path = os.path.abspath(path)
     if os.path.isdir(os.path.join(path, "checkpoints")):
         path = os.path.join(path, "checkpoints")
-    if os.path.isfile(os.path.join(path, CLIENT_STATE)):
+    if CHECKPOINT_TAG.match(os.path.basename(path)) or os.path.isfile(os.path.join(path, MARKER)):
+        problems = verify_checkpoint(path, sharing)
+        if problems:
+            raise CheckpointError(f"the checkpoint {path} does not verify: " + "; ".join(problems))
         return os.path.dirname(path), os.path.basename(path)
-    tags = checkpoint_tags(path)
-    if tags:
-        return path, tags[-1]
-    raise FileNotFoundError(
-        f"{path} is not a run directory, a checkpoints directory or a checkpoint "
-        f"(no complete checkpoint: none holds {CLIENT_STATE})"
-    )
+    tags = sorted(t for t in os.listdir(path) if CHECKPOINT_TAG.match(t)) if os.path.isdir(path) else []
+    if not tags:
+        raise CheckpointError(
+            f"{path} is not a run directory, a checkpoints directory or a checkpoint (it holds no stepNNNNNNNN "
+            f"checkpoint directory)"
+        )
+    skipped = []
+    for tag in reversed(tags):
+        problems = verify_checkpoint(os.path.join(path, tag), sharing)
+        if not problems:
+            if skipped:
+                log(f"using {os.path.join(path, tag)}, the newest checkpoint that verifies; skipped newer ones:\n  - "
+                    + "\n  - ".join(skipped))
+            return path, tag
+        skipped.append(f"{tag}: " + "; ".join(problems))
+    raise CheckpointError(f"no checkpoint in {path} verifies:\n  - " + "\n  - ".join(skipped))
 
 
 def read_client_state(load_dir: str, tag: str) -> Dict:
-    with open(os.path.join(load_dir, tag, CLIENT_STATE)) as f:
-        return json.load(f)
+    """The client state of a complete checkpoint (step, data position, drafter config, verifier, ...)."""
+    marker, why = read_marker(os.path.join(load_dir, tag))
+    if marker is None:
+        raise CheckpointError(f"{os.path.join(load_dir, tag)}: {why}")
+    return marker["client"]
 
 
-def load_drafter_for_export(checkpoint: str) -> Tuple[DFlashDrafter, str]:
-    """The trained drafter of a checkpoint (fp32 master weights, gathered from every ZeRO partition) and
-    the verifier (target) path it was trained against. Frozen target tensors are not loaded: export
-    writes trainable weights only."""
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+# ---------------------------------------------------------------- the drafter's weights
 
-    load_dir, tag = resolve_checkpoint(checkpoint)
+
+def write_weights(ckpt: str, tensors: Dict[str, torch.Tensor]) -> None:
+    """The drafter's trainable weights (name -> full tensor) as fp32 safetensors in `ckpt`."""
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().to("cpu", torch.float32).contiguous() for k, v in tensors.items()},
+              os.path.join(ckpt, WEIGHTS), metadata={"format": "pt"})
+
+
+def load_drafter_for_export(checkpoint: str, log: Callable[[str], None] = _stderr) -> Tuple[DFlashDrafter, str]:
+    """The trained drafter of a run or checkpoint (select_checkpoint) and the verifier (target) path it was
+    trained against: built from the marker's JSON drafter config and `drafter.safetensors`, never from
+    DeepSpeed's pickles. Frozen target tensors are not loaded: export writes trainable weights only."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    load_dir, tag = select_checkpoint(checkpoint, log)
+    ckpt = os.path.join(load_dir, tag)
     client = read_client_state(load_dir, tag)
-    drafter = DFlashDrafter(DrafterConfig(**client["drafter"]))
-    if glob.glob(os.path.join(load_dir, tag, "*optim_states.pt")):
-        weights = get_fp32_state_dict_from_zero_checkpoint(load_dir, tag)
-    else:  # no ZeRO: the module's own weights
-        weights = torch.load(
-            os.path.join(load_dir, tag, "mp_rank_00_model_states.pt"), map_location="cpu", weights_only=False
-        )["module"]
+    try:
+        drafter = DFlashDrafter(DrafterConfig(**client["drafter"]))
+        verifier = client["verifier"]
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{ckpt}/{MARKER}: its drafter config or verifier is not one this dflash-fast "
+                              f"builds ({type(e).__name__}: {e})") from None
+    try:
+        weights = load_file(os.path.join(ckpt, WEIGHTS))
+    except (OSError, SafetensorError) as e:
+        raise CheckpointError(f"{ckpt}/{WEIGHTS}: not readable safetensors ({e})") from None
     expected = dict(drafter.named_parameters())
     missing, extra = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
-    if missing or extra:
-        raise ValueError(
-            f"{os.path.join(load_dir, tag)} does not match its drafter config: missing {missing[:5]}, "
-            f"unexpected {extra[:5]}"
+    wrong = [f"{n} {list(weights[n].shape)} (config: {list(p.shape)})"
+             for n, p in expected.items() if n in weights and weights[n].shape != p.shape]
+    if missing or extra or wrong:
+        raise CheckpointError(
+            f"{ckpt}/{WEIGHTS} does not match its drafter config: missing {missing[:5]}, unexpected {extra[:5]}, "
+            f"wrong shapes {wrong[:5]}"
         )
     with torch.no_grad():
         for name, p in expected.items():
-            p.copy_(weights[name].float())
-    return drafter, client["verifier"]
+            p.copy_(weights[name])
+    return drafter, verifier
+
+
+# ---------------------------------------------------------------- RNG state (JSON: no pickle)
 
 
 def rng_state() -> Dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """This process's Python, numpy and torch (and CUDA) generator states as JSON-able values."""
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": [version, list(internal), gauss],
+        "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        "torch": torch.get_rng_state().numpy().tobytes().hex(),
+    }
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
+        state["cuda"] = torch.cuda.get_rng_state().numpy().tobytes().hex()
     return state
 
 
 def set_rng_state(state: Dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
+    def byte_tensor(text: str) -> torch.Tensor:
+        return torch.tensor(list(bytes.fromhex(text)), dtype=torch.uint8)
+
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(byte_tensor(state["torch"]))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+        torch.cuda.set_rng_state(byte_tensor(state["cuda"]))
+
+
+def write_rng_state(ckpt: str, rank: int) -> None:
+    write_json_atomic(os.path.join(ckpt, rng_file(rank)), rng_state())
+
+
+def restore_rng_state(ckpt: str, rank: int) -> None:
+    """Restore this rank's RNG state from a (verified) checkpoint."""
+    with open(os.path.join(ckpt, rng_file(rank))) as f:
+        set_rng_state(json.load(f))

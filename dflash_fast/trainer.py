@@ -16,8 +16,8 @@ Run directory `output_dir` (OUT):
 
     OUT/config.yaml                  the resolved config
     OUT/metrics.jsonl                one record per `logging.every` steps ("split": "train") and per validation ("val")
-    OUT/checkpoints/stepNNNNNNNN/    DeepSpeed checkpoint + rng_rankNNNNN.pt + dflash_fast.json (step, data position,
-                                     drafter config; written last, so its presence means "complete")
+    OUT/checkpoints/stepNNNNNNNN/    DeepSpeed's files, drafter.safetensors, rng_rankNNNNN.json and the completion
+                                     marker dflash_fast.json (client state, every file's sha256): checkpoint.py
     OUT/export/                      the speculators-format drafter (config.json, model.safetensors)
     OUT/tensorboard/                 with logging.tensorboard=true
 
@@ -45,18 +45,23 @@ import yaml
 from dflash_fast import ops
 from dflash_fast.batches import derive_seed, make_loader, steps_per_epoch
 from dflash_fast.checkpoint import (
-    CLIENT_STATE,
+    CheckpointError,
+    Sharing,
     checkpoint_tags,
     read_client_state,
-    resolve_checkpoint,
-    rng_state,
-    set_rng_state,
+    restore_rng_state,
+    select_checkpoint,
+    step_of,
+    verify_checkpoint,
+    write_marker,
+    write_rng_state,
+    write_weights,
 )
 from dflash_fast.config import ConfigError, TrainConfig, load_config
 from dflash_fast.drafter import DFlashDrafter, DrafterConfig, DrafterOutput, build_drafter, slot_metrics, slot_targets
 from dflash_fast.errors import DEBUG_ENV, UserError, run_reporting_errors
 from dflash_fast.export import export_drafter
-from dflash_fast.store import HiddenStateStore, torch_dtype, write_json_atomic
+from dflash_fast.store import HiddenStateStore, torch_dtype
 from dflash_fast.target import check_target, config_sha256
 
 # DeepSpeed JSON keys the YAML owns: one source of truth for every training hyperparameter.
@@ -480,8 +485,31 @@ class Trainer:
 
     # ---- checkpoints
 
+    def _sharing(self) -> Sharing:
+        """How this job's ranks split a checkpoint's sha256 work (every rank calls what takes it)."""
+
+        def gather(obj):
+            out = [None] * self.world_size
+            dist.all_gather_object(out, obj)
+            return out
+
+        return Sharing(self.rank, self.world_size, gather)
+
+    def _master_weights(self) -> Optional[Dict[str, torch.Tensor]]:
+        """The fp32 master weights by name, gathered from every ZeRO partition; rank 0 gets them, the others None.
+        A collective: every rank calls it."""
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        weights = {}
+        for name, p in self.engine.module.named_parameters():
+            full = safe_get_full_fp32_param(p)
+            if self.rank == 0:
+                weights[name] = (p if full is None else full).detach().to("cpu", torch.float32, copy=True)
+        return weights if self.rank == 0 else None
+
     def save(self) -> None:
         tag = f"step{self.step:08d}"
+        path = os.path.join(self.checkpoints_dir, tag)
         epoch, index = self.stream.position
         client = {
             "step": self.step,
@@ -493,20 +521,27 @@ class Trainer:
             "loss_kind": self.loss_kind,
             "config": self.cfg.to_dict(),
         }
-        self.engine.save_checkpoint(self.checkpoints_dir, tag=tag)
-        torch.save(rng_state(), os.path.join(self.checkpoints_dir, tag, f"rng_rank{self.rank:05d}.pt"))
+        if self.rank == 0 and os.path.isdir(path):
+            shutil.rmtree(path)  # a save of this step that never finished (killed): its files would mix with ours
         dist.barrier()
-        self.last_checkpoint = os.path.join(self.checkpoints_dir, tag)
+        self.engine.save_checkpoint(self.checkpoints_dir, tag=tag)
+        weights = self._master_weights()
         if self.rank == 0:
-            marker = os.path.join(self.last_checkpoint, CLIENT_STATE)
-            write_json_atomic(marker, client)
+            write_weights(path, weights)
+        write_rng_state(path, self.rank)
+        dist.barrier()
+        write_marker(path, client, self._sharing())
+        self.last_checkpoint = path
+        if self.rank == 0:
             for old in checkpoint_tags(self.checkpoints_dir)[: -self.cfg.checkpoint.keep_last]:
                 shutil.rmtree(os.path.join(self.checkpoints_dir, old), ignore_errors=True)
         dist.barrier()
         self.log(f"checkpoint {self.last_checkpoint}")
 
     def _find_resume(self) -> Optional[Tuple[str, str, Dict]]:
-        """The checkpoint to continue from -> (checkpoints dir, tag, client state), checked before anything is built."""
+        """The checkpoint to continue from -> (checkpoints dir, tag, client state), verified and checked before
+        anything is built. DeepSpeed's loader unpickles its files, so a checkpoint whose files differ from the
+        checksums its run recorded is refused (`latest`: the newest that verifies is taken, saying so)."""
         spec = self.cfg.checkpoint.resume
         tags = checkpoint_tags(self.checkpoints_dir)
         if spec is None:
@@ -520,8 +555,10 @@ class Trainer:
             self.log(f"--resume: no checkpoint in {self.checkpoints_dir} yet, starting from step 0")
             return None
         try:
-            load_dir, tag = resolve_checkpoint(self.checkpoints_dir if spec == "latest" else spec)
-        except FileNotFoundError as e:
+            load_dir, tag = select_checkpoint(
+                self.checkpoints_dir if spec == "latest" else spec, self.log, self._sharing()
+            )
+        except CheckpointError as e:
             raise ConfigError(f"checkpoint.resume={spec}: {e}") from None
         client = read_client_state(load_dir, tag)
         for key, now in self.data_identity.items():
@@ -548,11 +585,39 @@ class Trainer:
             client["epoch"],
             client["micro_batch"],
         )
-        set_rng_state(torch.load(os.path.join(load_dir, tag, f"rng_rank{self.rank:05d}.pt"), weights_only=False))
+        restore_rng_state(os.path.join(load_dir, tag), self.rank)
         self.last_checkpoint = os.path.join(load_dir, tag)
+        self._set_aside_newer_checkpoints()
         self.log(
             f"resumed from {self.last_checkpoint} at step {self.step} (epoch {client['epoch']}, "
             f"micro-batch {client['micro_batch']})"
+        )
+
+    def _set_aside_newer_checkpoints(self) -> None:
+        """Checkpoints in OUT/checkpoints newer than the resumed step (they failed to verify, or an older one was
+        resumed on purpose) belong to a future this run replaces: renamed to TAG.superseded, so that neither
+        keep_last pruning nor a later --resume mistakes them for this run's."""
+        if self.rank == 0:
+            for tag in checkpoint_tags(self.checkpoints_dir):
+                if step_of(tag) > self.step:
+                    old = os.path.join(self.checkpoints_dir, tag)
+                    os.replace(old, old + ".superseded")
+                    self.log(f"{old} is newer than the resumed step {self.step}: renamed to {old}.superseded")
+        dist.barrier()
+
+    def _resume_hint(self) -> str:
+        """Where a stopped run can continue from: its last checkpoint only if that verifies (a collective)."""
+        if self.last_checkpoint is None:
+            return "no checkpoint was saved before it"
+        problems = verify_checkpoint(self.last_checkpoint, self._sharing())
+        if not problems:
+            return (
+                f"the last good checkpoint is {self.last_checkpoint} (it verifies: every file matches its recorded "
+                f"sha256; continue from it with --resume after lowering optimizer.lr or checking the store)"
+            )
+        return (
+            f"the last checkpoint {self.last_checkpoint} does not verify ({'; '.join(problems)}); --resume "
+            f"continues from the newest one that does"
         )
 
     # ---- steps
@@ -699,17 +764,9 @@ class Trainer:
                 seconds = time.perf_counter() - t
                 self.step += 1
                 if sums["nonfinite"]:
-                    where = (
-                        (
-                            f"the last good checkpoint is {self.last_checkpoint} (continue from it with "
-                            f"--resume after lowering optimizer.lr or checking the store)"
-                        )
-                        if self.last_checkpoint
-                        else "no checkpoint was saved before it"
-                    )
                     raise NonFiniteLoss(
                         f"non-finite loss or gradient norm at step {self.step} (loss {sums.metrics(False)['loss']}, "
-                        f"grad norm {grad_norm}): stopped without saving; {where}"
+                        f"grad norm {grad_norm}): stopped without saving; {self._resume_hint()}"
                     )
                 window.add(sums, times, seconds)
                 step_metrics = sums.metrics(False)

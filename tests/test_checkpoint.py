@@ -1,0 +1,233 @@
+"""Trainer checkpoints that someone else made or the disk damaged: export, eval and resume never run a pickle
+they did not write, never trust bytes that changed after the save, and fall back to the newest checkpoint that
+verifies, saying so (dflash_fast/checkpoint.py)."""
+import glob
+import hashlib
+import json
+import os
+import random
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_trainer import exported, losses, run, tiny  # noqa: F401 (the `tiny` fixture: parameters below, F811)
+from tiny_targets import write_jsonl
+
+from dflash_fast import cli, trainer
+from dflash_fast.checkpoint import (
+    MARKER,
+    WEIGHTS,
+    load_drafter_for_export,
+    rng_state,
+    set_rng_state,
+    verify_checkpoint,
+)
+from dflash_fast.config import ConfigError
+from dflash_fast.store import HiddenStateStore
+from dflash_fast.trainer import NonFiniteLoss
+
+STEPS = dict(schedule__steps=3, checkpoint__every=1, checkpoint__keep_last=3)
+
+
+@pytest.fixture(scope="module")
+def base(tiny, tmp_path_factory):  # noqa: F811
+    """A finished 3-step run with a checkpoint after every step; tests damage copies of it."""
+    out = str(tmp_path_factory.mktemp("base") / "run")
+    run(tiny, out, **STEPS)
+    return out
+
+
+def copy_run(base, tmp_path):
+    out = str(tmp_path / "run")
+    shutil.copytree(base, out)
+    return out
+
+
+def ckpt(out, step):
+    return os.path.join(out, "checkpoints", f"step{step:08d}")
+
+
+class Payload:
+    """Unpickling this creates the file `flag`: the harmless stand-in for code a crafted checkpoint would run."""
+
+    def __init__(self, flag):
+        self.flag = str(flag)
+
+    def __reduce__(self):
+        return open, (self.flag, "w")
+
+
+def plant(path, flag):
+    torch.save(Payload(flag), path)
+    probe = str(path) + ".probe"
+    shutil.copy(path, probe)
+    torch.load(probe, weights_only=False)  # the payload is live: unpickling it does create the flag
+    assert os.path.exists(flag)
+    os.remove(flag)
+    os.remove(probe)
+
+
+def resign(checkpoint):
+    """Forge the completion marker over the files as they are now (when the marker lists files), as someone who
+    hands out a crafted checkpoint would: checksums then prove nothing, so what the readers read must be safe."""
+    path = os.path.join(checkpoint, MARKER)
+    marker = json.loads(open(path).read())
+    if "files" in marker:
+        marker["files"] = {
+            name: {"size": os.path.getsize(os.path.join(checkpoint, name)),
+                   "sha256": hashlib.sha256(open(os.path.join(checkpoint, name), "rb").read()).hexdigest()}
+            for name in os.listdir(checkpoint)
+            if name != MARKER
+        }
+        open(path, "w").write(json.dumps(marker))
+
+
+def zero_bytes(path):
+    """Same size, 64 bytes in the middle zeroed: damage that no size check sees."""
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.seek(size // 2)
+        assert f.read(64) != bytes(64)
+        f.seek(size // 2)
+        f.write(bytes(64))
+
+
+def optimizer_states(checkpoint):
+    (path,) = glob.glob(os.path.join(checkpoint, "*optim_states.pt"))
+    return path
+
+
+# ---------------------------------------------------------------- the format
+
+
+def test_a_checkpoint_holds_safetensors_weights_json_rng_and_a_marker_with_every_files_sha256(base):
+    step3 = ckpt(base, 3)
+    marker = json.loads(open(os.path.join(step3, MARKER)).read())
+    on_disk = sorted(n for n in os.listdir(step3) if n != MARKER)
+    assert sorted(marker["files"]) == on_disk and WEIGHTS in on_disk and "rng_rank00000.json" in on_disk
+    for name, recorded in marker["files"].items():
+        data = open(os.path.join(step3, name), "rb").read()
+        assert recorded == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}, name
+    assert marker["client"]["step"] == 3 and verify_checkpoint(step3) == []
+    json.loads(open(os.path.join(step3, "rng_rank00000.json")).read())  # the RNG state is JSON, not a pickle
+    drafter, _ = load_drafter_for_export(base)
+    weights, final = load_file(os.path.join(step3, WEIGHTS)), exported(base)
+    for name, p in drafter.named_parameters():
+        assert weights[name].dtype == torch.float32 and torch.equal(p, weights[name]) and torch.equal(p, final[name])
+
+
+def test_rng_state_round_trips_through_json():
+    random.gauss(0, 1), np.random.standard_normal(), torch.randn(3)  # leave cached Gaussians in Python and numpy
+    state = json.loads(json.dumps(rng_state()))
+    first = (random.random(), random.gauss(0, 1), np.random.standard_normal(2).tolist(), torch.rand(4))
+    set_rng_state(state)
+    again = (random.random(), random.gauss(0, 1), np.random.standard_normal(2).tolist(), torch.rand(4))
+    assert first[:3] == again[:3] and torch.equal(first[3], again[3])
+
+
+# ---------------------------------------------------------------- no code execution
+
+
+def test_export_and_eval_of_a_crafted_checkpoint_never_unpickle_it(tiny, base, tmp_path):  # noqa: F811
+    out = copy_run(base, tmp_path)
+    flag = tmp_path / "payload_ran"
+    for path in glob.glob(os.path.join(ckpt(out, 3), "*.pt")):  # every DeepSpeed file, and a pickled RNG state
+        plant(path, flag)
+    plant(os.path.join(ckpt(out, 3), "rng_rank00000.pt"), flag)
+    resign(ckpt(out, 3))
+    assert cli.main(["export", "--checkpoint", ckpt(out, 3), "--out", str(tmp_path / "export"), "--dtype", "fp32"]) == 0
+    assert not flag.exists(), "export unpickled a file of the checkpoint"
+    written, trained = load_file(str(tmp_path / "export" / "model.safetensors")), exported(base)
+    assert written.keys() == trained.keys() and all(torch.equal(written[k], trained[k]) for k in written)
+
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"text": "the drafter reads"}])
+    report = tmp_path / "report.json"
+    argv = ["eval", "--target", tiny.target, "--drafter", ckpt(out, 3), "--data", str(prompts), "--max-new-tokens",
+            "4", "--no-baseline", "--no-offline", "--out", str(report)]
+    assert cli.main(argv) == 0 and json.loads(report.read_text())["prompts"] == 1
+    assert not flag.exists(), "eval unpickled a file of the checkpoint"
+
+
+def test_resume_refuses_files_swapped_in_after_the_save_and_continues_exactly_from_the_last_that_verifies(
+    tiny, base, tmp_path, capsys  # noqa: F811
+):
+    out = copy_run(base, tmp_path)
+    flag = tmp_path / "payload_ran"
+    plant(os.path.join(ckpt(out, 3), "mp_rank_00_model_states.pt"), flag)  # DeepSpeed's loader would run it
+    plant(os.path.join(ckpt(out, 3), "rng_rank00000.pt"), flag)
+    resumed = run(tiny, out, checkpoint__resume="latest", **STEPS)
+    assert not flag.exists(), "resume unpickled a file that its run's checksums do not cover"
+    log = capsys.readouterr().out
+    assert f"using {ckpt(out, 2)}, the newest checkpoint that verifies" in log
+    assert "mp_rank_00_model_states.pt: " in log and "bytes, the marker records" in log
+    assert "rng_rank00000.pt: not listed in the marker" in log
+    assert resumed["step"] == 3 and losses(out) == losses(base), "resuming from step 2 must retrain step 3 exactly"
+    a, b = exported(out), exported(base)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert os.path.isdir(ckpt(out, 3) + ".superseded") and verify_checkpoint(ckpt(out, 3)) == []
+
+
+# ---------------------------------------------------------------- silent corruption
+
+
+def test_bytes_zeroed_inside_a_checkpoint_are_refused_by_name_and_skipped_when_a_run_is_read(
+    tiny, base, tmp_path, capsys  # noqa: F811
+):
+    out = copy_run(base, tmp_path)
+    damaged = optimizer_states(ckpt(out, 3))
+    zero_bytes(damaged)
+    with pytest.raises(ConfigError, match=rf"{os.path.basename(damaged)}: sha256 .*same size"):
+        run(tiny, out, checkpoint__resume=ckpt(out, 3), **STEPS)
+    assert cli.main(["export", "--checkpoint", ckpt(out, 3), "--out", str(tmp_path / "e3")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: the checkpoint {ckpt(out, 3)} does not verify: ") and err.count("\n") == 1
+    zero_bytes(os.path.join(ckpt(out, 2), WEIGHTS))
+    assert cli.main(["export", "--checkpoint", out, "--out", str(tmp_path / "e1"), "--dtype", "fp32"]) == 0
+    err = capsys.readouterr().err
+    assert f"using {ckpt(out, 1)}, the newest checkpoint that verifies" in err
+    assert f"step00000003: {os.path.basename(damaged)}: sha256" in err and f"step00000002: {WEIGHTS}: sha256" in err
+    step1 = load_file(os.path.join(ckpt(base, 1), WEIGHTS))
+    written = load_file(str(tmp_path / "e1" / "model.safetensors"))
+    assert all(torch.equal(written[k], step1[k]) for k in step1)
+
+
+def test_a_torn_save_or_an_empty_or_corrupt_marker_is_an_incomplete_checkpoint(
+    tiny, base, tmp_path, capsys  # noqa: F811
+):
+    out = copy_run(base, tmp_path)
+    os.remove(os.path.join(ckpt(out, 3), MARKER))  # killed before the marker was written
+    open(os.path.join(ckpt(out, 3), "left_by_the_killed_save"), "w").close()
+    open(os.path.join(ckpt(out, 2), MARKER), "w").close()  # empty
+    resumed = run(tiny, out, checkpoint__resume="latest", **STEPS)
+    log = capsys.readouterr().out
+    assert f"using {ckpt(out, 1)}, the newest checkpoint that verifies" in log
+    assert "step00000003: incomplete: no completion marker" in log
+    assert f"step00000002: incomplete: its completion marker {MARKER} is unreadable" in log
+    assert resumed["step"] == 3 and losses(out) == losses(base)
+    assert verify_checkpoint(ckpt(out, 3)) == [] and verify_checkpoint(ckpt(out, 2)) == []  # redone, nothing mixed in
+
+
+def test_a_non_finite_loss_calls_the_last_checkpoint_good_only_if_it_verifies(
+    tiny, tmp_path, monkeypatch  # noqa: F811
+):
+    store = tmp_path / "poisoned"
+    shutil.copytree(tiny.store, store)
+    lengths = HiddenStateStore(str(store)).lengths
+    (shard,) = (store / "shards").iterdir()
+    hidden = np.memmap(shard / "hidden.bin", dtype=np.float32, mode="r+")
+    start = int(lengths[:5].sum())
+    hidden.reshape(int(lengths.sum()), -1)[start : start + lengths[5]] = np.nan
+    hidden.flush()
+    real_save = trainer.Trainer.save
+
+    def save_then_damage(self):
+        real_save(self)
+        zero_bytes(optimizer_states(self.last_checkpoint))
+
+    monkeypatch.setattr(trainer.Trainer, "save", save_then_damage)
+    with pytest.raises(NonFiniteLoss) as err:
+        run(tiny, str(tmp_path / "run"), data__store=str(store), schedule__steps=30, checkpoint__every=1)
+    message = str(err.value)
+    assert "good" not in message and "does not verify" in message and "optim_states.pt: sha256" in message
