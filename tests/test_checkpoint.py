@@ -18,8 +18,10 @@ from tiny_targets import write_jsonl
 from dflash_fast import cli, trainer
 from dflash_fast.checkpoint import (
     MARKER,
+    MARKER_FORMAT,
     WEIGHTS,
     load_drafter_for_export,
+    read_marker,
     rng_state,
     set_rng_state,
     verify_checkpoint,
@@ -206,7 +208,21 @@ def test_a_torn_save_or_an_empty_or_corrupt_marker_is_an_incomplete_checkpoint(
     assert "step00000003: incomplete: no completion marker" in log
     assert f"step00000002: incomplete: its completion marker {MARKER} is unreadable" in log
     assert resumed["step"] == 3 and losses(out) == losses(base)
-    assert verify_checkpoint(ckpt(out, 3)) == [] and verify_checkpoint(ckpt(out, 2)) == []  # redone, nothing mixed in
+    assert verify_checkpoint(ckpt(out, 3)) == [] and verify_checkpoint(ckpt(out, 2)) == []
+    assert not os.path.exists(os.path.join(ckpt(out, 3), "left_by_the_killed_save")), "the torn save's files stayed"
+
+
+def test_a_marker_that_lists_files_outside_its_checkpoint_is_not_a_marker(tmp_path):
+    checkpoint = tmp_path / "step00000001"
+    checkpoint.mkdir()
+    (checkpoint / "secret").write_text("x")
+    digest = {"size": 1, "sha256": hashlib.sha256(b"x").hexdigest()}
+    for name in ("../secret", "/etc/hostname"):
+        marker = {"format": MARKER_FORMAT, "client": {}, "files": {name: digest}}
+        (checkpoint / MARKER).write_text(json.dumps(marker))
+        assert read_marker(str(checkpoint))[0] is None, name
+    (checkpoint / MARKER).write_text(json.dumps({"format": MARKER_FORMAT, "client": {}, "files": {"secret": digest}}))
+    assert read_marker(str(checkpoint))[0] is not None and verify_checkpoint(str(checkpoint)) == []
 
 
 def test_a_non_finite_loss_calls_the_last_checkpoint_good_only_if_it_verifies(

@@ -494,13 +494,14 @@ def test_records_the_template_or_tokenizer_cannot_take_are_bad_lines_named_and_s
         '{"conversations": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},'
         ' {"role": "assistant", "content": "c"}]}\n'
         '{"text": "the block"}\n'
+        + "[" * 100_000 + "\n"  # parses only by recursion: deeper than Python's stack allows
     )
     chat = ChatTokenizer(tok, len(tok))
     where = re.escape(f"{path}:2: 'text' holds a lone surrogate U+D800 at character 0")
     with pytest.raises(ValueError, match=rf"^{where}.*--skip-bad"):
         read_examples(path, chat, 64)
     examples, stats, _ = read_examples(path, chat, 64, skip_bad=True)
-    assert len(examples) == 2 and stats.bad_lines == 3 and stats.sequences == 2
+    assert len(examples) == 2 and stats.bad_lines == 4 and stats.sequences == 2
     path.write_text('{"conversations": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}, '
                     '{"role": "assistant", "content": "c"}]}\n')
     with pytest.raises(ValueError, match=re.escape(f"{path}:1: the chat template failed on it (TemplateError: roles")):
