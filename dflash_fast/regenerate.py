@@ -62,8 +62,9 @@ def _messages(turns, where: str) -> List[Dict[str, str]]:
         content = t.get("content", t.get("value")) if isinstance(t, dict) else None
         if role not in KNOWN_ROLES or not isinstance(content, str):
             raise ValueError(f"{where}: each turn needs a role in {KNOWN_ROLES} and text content, got {t!r}")
-        if text_problem(content):
-            raise ValueError(f"{where}: the content of turn {i} {text_problem(content)}")
+        problem = text_problem(content)
+        if problem:
+            raise ValueError(f"{where}: the content of turn {i} {problem}")
         messages.append({"role": role, "content": content})
     users = [i for i, m in enumerate(messages) if m["role"] == "user"]
     if not users:
@@ -96,8 +97,9 @@ def read_prompts(data: Union[str, Sequence[Dict]], num_prompts: Optional[int] = 
         if isinstance(r, dict) and "conversations" in r:
             prompts.append(Prompt(index, r, messages=_messages(r["conversations"], where), where=where))
         elif isinstance(r, dict) and isinstance(r.get("text"), str):
-            if text_problem(r["text"]):
-                raise ValueError(f"{where}: 'text' {text_problem(r['text'])}")
+            problem = text_problem(r["text"])
+            if problem:
+                raise ValueError(f"{where}: 'text' {problem}")
             prompts.append(Prompt(index, r, text=r["text"], where=where))
         else:
             raise ValueError(f"{where}: expected an object with 'conversations' (chat) or 'text' (string)")
