@@ -7,12 +7,23 @@ import json
 import os
 import random
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_trainer import exported, losses, run, tiny  # noqa: F401 (the `tiny` fixture: parameters below, F811)
+from test_trainer import (
+    REPO,
+    TINY_YAML,
+    exported,
+    free_port,
+    losses,
+    run,
+    settings,
+    tiny,  # noqa: F401 (the fixture: parameters below redefine it, F811)
+)
 from tiny_targets import write_jsonl
 
 from dflash_fast import cli, trainer
@@ -247,3 +258,20 @@ def test_a_non_finite_loss_calls_the_last_checkpoint_good_only_if_it_verifies(
         run(tiny, str(tmp_path / "run"), data__store=str(store), schedule__steps=30, checkpoint__every=1)
     message = str(err.value)
     assert "good" not in message and "does not verify" in message and "optim_states.pt: sha256" in message
+
+
+def test_two_ranks_verify_together_and_resume_exactly_past_a_file_only_rank_1_hashed(tiny, tmp_path):  # noqa: F811
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                                           "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    cmd = [launcher, "--num_gpus", "2", "--master_port", str(free_port()),
+           os.path.join(REPO, "tests", "test_checkpoint_launch.py"), str(tmp_path), TINY_YAML,
+           *settings(tiny, "unused", **STEPS)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=480)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    assert f"using {ckpt(b, 2)}, the newest checkpoint that verifies" in proc.stdout
+    assert "step00000003: zero_pp_rank_1_mp_rank_00_optim_states.pt: sha256" in proc.stdout
+    assert losses(b) == losses(a) and os.path.isdir(ckpt(b, 3) + ".superseded")
+    assert verify_checkpoint(ckpt(b, 3)) == [] and len(glob.glob(os.path.join(ckpt(b, 3), "rng_rank*.json"))) == 2
