@@ -21,6 +21,7 @@ LOSS_KINDS = ("auto", "kl", "kl_topk", "ce", "ce_data")
 SCHEDULES = ("cosine", "constant")
 PRECISIONS = ("auto", "bf16", "fp32")
 EXPORT_DTYPES = ("bf16", "fp16", "fp32")
+OPTIMIZERS = ("adamw", "muon")
 
 
 class ConfigError(ValueError):
@@ -65,9 +66,13 @@ class LossConfig:
 
 @dataclasses.dataclass
 class OptimizerConfig:
-    """AdamW; weight decay applies to matrices only, never to norm weights."""
+    """`adamw`, or `muon`: DeepSpeed's Muon for the drafter's 2-D matrices (fc, attention and MLP projections)
+    and its auxiliary AdamW (lr, betas, eps) for the norm weights. Weight decay applies to matrices only."""
 
-    lr: float = 6e-4
+    kind: str = "adamw"
+    lr: float = 6e-4  # AdamW's; under muon the norm weights' (the matrices take muon_lr)
+    muon_lr: float = 0.02  # spectral-norm units: one update moves each matrix by ~muon_lr * sqrt(max(1, rows / cols))
+    muon_momentum: float = 0.95
     betas: Tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     weight_decay: float = 0.0
@@ -311,7 +316,15 @@ def validate(cfg: TrainConfig) -> None:
     _check(d.noise_std >= 0, f"data.noise_std={d.noise_std} must be >= 0")
     _check(cfg.loss.kind in LOSS_KINDS, f"loss.kind={cfg.loss.kind!r} is not one of {LOSS_KINDS}")
     _check(cfg.loss.gamma > 0, f"loss.gamma={cfg.loss.gamma} must be > 0")
-    _check(o.lr > 0, f"optimizer.lr={o.lr} must be > 0")
+    _check(o.kind in OPTIMIZERS, f"optimizer.kind={o.kind!r} is not one of {OPTIMIZERS}")
+    _check(o.lr > 0 and o.muon_lr > 0, f"optimizer.lr={o.lr} and optimizer.muon_lr={o.muon_lr} must be > 0")
+    _check(0 <= o.muon_momentum < 1, f"optimizer.muon_momentum={o.muon_momentum} must be in [0, 1)")
+    _check(
+        o.kind != "muon" or o.grad_clip == 0,
+        f"optimizer.grad_clip={o.grad_clip} with optimizer.kind=muon: ZeRO-1/2/3 clip DeepSpeed's Muon update after "
+        f"orthogonalisation (its norm grows with the matrices' sizes, so the clip would shrink every step's update) "
+        f"while ZeRO-0 clips the raw gradient; Muon's update is bounded by construction: set optimizer.grad_clip=0",
+    )
     _check(all(0 <= b < 1 for b in o.betas), f"optimizer.betas={list(o.betas)}: each must be in [0, 1)")
     _check(
         o.eps > 0 and o.weight_decay >= 0 and o.grad_clip >= 0,

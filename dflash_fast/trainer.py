@@ -1,6 +1,6 @@
 """The DeepSpeed training loop: `deepspeed train.py --config configs/<name>.yaml [key=value ...]`.
 
-    store ──make_loader──▶ micro-batches ──drafter (DeepSpeed engine)──▶ loss ──backward──▶ AdamW (ZeRO 1/2/3)
+    store ──make_loader──▶ micro-batches ──drafter (DeepSpeed engine)──▶ loss ──backward──▶ AdamW or Muon (ZeRO 0-3)
       every step:     metrics summed over micro-batches and ranks, then divided (SPEC §6)
       every N steps:  JSONL record, validation on the held-out split, checkpoint
       at the end:     checkpoint, validation, export (speculators format) into OUT/export
@@ -36,7 +36,7 @@ import socket
 import sys
 import time
 import warnings
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -137,7 +137,38 @@ def deepspeed_config(path: str, cfg: TrainConfig, precision: str) -> Dict:
         gradient_clipping=cfg.optimizer.grad_clip,
         bf16={"enabled": precision == "bf16"},
     )
+    if cfg.optimizer.kind == "muon":
+        _add_muon(ds, path, cfg)
     return ds
+
+
+def _add_muon(ds: Dict, path: str, cfg: TrainConfig) -> None:
+    """DeepSpeed's own Muon (`"optimizer": {"type": "Muon"}`): Muon on every trainable parameter whose layer shape
+    is 2-D (DeepSpeed tags them `use_muon`), its auxiliary AdamW on the rest (the norm weights)."""
+    o, zero = cfg.optimizer, ds.setdefault("zero_optimization", {})
+    stage = zero.get("stage", 0)
+    if stage == 0 and ds["bf16"]["enabled"]:
+        raise ConfigError(f"{path}: optimizer.kind=muon under ZeRO-0 is supported in fp32 only (DeepSpeed's bf16 "
+                          f"optimizer takes another Muon path, untested here): use configs/ds_zero1.json")
+    if stage == 3 and zero.get("reduce_scatter") is True:
+        raise ConfigError(f"{path} sets zero_optimization.reduce_scatter=true, which DeepSpeed's Muon cannot use "
+                          f"under ZeRO-3: remove it (optimizer.kind=muon turns it off) or use optimizer.kind=adamw")
+    if stage == 3:
+        zero["reduce_scatter"] = False
+    ds["optimizer"] = {
+        "type": "Muon",
+        "params": {
+            "muon_lr": o.muon_lr,
+            "momentum": o.muon_momentum,
+            "adam_lr": o.lr,
+            "betas": list(o.betas),
+            "eps": o.eps,
+            "weight_decay": o.weight_decay,
+            # torch's AdamW for the auxiliary half (FusedAdam is a CUDA JIT build); an offloaded optimizer keeps
+            # DeepSpeedCPUAdam, as under optimizer.kind=adamw.
+            "torch_adam": not offloads_optimizer(ds),
+        },
+    }
 
 
 def offloads_optimizer(ds: Dict) -> bool:
@@ -156,18 +187,71 @@ def lr_multiplier(step: int, total: int, warmup: int, kind: str, min_ratio: floa
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def build_optimizer(drafter: DFlashDrafter, cfg: TrainConfig, offload: bool) -> torch.optim.Optimizer:
-    """torch AdamW (nothing to JIT-compile); DeepSpeedCPUAdam when ZeRO offloads the optimizer to the CPU.
-    Weight decay applies to matrices only."""
-    o = cfg.optimizer
+def param_groups(drafter: DFlashDrafter, weight_decay: float) -> List[Dict]:
+    """The trainable parameters: matrices (weight decay) and the rest (none)."""
     params = [p for p in drafter.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def build_optimizer(drafter: DFlashDrafter, cfg: TrainConfig, offload: bool) -> Optional[torch.optim.Optimizer]:
+    """adamw: torch AdamW (nothing to JIT-compile); DeepSpeedCPUAdam when ZeRO offloads the optimizer to the CPU.
+    muon: None, DeepSpeed builds its Muon from the JSON's optimizer section (deepspeed_config)."""
+    o = cfg.optimizer
+    if o.kind == "muon":
+        return None
+    groups = param_groups(drafter, o.weight_decay)
     if offload:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(groups, lr=o.lr, betas=o.betas, eps=o.eps, adamw_mode=True)
     return torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps)
+
+
+def _layer_shape(p: torch.nn.Parameter) -> Tuple[int, ...]:
+    """The shape the parameter has as a layer (under ZeRO-3 `p.shape` is that of a flat partition)."""
+    return tuple(getattr(p, "ds_shape", p.shape))
+
+
+def check_muon(engine) -> List[str]:
+    """Refuse a DeepSpeed engine whose Muon would not orthogonalise every trainable matrix -> their names.
+
+    DeepSpeed picks Muon per parameter by the shape it reads at initialize; a model built under `zero.Init`
+    reads as 1-D there and would train on the auxiliary AdamW alone, without a word."""
+    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+
+    basic = engine.basic_optimizer
+    if not isinstance(basic, MuonWithAuxAdam):
+        raise ConfigError(f"optimizer.kind=muon, but DeepSpeed built {type(basic).__name__}: the DeepSpeed JSON's "
+                          f"optimizer section must be the one deepspeed_config writes")
+    matrices, wrong = [], []
+    for name, p in engine.module.named_parameters():
+        if not p.requires_grad:
+            continue
+        is_matrix = len(_layer_shape(p)) >= 2
+        if is_matrix:
+            matrices.append(name)
+        # ZeRO routes a parameter (and the flat partition of its group) by this tag.
+        if is_matrix != bool(getattr(p, "use_muon", False)):
+            wrong.append(f"{name} {list(_layer_shape(p))} -> {'AdamW' if is_matrix else 'Muon'}")
+    if wrong or not matrices:
+        raise ConfigError("optimizer.kind=muon: DeepSpeed's Muon/AdamW split does not follow the layer shapes ("
+                          + ("; ".join(wrong) or "no trainable matrix") + "); build the drafter outside zero.Init "
+                          "or use optimizer.kind=adamw")
+    return matrices
+
+
+def check_muon_stepped(engine) -> None:
+    """After the first ZeRO-0 step: refuse a Muon that left a trainable matrix without a momentum buffer.
+
+    ZeRO-0 gives the optimizer whole matrices, and DeepSpeed releases that orthogonalise only ZeRO's flat partitions
+    (0.19.8 does both) apply a plain SGD step to them, keeping no Muon state."""
+    state = engine.basic_optimizer.state
+    missing = [name for name, p in engine.module.named_parameters()
+               if p.requires_grad and p.dim() >= 2 and "momentum_buffer" not in state.get(p, {})]
+    if missing:
+        raise ConfigError(f"optimizer.kind=muon under ZeRO-0: DeepSpeed's Muon did not orthogonalise "
+                          f"{', '.join(missing)} (no momentum buffer after a step: SGD); use configs/ds_zero1.json")
 
 
 # ---------------------------------------------------------------- distributed set-up
@@ -419,12 +503,24 @@ class Trainer:
         self.total_steps = s.steps or math.ceil(s.epochs * self.stream.per_epoch / s.grad_accum)
         warmup = round(s.warmup_ratio * self.total_steps)
         optimizer = build_optimizer(drafter, cfg, offloads_optimizer(ds))
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda k: lr_multiplier(k, self.total_steps, warmup, s.kind, s.min_lr_ratio)
-        )
+
+        def scheduler(basic_optimizer):  # DeepSpeed calls it with the optimizer it built (Muon) or was given
+            return torch.optim.lr_scheduler.LambdaLR(
+                basic_optimizer, lambda k: lr_multiplier(k, self.total_steps, warmup, s.kind, s.min_lr_ratio)
+            )
+
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=drafter, optimizer=optimizer, lr_scheduler=scheduler, config=ds
+            model=drafter,
+            optimizer=optimizer,
+            model_parameters=param_groups(drafter, cfg.optimizer.weight_decay) if optimizer is None else None,
+            lr_scheduler=scheduler,
+            config=ds,
         )
+        self.muon_unchecked = cfg.optimizer.kind == "muon" and self.zero_stage == 0
+        optimizer_line = "AdamW"
+        if cfg.optimizer.kind == "muon":
+            matrices = check_muon(self.engine)
+            optimizer_line = f"Muon on {len(matrices)} matrices (fc and the layers' projections), AdamW on the norms"
         self.device = self.engine.device
         self.step = 0
         self.last_checkpoint: Optional[str] = None
@@ -436,7 +532,8 @@ class Trainer:
         )
         self.log(
             f"drafter: {num_params:,} trainable parameters, {m.num_layers} layers, "
-            f"block {self.block_size}; loss {self.loss_kind}; {self.precision}; ZeRO-{self.zero_stage}; kernels "
+            f"block {self.block_size}; loss {self.loss_kind}; {optimizer_line}; {self.precision}; "
+            f"ZeRO-{self.zero_stage}; kernels "
             + ", ".join(f"{op}={ops.backend_of(op)}" for op in ops.OPS)
         )
         self.log(
@@ -665,6 +762,9 @@ class Trainer:
             sync()
             times["optimizer"] += time.perf_counter() - t
             sums.add_output(out, batch)
+        if self.muon_unchecked:
+            check_muon_stepped(self.engine)
+            self.muon_unchecked = False
         grad_norm = self.engine.get_global_grad_norm()
         grad_norm = None if grad_norm is None else float(grad_norm)
         if grad_norm is not None and not math.isfinite(grad_norm):
