@@ -269,6 +269,40 @@ def mean_acceptance(histogram: Sequence[int]) -> Optional[float]:
     return sum((n + 1) * c for n, c in enumerate(histogram)) / blocks if blocks else None
 
 
+FIRST_CONTEXT_BUCKET = 64  # context buckets: [0, 64), [64, 128), [128, 256), ... tokens
+
+
+def context_bucket(length: int) -> Tuple[int, int]:
+    """The bucket [lo, hi) of a context `length` (prompt + generated tokens, the anchor included)."""
+    if length < FIRST_CONTEXT_BUCKET:
+        return 0, FIRST_CONTEXT_BUCKET
+    lo = FIRST_CONTEXT_BUCKET
+    while 2 * lo <= length:
+        lo *= 2
+    return lo, 2 * lo
+
+
+def acceptance_by_context(buckets: Dict[int, List[int]]) -> List[Dict]:
+    """{bucket lo: histogram} -> one entry per bucket with blocks, in context order: tau and the histogram."""
+    out = []
+    for lo in sorted(buckets):
+        histogram = buckets[lo]
+        _, hi = context_bucket(lo)
+        out.append({"context": f"{lo}-{hi - 1}", "blocks": sum(histogram), "tau": mean_acceptance(histogram),
+                    "acceptance_histogram": histogram})
+    return out
+
+
+def acceptance_by_position(histogram: Sequence[int]) -> List[Dict]:
+    """Per drafted position j = 1..B-1: `accepted`, the fraction of blocks that accepted draft j (all of 1..j
+    matched), and `conditional`, that fraction among the blocks that accepted j - 1 (None where none did)."""
+    blocks = sum(histogram)
+    reached = [sum(histogram[j:]) for j in range(len(histogram))]  # reached[j]: blocks that accepted >= j drafts
+    return [{"position": j, "accepted": reached[j] / blocks if blocks else None,
+             "conditional": reached[j] / reached[j - 1] if reached[j - 1] else None}
+            for j in range(1, len(histogram))]
+
+
 def _check_drafter(drafter: DFlashDrafter, model) -> None:
     hidden_size, vocab = model.config.get_text_config().hidden_size, model.get_output_embeddings().weight.shape[0]
     cfg = drafter.config
@@ -277,6 +311,104 @@ def _check_drafter(drafter: DFlashDrafter, model) -> None:
             f"the drafter was built for a target with hidden size {cfg.target_hidden_size} and vocabulary "
             f"{cfg.vocab_size}; this target has {hidden_size} and {vocab}: pass the drafter's own target"
         )
+
+
+class Proposal(NamedTuple):
+    module: Optional[DFlashDrafter]  # None for a proposer callable (no tau_offline)
+    propose: Proposer
+    block_size: int
+    layer_ids: List[int]
+
+
+def _proposal(drafter, model, target: str, block_size: Optional[int], layer_ids) -> Proposal:
+    """What `evaluate` drafts with, from a DFlashDrafter, a path or a Proposer callable."""
+    if isinstance(drafter, str):
+        drafter = load_drafter(drafter, target)
+    if isinstance(drafter, DFlashDrafter):
+        _check_drafter(drafter, model)
+        module = drafter.to(device=model.device, dtype=model.dtype).eval()
+        return Proposal(module, lambda hidden, anchor, _ids: module.propose(hidden, anchor),
+                        module.config.block_size, list(module.config.layer_ids))
+    if callable(drafter):
+        if block_size is None:
+            raise ValueError("a proposer callable needs block_size (B: the anchor plus B-1 drafted tokens)")
+        if layer_ids is None:
+            layer_ids = default_layer_ids(model.config.get_text_config().num_hidden_layers)
+        return Proposal(None, drafter, block_size, list(layer_ids))
+    raise TypeError(f"drafter must be a DFlashDrafter, a path or a proposer callable, not {type(drafter).__name__}")
+
+
+class Tally:
+    """What the prompts add up to: acceptance (overall, per context bucket), token counts and seconds."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.histogram = [0] * block_size
+        self.by_context: Dict[int, List[int]] = {}
+        self.spec_tokens, self.spec_s, self.greedy_tokens, self.greedy_s = 0, 0.0, 0, 0.0
+        self.recompute, self.mismatches, self.tau_sum, self.blocks = 0, 0, 0.0, 0
+
+    def add_speculative(self, spec: SpecResult) -> None:
+        for anchor, n in zip(spec.anchors, spec.accepted):
+            self.histogram[n] += 1
+            lo, _ = context_bucket(anchor + 1)  # x_0..x_T: the prompt and every token generated so far
+            self.by_context.setdefault(lo, [0] * self.block_size)[n] += 1
+        self.spec_tokens += len(spec.tokens)
+        self.spec_s += spec.seconds
+        self.recompute += spec.recompute_forwards
+
+    def add_greedy(self, tokens: List[int], seconds: float, spec: SpecResult) -> None:
+        self.greedy_tokens += len(tokens)
+        self.greedy_s += seconds
+        self.mismatches += tokens != spec.tokens
+
+
+def _decode_all(runner: TargetRunner, encoded: List[List[int]], proposal: Proposal, max_new_tokens: int,
+                eos: Sequence[int], offline: bool, baseline: bool, progress: bool) -> Tally:
+    """Speculative decoding of every prompt; with `baseline` the target's own greedy loop too, with `offline`
+    tau_offline over the greedy output (the speculative output without `baseline`)."""
+    from tqdm import tqdm
+
+    tally = Tally(proposal.block_size)
+    bar = tqdm(encoded, unit="prompt", desc="eval", disable=not progress)
+    for ids in bar:
+        spec = speculative_generate(runner, ids, proposal.propose, proposal.block_size, max_new_tokens, eos)
+        tally.add_speculative(spec)
+        if sum(tally.histogram):
+            bar.set_postfix(tau=f"{mean_acceptance(tally.histogram):.2f}")
+        reference = spec.tokens
+        if baseline:
+            reference, seconds = greedy_generate(runner, ids, max_new_tokens, eos)
+            tally.add_greedy(reference, seconds, spec)
+        if offline and proposal.module is not None and len(reference) > 1:
+            tau_sum, blocks = offline_tau(runner, proposal.module, ids, reference)
+            tally.tau_sum += tau_sum
+            tally.blocks += blocks
+    return tally
+
+
+def _report(tally: Tally, baseline: bool, **header) -> Dict:
+    report = {
+        **header,
+        "tau": mean_acceptance(tally.histogram),
+        "acceptance_histogram": tally.histogram,
+        "acceptance_by_context": acceptance_by_context(tally.by_context),
+        "acceptance_by_position": acceptance_by_position(tally.histogram),
+        "verify_forwards": sum(tally.histogram),
+        "recompute_forwards": tally.recompute,
+        "new_tokens": tally.spec_tokens,
+        "tokens_per_s": tally.spec_tokens / tally.spec_s if tally.spec_s else None,
+        "tau_offline": tally.tau_sum / tally.blocks if tally.blocks else None,
+        "offline_blocks": tally.blocks,
+    }
+    if baseline:
+        target_tps = tally.greedy_tokens / tally.greedy_s if tally.greedy_s else None
+        report.update(
+            target_tokens_per_s=target_tps,
+            speedup=report["tokens_per_s"] / target_tps if target_tps and report["tokens_per_s"] else None,
+            greedy_mismatches=tally.mismatches,
+        )
+    return report
 
 
 def evaluate(
@@ -301,7 +433,6 @@ def evaluate(
     `baseline` times the target's plain greedy loop and counts prompts where the speculative
     output differs from it; `offline` adds tau_offline over that greedy output (drafters only).
     """
-    from tqdm import tqdm
     from transformers import AutoTokenizer
 
     check_target(target)
@@ -309,81 +440,43 @@ def evaluate(
     tokenizer = AutoTokenizer.from_pretrained(target, trust_remote_code=trust_remote_code)
     model = load_model(target, device, dtype, trust_remote_code)
     name = drafter if isinstance(drafter, str) else getattr(drafter, "__name__", type(drafter).__name__)
-    if isinstance(drafter, str):
-        drafter = load_drafter(drafter, target)
-    if isinstance(drafter, DFlashDrafter):
-        _check_drafter(drafter, model)
-        module = drafter.to(device=model.device, dtype=model.dtype).eval()
-        block_size, layer_ids = drafter.config.block_size, drafter.config.layer_ids
-        propose = lambda hidden, anchor, _ids: module.propose(hidden, anchor)
-    elif callable(drafter):
-        if block_size is None:
-            raise ValueError("a proposer callable needs block_size (B: the anchor plus B-1 drafted tokens)")
-        module, propose = None, drafter
-        layer_ids = (
-            layer_ids if layer_ids is not None else default_layer_ids(model.config.get_text_config().num_hidden_layers)
-        )
-    else:
-        raise TypeError(f"drafter must be a DFlashDrafter, a path or a proposer callable, not {type(drafter).__name__}")
-    runner = TargetRunner(model, layer_ids)
+    proposal = _proposal(drafter, model, target, block_size, layer_ids)
+    runner = TargetRunner(model, proposal.layer_ids)
     eos = eos_token_ids(model, tokenizer)
     encoded = [encode_prompt(tokenizer, p) for p in prompts]
     if runner.device.type == "cuda":  # first-call kernel selection and allocation stay out of the timings
-        speculative_generate(runner, encoded[0], propose, block_size, min(max_new_tokens, 2 * block_size), eos)
-        greedy_generate(runner, encoded[0], min(max_new_tokens, 2 * block_size), eos)
-
-    histogram = [0] * block_size
-    totals = dict(
-        spec_tokens=0, spec_s=0.0, greedy_tokens=0, greedy_s=0.0, recompute=0, mismatches=0, tau_sum=0.0, blocks=0
+        warm = min(max_new_tokens, 2 * proposal.block_size)
+        speculative_generate(runner, encoded[0], proposal.propose, proposal.block_size, warm, eos)
+        greedy_generate(runner, encoded[0], warm, eos)
+    tally = _decode_all(runner, encoded, proposal, max_new_tokens, eos, offline, baseline, progress)
+    return _report(
+        tally,
+        baseline,
+        target=target,
+        drafter=name,
+        device=str(runner.device),
+        dtype=str(model.dtype).replace("torch.", ""),
+        prompts=len(prompts),
+        block_size=proposal.block_size,
+        layer_ids=proposal.layer_ids,
+        max_new_tokens=max_new_tokens,
     )
-    bar = tqdm(encoded, unit="prompt", desc="eval", disable=not progress)
-    for ids in bar:
-        spec = speculative_generate(runner, ids, propose, block_size, max_new_tokens, eos)
-        for n in spec.accepted:
-            histogram[n] += 1
-        if sum(histogram):
-            bar.set_postfix(tau=f"{mean_acceptance(histogram):.2f}")
-        totals["spec_tokens"] += len(spec.tokens)
-        totals["spec_s"] += spec.seconds
-        totals["recompute"] += spec.recompute_forwards
-        reference = spec.tokens
-        if baseline:
-            reference, seconds = greedy_generate(runner, ids, max_new_tokens, eos)
-            totals["greedy_tokens"] += len(reference)
-            totals["greedy_s"] += seconds
-            totals["mismatches"] += reference != spec.tokens
-        if offline and module is not None and len(reference) > 1:
-            tau_sum, blocks = offline_tau(runner, module, ids, reference)
-            totals["tau_sum"] += tau_sum
-            totals["blocks"] += blocks
 
-    blocks = sum(histogram)
-    report = {
-        "target": target,
-        "drafter": name,
-        "device": str(runner.device),
-        "dtype": str(model.dtype).replace("torch.", ""),
-        "prompts": len(prompts),
-        "block_size": block_size,
-        "layer_ids": list(layer_ids),
-        "max_new_tokens": max_new_tokens,
-        "tau": mean_acceptance(histogram),
-        "acceptance_histogram": histogram,
-        "verify_forwards": blocks,
-        "recompute_forwards": totals["recompute"],
-        "new_tokens": totals["spec_tokens"],
-        "tokens_per_s": totals["spec_tokens"] / totals["spec_s"] if totals["spec_s"] else None,
-        "tau_offline": totals["tau_sum"] / totals["blocks"] if totals["blocks"] else None,
-        "offline_blocks": totals["blocks"],
-    }
-    if baseline:
-        target_tps = totals["greedy_tokens"] / totals["greedy_s"] if totals["greedy_s"] else None
-        report.update(
-            target_tokens_per_s=target_tps,
-            speedup=report["tokens_per_s"] / target_tps if target_tps and report["tokens_per_s"] else None,
-            greedy_mismatches=totals["mismatches"],
-        )
-    return report
+
+def summary(report: Dict) -> str:
+    """The report's acceptance in a few lines: tau, tau_offline, by context bucket, by drafted position."""
+
+    def num(value, digits=2):
+        return "-" if value is None else f"{value:.{digits}f}"
+
+    lines = [f"tau {num(report['tau'], 3)} over {report['verify_forwards']} blocks, "
+             f"tau_offline {num(report['tau_offline'], 3)}, greedy mismatches {report.get('greedy_mismatches', '-')}",
+             "tau by context length (prompt + generated tokens):"]
+    lines += [f"  {b['context']:>11}: {num(b['tau'])} ({b['blocks']} blocks)" for b in report["acceptance_by_context"]]
+    lines.append("accepted by drafted position (fraction of blocks; given the one before):")
+    lines += [f"  {p['position']:>3}: {num(p['accepted'], 3)} ({num(p['conditional'], 3)})"
+              for p in report["acceptance_by_position"]]
+    return "\n".join(lines)
 
 
 def add_arguments(parser) -> None:
@@ -426,7 +519,7 @@ def run(args) -> int:
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")
-        print(f"tau {report['tau']}, tau_offline {report['tau_offline']}, report in {args.out}", file=sys.stderr)
     else:
         print(text)
+    print(summary(report) + (f"\nreport in {args.out}" if args.out else ""), file=sys.stderr)
     return 0

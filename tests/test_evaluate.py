@@ -12,11 +12,15 @@ from dflash_fast.cli import main
 from dflash_fast.drafter import build_drafter
 from dflash_fast.evaluate import (
     TargetRunner,
+    acceptance_by_context,
+    acceptance_by_position,
+    context_bucket,
     evaluate,
     greedy_generate,
     offline_tau,
     response_row,
     speculative_generate,
+    summary,
 )
 from dflash_fast.export import export_drafter
 from dflash_fast.plot import plot_run
@@ -129,6 +133,59 @@ def test_oracle_proposer_reaches_tau_b_and_always_wrong_gives_tau_1(targets, tmp
     assert worst["verify_forwards"] == worst["new_tokens"] - worst["prompts"], (
         "one token per verification after the prefill's"
     )
+
+
+def test_acceptance_by_context_and_position_by_hand():
+    # Contexts (anchor + 1) 11 | 64, 65 | 131, 201 fall in buckets 0-63 | 64-127 | 128-255 (first edge 64, doubling).
+    assert [context_bucket(n) for n in (11, 63, 64, 127, 128, 201, 256)] == [
+        (0, 64), (0, 64), (64, 128), (64, 128), (128, 256), (128, 256), (256, 512)]
+    buckets = {128: [1, 1, 0, 0], 0: [1, 0, 0, 0], 64: [0, 0, 1, 1]}  # accepted 0 | 2, 3 | 1, 0 drafts
+    assert acceptance_by_context(buckets) == [
+        {"context": "0-63", "blocks": 1, "tau": 1.0, "acceptance_histogram": [1, 0, 0, 0]},
+        {"context": "64-127", "blocks": 2, "tau": 3.5, "acceptance_histogram": [0, 0, 1, 1]},
+        {"context": "128-255", "blocks": 2, "tau": 1.5, "acceptance_histogram": [1, 1, 0, 0]},
+    ]
+    # 10 blocks accepting 0, 0, 0, 0, 1, 1, 2, 3, 3, 3 drafts: 6 of 10 accept draft 1, 4 of those 6 draft 2, ...
+    assert acceptance_by_position([4, 2, 1, 3]) == [
+        {"position": 1, "accepted": 0.6, "conditional": 0.6},
+        {"position": 2, "accepted": 0.4, "conditional": 4 / 6},
+        {"position": 3, "accepted": 0.3, "conditional": 0.75},
+    ]
+    assert acceptance_by_position([0, 0, 0]) == [{"position": 1, "accepted": None, "conditional": None},
+                                                 {"position": 2, "accepted": None, "conditional": None}]
+    assert acceptance_by_position([2, 0, 0]) == [{"position": 1, "accepted": 0.0, "conditional": 0.0},
+                                                 {"position": 2, "accepted": 0.0, "conditional": None}]
+
+
+def test_eval_reports_acceptance_by_context_and_position(targets):
+    """Blocks accept 0, 1, 2, 3, 0, 1, ... drafts: 12 blocks for 30 tokens (1 + 3 x 10), every count 3 times."""
+    path = targets("qwen3")
+    model, tok = load(path)
+    prompt = PROMPTS[0]
+    while len(tok(prompt).input_ids) < 52:  # then block 5's context is 52 + 1 + 11 = 64, the first of bucket 64-127
+        prompt += " x"
+    assert len(tok(prompt).input_ids) == 52
+    report = evaluate(path, [{"text": prompt}], scripted_proposer(model, lambda i: i % B), block_size=B,
+                      layer_ids=LAYER_IDS, max_new_tokens=30, progress=False)
+    assert report["acceptance_histogram"] == [3, 3, 3, 3]
+    assert report["acceptance_by_position"] == [
+        {"position": 1, "accepted": 0.75, "conditional": 0.75},
+        {"position": 2, "accepted": 0.5, "conditional": 6 / 9},
+        {"position": 3, "accepted": 0.25, "conditional": 0.5},
+    ]
+    # Block i's context is the prompt, the prefill's token and the n + 1 tokens of each block before it.
+    p = len(tok(prompt).input_ids)
+    contexts = [p + 1 + sum(k % B + 1 for k in range(i)) for i in range(12)]
+    assert contexts[4:6] == [63, 64]
+    expected = {}
+    for i, c in enumerate(contexts):
+        expected.setdefault(context_bucket(c)[0], [0] * B)[i % B] += 1
+    assert report["acceptance_by_context"] == acceptance_by_context(expected)
+    assert sum(b["blocks"] for b in report["acceptance_by_context"]) == report["verify_forwards"] == 12
+    text = summary(report)
+    assert "tau 2.500 over 12 blocks" in text and "    1: 0.750 (0.750)" in text
+    assert all(f"{b['context']:>11}: {b['tau']:.2f} ({b['blocks']} blocks)" in text
+               for b in report["acceptance_by_context"])
 
 
 def test_offline_acceptance_matches_real_blocks_of_a_fitted_drafter(targets):
