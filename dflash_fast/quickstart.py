@@ -42,21 +42,9 @@ def train_command(config: str, overrides: List[str]) -> List[str]:
     return [launcher, "--num_gpus", "1", "--master_port", str(_free_port()), script, "--config", config, *overrides]
 
 
-def quickstart(
-    out: str = "out/quickstart",
-    num_prompts: int = 300,
-    eval_prompts: int = 40,
-    max_new_tokens: int = 128,
-    eval_max_new_tokens: int = 96,
-    epochs: float = 0,
-    extra_overrides: List[str] = (),
-    progress: bool = True,
-) -> Dict:
-    """Run every stage into `out`; returns the eval report (also written to OUT/eval.json)."""
-    os.makedirs(out, exist_ok=True)
-    t0 = time.perf_counter()
-    stage = lambda name: print(f"\n== {name} ({time.perf_counter() - t0:.0f}s)", flush=True)
-
+def build_store(out: str, num_prompts: int = 300, max_new_tokens: int = 128, progress: bool = True,
+                stage=lambda _name: None) -> str:
+    """Stages 1-2 into `out`: the target answers the training prompts, extraction writes OUT/store -> its path."""
     stage("1/5 regenerate: the target answers the training prompts")
     regen = os.path.join(out, "train.jsonl")
     regenerate(
@@ -72,6 +60,25 @@ def quickstart(
     stage("2/5 extract: tapped hidden states and teacher summaries into the store")
     store = os.path.join(out, "store")
     extract(TARGET, regen, store, dtype="fp32", max_seq_len=512, progress=progress)
+    return store
+
+
+def quickstart(
+    out: str = "out/quickstart",
+    num_prompts: int = 300,
+    eval_prompts: int = 40,
+    max_new_tokens: int = 128,
+    eval_max_new_tokens: int = 96,
+    epochs: float = 0,
+    extra_overrides: List[str] = (),
+    progress: bool = True,
+) -> Dict:
+    """Run every stage into `out`; returns the eval report (also written to OUT/eval.json)."""
+    os.makedirs(out, exist_ok=True)
+    t0 = time.perf_counter()
+    stage = lambda name: print(f"\n== {name} ({time.perf_counter() - t0:.0f}s)", flush=True)
+
+    store = build_store(out, num_prompts, max_new_tokens, progress, stage)
 
     stage("3/5 train: deepspeed train.py --config configs/tiny.yaml")
     run_dir = os.path.join(out, "run")

@@ -1,0 +1,108 @@
+"""Which recipe wins on the embedded target: position weights (decay | D-PACE) x optimizer (AdamW | Muon).
+
+    python scripts/compare_recipes.py --out out/compare --seeds 0,1,2 --epochs 6 [--num-prompts 300 ...]
+
+Builds the quickstart's store once (regenerate + extract, as `dflash-fast quickstart` does), then for every arm
+and seed trains the quickstart drafter with `deepspeed train.py --config configs/tiny.yaml` (same store, steps and
+seeds for every arm), measures real `tau` and `tau_offline` with `dflash-fast eval` on the 40 held-out prompts,
+and writes OUT/table.md (mean, sample standard deviation and range over the seeds) and OUT/results.json.
+Arms whose config keys this checkout lacks (loss.weighting before D-PACE lands) are skipped and named.
+Runs and evals already complete in OUT are reused.
+"""
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+from dflash_fast.config import LossConfig
+from dflash_fast.quickstart import ASSETS, REPO, TARGET, build_store, train_command
+
+ARMS = {
+    "decay + AdamW": [],
+    "decay + Muon": ["optimizer.kind=muon", "optimizer.grad_clip=0"],
+    "D-PACE + AdamW": ["loss.weighting=dpace"],
+    "D-PACE + Muon": ["loss.weighting=dpace", "optimizer.kind=muon", "optimizer.grad_clip=0"],
+}
+
+
+def available(overrides):
+    return all(o.split("=")[0] != "loss.weighting" or "weighting" in {f.name for f in dataclasses.fields(LossConfig)}
+               for o in overrides)
+
+
+def run_arm(out, store, arm, seed, epochs, eval_prompts, eval_tokens):
+    """Train one arm with one seed and evaluate it -> the eval report."""
+    run_dir = os.path.join(out, arm.replace(" + ", "_").replace("-", "").lower(), f"seed{seed}")
+    report_path = os.path.join(run_dir, "eval.json")
+    if os.path.exists(report_path):
+        with open(report_path) as f:
+            return json.load(f)
+    export = os.path.join(run_dir, "export", "model.safetensors")
+    if not os.path.exists(export):
+        overrides = [f"data.store={store}", f"output_dir={run_dir}", f"model.target={TARGET}", f"seed={seed}",
+                     f"schedule.epochs={epochs}", "validation.every=0", "checkpoint.every=0", "logging.progress=false",
+                     *ARMS[arm]]
+        cmd = train_command(os.path.join(REPO, "configs", "tiny.yaml"), overrides)
+        print(" ".join(cmd), flush=True)
+        subprocess.run(cmd, check=True)
+    cmd = ["dflash-fast", "eval", "--target", TARGET, "--drafter", os.path.dirname(export),
+           "--data", os.path.join(ASSETS, "prompts_eval.jsonl"), "--num-prompts", str(eval_prompts),
+           "--max-new-tokens", str(eval_tokens),
+           "--no-baseline", "--out", report_path]
+    print(" ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+    with open(report_path) as f:
+        return json.load(f)
+
+
+def table(results):
+    """Markdown: per arm, mean +- sample std (min-max) over seeds of real tau and tau_offline."""
+
+    def cell(values):
+        spread = statistics.stdev(values) if len(values) > 1 else 0.0
+        return f"{statistics.mean(values):.3f} ± {spread:.3f} ({min(values):.3f}–{max(values):.3f})"
+
+    lines = ["| arm | seeds | real `tau` | `tau_offline` |", "|---|---|---|---|"]
+    for arm, reports in results.items():
+        seeds = ", ".join(str(s) for s in sorted(reports))
+        taus = [r["tau"] for r in reports.values()]
+        offline = [r["tau_offline"] for r in reports.values()]
+        lines.append(f"| {arm} | {seeds} | {cell(taus)} | {cell(offline)} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="out/compare")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--epochs", type=float, default=6, help="schedule.epochs of every run (tiny.yaml ships 24)")
+    p.add_argument("--num-prompts", type=int, default=300, help="training prompts regenerated into the store")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="response length when regenerating")
+    p.add_argument("--eval-prompts", type=int, default=40, help="held-out prompts for eval (of 40)")
+    p.add_argument("--eval-max-new-tokens", type=int, default=96)
+    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of: {', '.join(ARMS)}")
+    args = p.parse_args(argv)
+    arms = [a.strip() for a in args.arms.split(",")]
+    skipped = [a for a in arms if not available(ARMS[a])]
+    if skipped:
+        print(f"skipping {', '.join(skipped)}: this checkout has no loss.weighting (D-PACE)", file=sys.stderr)
+    store = build_store(args.out, args.num_prompts, args.max_new_tokens)
+    results = {arm: {} for arm in arms if arm not in skipped}
+    for seed in (int(s) for s in args.seeds.split(",")):  # seed-major: every arm has a result early on
+        for arm in results:
+            results[arm][seed] = run_arm(args.out, store, arm, seed, args.epochs, args.eval_prompts,
+                                         args.eval_max_new_tokens)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump({arm: {s: {k: r[k] for k in ("tau", "tau_offline", "acceptance_by_position")}
+                         for s, r in reports.items()} for arm, reports in results.items()}, f, indent=1)
+    text = table(results)
+    with open(os.path.join(args.out, "table.md"), "w") as f:
+        f.write(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
