@@ -38,8 +38,7 @@ def run_arm(out, store, arm, seed, epochs, eval_prompts, eval_tokens):
     run_dir = os.path.join(out, arm.replace(" + ", "_").replace("-", "").lower(), f"seed{seed}")
     report_path = os.path.join(run_dir, "eval.json")
     if os.path.exists(report_path):
-        with open(report_path) as f:
-            return json.load(f)
+        return read_run(run_dir)
     export = os.path.join(run_dir, "export", "model.safetensors")
     if not os.path.exists(export):
         overrides = [f"data.store={store}", f"output_dir={run_dir}", f"model.target={TARGET}", f"seed={seed}",
@@ -54,23 +53,30 @@ def run_arm(out, store, arm, seed, epochs, eval_prompts, eval_tokens):
            "--no-baseline", "--out", report_path]
     print(" ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
-    with open(report_path) as f:
-        return json.load(f)
+    return read_run(run_dir)
+
+
+def read_run(run_dir):
+    """The eval report, plus `val_kl` and `val_loss`: the held-out KL and loss of the final validation."""
+    with open(os.path.join(run_dir, "eval.json")) as f:
+        report = json.load(f)
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        val = [r for r in map(json.loads, f) if r["split"] == "val"][-1]
+    return dict(report, val_kl=val["kl"], val_loss=val["loss"])
 
 
 def table(results):
-    """Markdown: per arm, mean +- sample std (min-max) over seeds of real tau and tau_offline."""
+    """Markdown: per arm, mean +- sample std (min-max) over seeds of real tau, tau_offline and the held-out KL."""
 
     def cell(values):
         spread = statistics.stdev(values) if len(values) > 1 else 0.0
         return f"{statistics.mean(values):.3f} ± {spread:.3f} ({min(values):.3f}–{max(values):.3f})"
 
-    lines = ["| arm | seeds | real `tau` | `tau_offline` |", "|---|---|---|---|"]
+    lines = ["| arm | seeds | real `tau` | `tau_offline` | held-out KL (nats) |", "|---|---|---|---|---|"]
     for arm, reports in results.items():
         seeds = ", ".join(str(s) for s in sorted(reports))
-        taus = [r["tau"] for r in reports.values()]
-        offline = [r["tau_offline"] for r in reports.values()]
-        lines.append(f"| {arm} | {seeds} | {cell(taus)} | {cell(offline)} |")
+        cells = [cell([r[key] for r in reports.values()]) for key in ("tau", "tau_offline", "val_kl")]
+        lines.append(f"| {arm} | {seeds} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -96,7 +102,7 @@ def main(argv=None):
             results[arm][seed] = run_arm(args.out, store, arm, seed, args.epochs, args.eval_prompts,
                                          args.eval_max_new_tokens)
     with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({arm: {s: {k: r[k] for k in ("tau", "tau_offline", "acceptance_by_position")}
+        json.dump({arm: {s: {k: r[k] for k in ("tau", "tau_offline", "val_kl", "acceptance_histogram")}
                          for s, r in reports.items()} for arm, reports in results.items()}, f, indent=1)
     text = table(results)
     with open(os.path.join(args.out, "table.md"), "w") as f:
