@@ -1,0 +1,588 @@
+"""A design model of the fused lm_head loss (kernels/lm_head_loss.py) on one H200, computed on a CPU.
+
+    python bench/lm_head_model.py                 # reference shapes: N = 8192 and 32768, every loss kind
+    python bench/lm_head_model.py --small         # small shapes, what tests/test_lm_head_model.py runs
+    .venv36/bin/python bench/lm_head_model.py     # the same under Triton 3.6
+
+Nothing here is a measurement. The model runs the kernel module's own host code on CPU tensors with every
+Triton launch intercepted by bench/compile_check.py's recorder: each launch compiles, for every config of
+its autotune list, for sm_90 with the triton wheel's ptxas (registers, spills, shared memory come from
+that code) and nothing runs. Each recorded launch becomes
+
+  * FLOPs of its tensor-core work, summed per call in GEMM units of 2 N V H;
+  * programs, resident programs per SM (the least of: shared memory, registers x threads, 64 warps,
+    32 blocks) and waves on 132 SMs;
+  * HBM bytes from the wave model: programs run in launch order, one wave of resident programs at a
+    time; co-resident programs advance through their steps together, so an operand tile that several
+    of them use in the same step is read once; a tile used again in the next step is still in L2 when
+    the distinct tiles of a step fit in L2 (50 MB); outputs are written once. The tile order of a
+    kernel is what decides its reuse here;
+  * a lower-bound time: max(FLOPs / 790 TFLOP/s stretched to whole waves, HBM bytes / 4.3 TB/s).
+
+Torch operations between launches are counted the same way from their tensors (bytes read and written,
+once each) and the peak memory of the call is the most bytes its own allocations hold at once, leaving
+out the tensors it returns. Per case, the sum of the launch times is compared with the GEMM floor of
+PERF.md: 3 units for `kl` and teacher `ce`, 2 for `ce` with stored labels, `ce_data` and `kl_topk`.
+Each launch takes the fastest config the model finds among those that compile without spills (the
+autotuner's pick if the model were the GPU). Results: <out>/lm_head_model_<triton>.{json,md} (one row
+per case) and <out>/lm_head_model_<triton>_kernels.{json,md} (one row per kernel and config).
+"""
+import argparse
+import collections
+import dataclasses
+import math
+import os
+import sys
+import weakref
+from typing import Callable, Dict, List, Optional, Tuple
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from triton.runtime.autotuner import Autotuner  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+from bench import compile_check as cc  # noqa: E402  (refuses TRITON_INTERPRET=1, empties the Triton cache)
+from bench.harness import write_results  # noqa: E402
+from dflash_fast.batches import sample_anchors  # noqa: E402
+from dflash_fast.drafter import slot_targets  # noqa: E402
+
+H200 = dict(flops=790e12, hbm=4.3e12, sms=132, l2=50 << 20, smem_per_sm=233472, regs=65536, warps=64, blocks=32)
+REFERENCE = dict(H=4096, V=151936, B=16, A=512, T=3072, docs=4, rows=(1, 4))
+SMALL = dict(H=256, V=4099, B=16, A=32, T=192, docs=2, rows=(1,))
+TOPK = 8
+EPS = 1e-6
+# The floor of PERF.md in GEMM units, per case.
+FLOOR = {"kl": 3, "ce(teacher argmax)": 3, "ce(labels)": 2, "ce_data": 2, "kl_topk": 2}
+
+
+# ---------------------------------------------------------------- what each launch costs
+
+
+@dataclasses.dataclass
+class Cost:
+    """One launch: tensor-core FLOPs; programs in launch order, each a list of steps, each step the operand
+    tiles it reads (keys of tile_bytes); bytes written; whether it is a GEMM (counted in units)."""
+
+    flops: float
+    programs: List[List[Tuple]]
+    tile_bytes: Dict[Tuple, int]
+    write_bytes: float
+    gemm: bool = True
+
+
+def _elt(t: torch.Tensor) -> int:
+    return t.element_size()
+
+
+def _rows(n: int, block: int) -> List[int]:
+    """Row counts of the tiles of n rows in blocks of `block` (the last one partial)."""
+    return [min(block, n - i) for i in range(0, n, block)]
+
+
+def _stream_cost(programs: int, read: float, write: float) -> Cost:
+    """A kernel that streams its operands once (norms, row reductions): no reuse to model."""
+    per = read / max(programs, 1)
+    return Cost(0.0, [[(("p", i),)] for i in range(programs)], {("p", i): per for i in range(programs)}, write, False)
+
+
+def cost_rms_norm_fwd(a) -> Cost:
+    n, h = a["N"], a["H"]
+    return _stream_cost(triton.cdiv(n, a["BLOCK_N"]), n * h * _elt(a["x_ptr"]), n * h * _elt(a["y_ptr"]) + 4 * n)
+
+
+def cost_rms_norm_bwd(a) -> Cost:
+    n, h = a["N"], a["H"]
+    programs = triton.cdiv(n, a["ROWS_PER_PROGRAM"])
+    read = n * h * (_elt(a["x_ptr"]) + _elt(a["dy_ptr"])) + 8 * n
+    return _stream_cost(programs, read, n * h * _elt(a["dx_ptr"]) + 4 * programs * h)
+
+
+def _gemm_cost(order, n_m, n_n, m_rows, n_cols, k, a_elt, b_elt, out_bytes_per_elem, read_out=False) -> Cost:
+    """A GEMM grid: program (i_m, i_n) in `order` reads A row tile i_m [m_rows[i_m], K] and B column tile
+    i_n [K, n_cols[i_n]] in one step and writes its [m, n] output tile."""
+    tiles = {("a", i): m_rows[i] * k * a_elt for i in range(n_m)}
+    tiles.update({("b", j): n_cols[j] * k * b_elt for j in range(n_n)})
+    programs = [[(("a", i), ("b", j))] for i, j in order]
+    flops = 2.0 * sum(m_rows) * sum(n_cols) * k
+    out = sum(m_rows) * sum(n_cols) * out_bytes_per_elem * (2 if read_out else 1)
+    return Cost(flops, programs, tiles, out)
+
+
+def row_fast(n_m: int, n_n: int) -> List[Tuple[int, int]]:
+    """A 2-D grid (row tiles on axis 0): CUDA starts programs with axis 0 fastest."""
+    return [(i, j) for j in range(n_n) for i in range(n_m)]
+
+
+def cost_vocab_stats(a) -> Cost:
+    """Grid (row tiles, vocab splits); each program streams its split's vocab tiles, one step per tile,
+    re-reading its activation tiles (xd, and xt with the teacher) in every step."""
+    n, v, h, bn, bv = a["N"], a["V"], a["H"], a["BLOCK_N"], a["BLOCK_V"]
+    teacher, elt = a["HAS_TEACHER"], _elt(a["xd_ptr"])
+    rows = _rows(n, bn)
+    splits = triton.cdiv(v, a["V_PER_SPLIT"])
+    tiles = {("xd", i): r * h * elt for i, r in enumerate(rows)}
+    tiles.update({("xt", i): r * h * elt for i, r in enumerate(rows)} if teacher else {})
+    programs = []
+    for i_s in range(splits):
+        lo, hi = i_s * a["V_PER_SPLIT"], min((i_s + 1) * a["V_PER_SPLIT"], v)
+        for j in range(lo, hi, bv):
+            tiles[("w", j)] = min(bv, hi - j) * h * elt
+        for i in range(len(rows)):
+            acts = (("xd", i), ("xt", i)) if teacher else (("xd", i),)
+            programs.append([acts + (("w", j),) for j in range(lo, hi, bv)])
+    flops = 2.0 * n * v * h * (2 if teacher else 1)
+    return Cost(flops, programs, tiles, 12.0 * splits * n * 4)
+
+
+def cost_gather_logits(a) -> Cost:
+    n, h, k = a["N"], a["H"], a["NUM_IDS"]
+    elt = _elt(a["xd_ptr"])
+    return _stream_cost(triton.cdiv(n, a["BLOCK_N"]) * k, 2.0 * n * k * h * elt, 4.0 * n * k)
+
+
+def cost_dlogits_recompute(a) -> Cost:
+    """Grid (row tiles, vocab tiles of one chunk): recomputes s (and t) tiles, writes the dlogits chunk."""
+    n, h, bn, bv = a["N"], a["H"], a["BLOCK_N"], a["BLOCK_V"]
+    width = a["v_hi"] - a["v_lo"]
+    teacher, elt = a["HAS_TEACHER"], _elt(a["xd_ptr"])
+    rows, cols = _rows(n, bn), _rows(width, bv)
+    tiles = {("xd", i): r * h * elt for i, r in enumerate(rows)}
+    tiles.update({("xt", i): r * h * elt for i, r in enumerate(rows)} if teacher else {})
+    tiles.update({("w", j): c * h * elt for j, c in enumerate(cols)})
+    programs = [
+        [((("xd", i), ("xt", i)) if teacher else (("xd", i),)) + (("w", j),)] for i, j in row_fast(len(rows), len(cols))
+    ]
+    flops = 2.0 * n * width * h * (2 if teacher else 1)
+    return Cost(flops, programs, tiles, n * width * _elt(a["g_ptr"]))
+
+
+def cost_store_logits(a) -> Cost:
+    n, v, h, bn, bv = a["N"], a["V"], a["H"], a["BLOCK_N"], a["BLOCK_V"]
+    elt = _elt(a["xd_ptr"])
+    rows, cols = _rows(n, bn), _rows(v, bv)
+    tiles = {("xd", i): r * h * elt for i, r in enumerate(rows)}
+    tiles.update({("xt", i): r * h * elt for i, r in enumerate(rows)})
+    tiles.update({("w", j): c * h * elt for j, c in enumerate(cols)})
+    programs = [[(("xd", i), ("xt", i), ("w", j))] for i, j in row_fast(len(rows), len(cols))]
+    return Cost(4.0 * n * v * h, programs, tiles, 8.0 * n * v)
+
+
+def cost_stored_dlogits(a) -> Cost:
+    n, v = a["N"], a["V"]
+    read = n * v * (12.0 if a["HARD"] else 16.0)  # s, t for the statistics; s (and t) again for dl/ds
+    return _stream_cost(triton.cdiv(n, a["BLOCK_N"]), read, n * v * _elt(a["g_ptr"]) + 48.0 * n)
+
+
+def cost_matmul(a) -> Cost:
+    """c[M, NC] (+)= a[M, K] @ b[K, NC] on a 2-D grid, row tiles on axis 0."""
+    m, nc, k, bm, bnc = a["M"], a["NC"], a["K"], a["BLOCK_M"], a["BLOCK_NC"]
+    rows, cols = _rows(m, bm), _rows(nc, bnc)
+    return _gemm_cost(
+        row_fast(len(rows), len(cols)),
+        len(rows),
+        len(cols),
+        rows,
+        cols,
+        k,
+        _elt(a["a_ptr"]),
+        _elt(a["b_ptr"]),
+        _elt(a["c_ptr"]),
+        read_out=bool(a["ACCUMULATE"]),
+    )
+
+
+COSTS: Dict[str, Callable[[Dict], Cost]] = {
+    "_rms_norm_fwd_kernel": cost_rms_norm_fwd,
+    "_rms_norm_bwd_kernel": cost_rms_norm_bwd,
+    "_vocab_stats_kernel": cost_vocab_stats,
+    "_gather_logits_kernel": cost_gather_logits,
+    "_dlogits_kernel": cost_dlogits_recompute,
+    "_store_logits_kernel": cost_store_logits,
+    "_stored_dlogits_kernel": cost_stored_dlogits,
+    "_matmul_kernel": cost_matmul,
+}
+
+
+# ---------------------------------------------------------------- residency, waves, HBM, time
+
+
+def programs_per_sm(row: Dict) -> int:
+    """Resident programs per SM of one compiled kernel (0 when it cannot launch)."""
+    warps, regs, smem = row["warps"], row["n_regs"], row["smem_bytes"]
+    if regs is None or smem is None:
+        return 0
+    by_regs = H200["regs"] // (warps * math.ceil(regs * 32 / 256) * 256)
+    by_smem = H200["smem_per_sm"] // (smem + 1024)  # the driver reserves 1 KB per block
+    return max(0, min(by_regs, by_smem, H200["warps"] // warps, H200["blocks"]))
+
+
+def hbm_bytes(cost: Cost, slots: int) -> float:
+    """Operand bytes read from HBM under the wave model (module docstring), plus the writes."""
+    total, prev, prev_fits = 0.0, set(), False
+    for w in range(0, len(cost.programs), slots):
+        wave = cost.programs[w : w + slots]
+        for step in range(max(len(p) for p in wave)):
+            tiles = {t for p in wave if step < len(p) for t in p[step]}
+            fresh = tiles - prev if prev_fits else tiles
+            total += sum(cost.tile_bytes[t] for t in fresh)
+            prev, prev_fits = tiles, sum(cost.tile_bytes[t] for t in tiles) <= H200["l2"]
+    return total + cost.write_bytes
+
+
+def launch_time(cost: Cost, slots: int) -> Tuple[float, float, float]:
+    """(seconds, HBM bytes, waves): max of the compute time stretched to whole waves and the HBM time."""
+    programs = len(cost.programs)
+    waves = programs / slots
+    compute = cost.flops / H200["flops"] * (math.ceil(waves) / waves if cost.gemm and waves else 1.0)
+    hbm = hbm_bytes(cost, slots)
+    return max(compute, hbm / H200["hbm"]), hbm, waves
+
+
+# ---------------------------------------------------------------- intercepting the host code
+
+
+@dataclasses.dataclass
+class TensorInfo:
+    """What a cost needs of a tensor argument, without keeping the tensor alive (that would hide it from
+    the memory count): shape, dtype and, for small integer tensors (row indices), the values."""
+
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+    values: Optional[list] = None
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> "TensorInfo":
+        small_int = not t.is_floating_point() and t.numel() <= 1 << 20
+        return cls(tuple(t.shape), t.dtype, t.tolist() if small_int else None)
+
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclasses.dataclass
+class Launch:
+    kernel: str
+    args: Dict[str, object]
+    row: Dict[str, object]  # compile_check's row for the compiled kernel (registers, spills, smem)
+
+
+class LaunchRecorder:
+    """Wraps compile_check's interception: every launch (and every autotune config of it) is recorded with
+    its bound arguments and the compile row of the kernel it would run."""
+
+    def __init__(self, recorder: "cc.CompileRecorder"):
+        self.recorder = recorder
+        self.launches: List[List[Launch]] = []  # one list per launch: one entry per autotune config
+        self._autotuning = False
+        self._rows: Dict[Tuple, Dict] = {}
+
+    def install(self) -> None:
+        self.recorder.install()
+        me, jit_run, tuner_run = self, JITFunction.run, Autotuner.run
+
+        def autotuner_run(tuner, *args, **kwargs):
+            me.launches.append([])
+            me._autotuning = True
+            try:
+                return tuner_run(tuner, *args, **kwargs)
+            finally:
+                me._autotuning = False
+
+        def run(fn, *args, grid, warmup, **kwargs):
+            before = len(me.recorder.records)
+            out = jit_run(fn, *args, grid=grid, warmup=warmup, **kwargs)
+            key = me._signature(fn, args, kwargs)
+            if len(me.recorder.records) > before:
+                me._rows[key] = me.recorder.records[-1]
+            if key not in me._rows:  # binding failed before any compile: compile_check recorded the error
+                return out
+            bound = {k: TensorInfo.of(v) if isinstance(v, torch.Tensor) else v
+                     for k, v in dict(zip(fn.arg_names, args), **kwargs).items()}
+            if not me._autotuning:
+                me.launches.append([])
+            me.launches[-1].append(Launch(fn.__name__, bound, me._rows[key]))
+            return out
+
+        Autotuner.run = autotuner_run
+        JITFunction.run = run
+
+    @staticmethod
+    def _signature(fn, args, kwargs) -> Tuple:
+        """What decides Triton's compile cache here: dtypes, integers' divisibility by 16 and ==1, constexprs."""
+
+        def spec(a):
+            if isinstance(a, torch.Tensor):
+                return str(a.dtype)
+            if isinstance(a, bool) or not isinstance(a, int):
+                return type(a).__name__
+            return (a % 16 == 0, a == 1)
+
+        return (fn, tuple(spec(a) for a in args), tuple(sorted((k, str(v)) for k, v in kwargs.items())))
+
+
+class HostOps(TorchDispatchMode):
+    """Counts the torch operations of a call and tracks its allocations.
+
+    Every op's tensors are counted as HBM traffic (inputs read, outputs written, once each; views and
+    factory ops cost nothing). `torch.empty`-like ops are zero-filled here: the intercepted kernels write
+    nothing, and the host code must still see valid indices where a kernel would have written them.
+    """
+
+    VIEWS = {"view", "_unsafe_view", "slice", "select", "expand", "t", "transpose", "permute", "unsqueeze", "squeeze",
+             "as_strided", "alias", "detach", "reshape", "unbind", "split", "chunk", "narrow", "diagonal", "unfold",
+             "lift_fresh"}
+    FACTORIES = {"empty", "empty_like", "empty_strided", "new_empty", "zeros", "zeros_like", "new_zeros", "ones",
+                 "ones_like", "full", "full_like", "new_full", "new_ones", "arange", "scalar_tensor", "zero_", "fill_"}
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0.0
+        self.live = 0
+        self.events: List[Tuple[int, int]] = []  # (+bytes or -bytes, allocation id)
+        self._refs: Dict[int, List[int]] = {}  # storage pointer -> [live tensors, bytes, allocation id]
+        self._ids = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ARG002 (the protocol's signature)
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        if name.startswith("empty") or name == "new_empty":
+            out.zero_()
+        outs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if name not in self.VIEWS and name not in self.FACTORIES:
+            ins = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            self.bytes += sum(t.numel() * t.element_size() for t in ins + outs)
+        for t in outs:
+            self._track(t, view=name in self.VIEWS)
+        return out
+
+    def _track(self, t: torch.Tensor, view: bool) -> None:
+        storage = t.untyped_storage()
+        ptr, size = storage.data_ptr(), storage.nbytes()
+        if size == 0:
+            return
+        ref = self._refs.get(ptr)
+        if ref is None and view:  # a view of a tensor from before the call (an input)
+            return
+        if ref is None:
+            self._ids += 1
+            ref = self._refs[ptr] = [0, size, self._ids]
+            self.events.append((size, self._ids))
+        ref[0] += 1
+        weakref.finalize(t, self._release, ptr)
+
+    def _release(self, ptr: int) -> None:
+        ref = self._refs[ptr]
+        ref[0] -= 1
+        if ref[0] == 0:
+            del self._refs[ptr]
+            self.events.append((-ref[1], ref[2]))
+
+    def alive(self) -> set:
+        """Allocation ids alive now (call it when the call returns: those are what it returned)."""
+        return {ref[2] for ref in self._refs.values()}
+
+    def peak_extra(self, kept: set) -> int:
+        """The most bytes held at once by the allocations not in `kept` (the call's returned tensors)."""
+        live = peak = 0
+        for delta, ident in self.events:
+            if ident not in kept:
+                live += delta
+                peak = max(peak, live)
+        return peak
+
+
+# ---------------------------------------------------------------- the cases
+
+
+def teacher_rows(s: Dict, rows: int, seed: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Slot mask [N] and teacher row [N] (into rows*T positions) of `rows` synthetic training rows:
+    `docs` documents of random lengths, a prompt (loss_mask 0) on each one's first eighth, A anchors
+    sampled as dflash_fast.batches does (bench/bench_step.py's synthetic row)."""
+    t = s["T"]
+    gen = torch.Generator().manual_seed(seed)
+    masks, teacher = [], []
+    for r in range(rows):
+        cuts = torch.randperm(t - 1, generator=gen)[: s["docs"] - 1].add(1).sort().values
+        starts = torch.cat([torch.zeros(1, dtype=torch.long), cuts])
+        lengths = torch.diff(torch.cat([starts, torch.tensor([t])]))
+        document_ids = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+        loss_mask = (torch.arange(t) - starts[document_ids]) >= lengths[document_ids] // 8
+        anchors, valid = sample_anchors(loss_mask, document_ids, s["A"], gen)
+        batch = dict(
+            input_ids=torch.zeros(1, t, dtype=torch.long),
+            loss_mask=loss_mask[None],
+            document_ids=document_ids[None],
+            anchors=anchors[None],
+            anchor_valid=valid[None],
+        )
+        tg = slot_targets(batch, s["B"])
+        masks.append(tg.slot_mask.flatten())
+        teacher.append(tg.teacher_row.flatten() + r * t)
+    return torch.cat(masks), torch.cat(teacher)
+
+
+def case_call(mod, kind: str, strategy: str, s: Dict, rows: int, dtype) -> Callable[[], object]:
+    """The drafter's call of the loss for one case: h and norm_weight get gradients, lm_head is frozen."""
+    n, h, v = rows * s["A"] * s["B"], s["H"], s["V"]
+    mask, _ = teacher_rows(s, rows)
+    empty = lambda *shape, dt=dtype: torch.empty(shape, dtype=dt)  # noqa: E731
+    teacher = kind == "kl" or kind == "ce(teacher argmax)"
+    kw = dict(last=empty(n, h), final_norm_weight=empty(h)) if teacher else {}
+    if kind in ("ce(labels)", "ce_data"):
+        kw = dict(labels=torch.zeros(n, dtype=torch.long))
+    elif kind == "kl_topk":
+        kw = dict(topk_ids=torch.zeros(n, TOPK, dtype=torch.long), topk_logits=torch.zeros(n, TOPK),
+                  topk_lse=torch.zeros(n))
+    loss_kind = kind.split("(")[0]
+    args = (empty(n, h), empty(h), empty(v, h), mask.float(), loss_kind, float(mask.sum()), EPS)
+    return lambda: mod.lm_head_loss_forward(*args, strategy=strategy, need_grads=(True, True, False), **kw)
+
+
+CASES = [
+    ("kl", "recompute"),
+    ("kl", "store"),
+    ("ce(teacher argmax)", "recompute"),
+    ("ce(teacher argmax)", "store"),
+    ("ce(labels)", "recompute"),
+    ("ce_data", "recompute"),
+    ("kl_topk", "recompute"),
+]
+
+
+def model_case(mod, recorder: LaunchRecorder, kind, strategy, s, rows, dtype, kernel_rows: List[Dict]) -> Dict:
+    n = rows * s["A"] * s["B"]
+    unit = 2.0 * n * s["V"] * s["H"]
+    call = case_call(mod, kind, strategy, s, rows, dtype)
+    first = len(recorder.launches)
+    host = HostOps()
+    with host:
+        out = call()
+        returned = host.alive()
+    del out
+    totals = collections.Counter()
+    per_kernel: Dict[Tuple, Dict] = {}
+    spills_default = []
+    for options in recorder.launches[first:]:
+        modelled = []
+        for launch in options:
+            slots = programs_per_sm(launch.row) * H200["sms"]
+            cost = COSTS[launch.kernel](launch.args)
+            if slots == 0 or launch.row["status"] not in ("ok", "spills"):
+                continue
+            seconds, hbm, waves = launch_time(cost, slots)
+            modelled.append((launch, cost, slots, seconds, hbm, waves))
+            key = (launch.kernel, launch.row["variant"], launch.row["config"], launch.row["warps"],
+                   launch.row["stages"])
+            agg = per_kernel.setdefault(key, dict(launches=0, programs=0, waves=0.0, flops=0.0, hbm=0.0, s=0.0,
+                                                  row=launch.row, slots=slots))
+            agg["launches"] += 1
+            agg["programs"] += len(cost.programs)
+            agg["waves"] += waves
+            agg["flops"] += cost.flops
+            agg["hbm"] += hbm
+            agg["s"] += seconds
+        spills_default += [m[0].row for m in modelled if m[0].row["status"] == "spills"]
+        fits = [m for m in modelled if m[0].row["status"] == "ok"] or modelled
+        launch, cost, slots, seconds, hbm, waves = min(fits, key=lambda m: m[3])
+        totals["s"] += seconds
+        totals["hbm"] += hbm
+        totals["flops" if cost.gemm else "other_flops"] += cost.flops
+        totals["launches"] += 1
+        chosen = (launch.kernel, launch.row["variant"], launch.row["config"], launch.row["warps"], launch.row["stages"])
+        per_kernel[chosen]["chosen"] = per_kernel[chosen].get("chosen", 0) + 1
+    host_s = host.bytes / H200["hbm"]
+    label = f"{kind}, {strategy}"
+    for (kernel, variant, config, warps, stages), agg in per_kernel.items():
+        row = agg["row"]
+        kernel_rows.append(
+            dict(
+                case=label,
+                N=n,
+                kernel=kernel,
+                variant=variant,
+                config=f"{config} w{warps} s{stages}",
+                chosen=agg.get("chosen", 0),
+                launches=agg["launches"],
+                programs=agg["programs"],
+                per_sm=agg["slots"] // H200["sms"],
+                waves=round(agg["waves"], 2),
+                n_regs=row["n_regs"],
+                spill_bytes=row["spill_store_bytes"],
+                smem_kb=round(row["smem_bytes"] / 1024, 1),
+                units=round(agg["flops"] / unit, 3),
+                hbm_gb=round(agg["hbm"] / 1e9, 2),
+                ms=round(agg["s"] * 1e3, 3),
+            )
+        )
+    seconds = totals["s"] + host_s
+    floor_s = FLOOR[kind] * unit / H200["flops"]
+    return dict(
+        case=label,
+        N=n,
+        units=round(totals["flops"] / unit, 3),
+        floor_units=FLOOR[kind],
+        launches=totals["launches"],
+        hbm_gb=round(totals["hbm"] / 1e9, 2),
+        host_gb=round(host.bytes / 1e9, 3),
+        ms=round(seconds * 1e3, 2),
+        floor_ms=round(floor_s * 1e3, 2),
+        vs_floor=round(seconds / floor_s, 3),
+        peak_extra_gb=round(host.peak_extra(returned) / 1e9, 2),
+        spilling_configs=len({(r["kernel"], r["variant"], r["config"]) for r in spills_default}),
+    )
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=os.path.join("bench", "results"), help="results folder (default bench/results)")
+    p.add_argument("--small", action="store_true", help="small shapes (the CI test): H=256, V=4099, A=32, T=192")
+    p.add_argument("--dtype", default="bf16", choices=sorted(cc.DTYPES))
+    p.add_argument("--cases", default="", help="regex over '<kind>, <strategy>' labels")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> List[Dict]:
+    import re
+
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    kernel_sha256 = cc._sha256(os.path.join(cc.KERNELS_DIR, "lm_head_loss.py"))  # the source the rows belong to
+    s = SMALL if args.small else REFERENCE
+    (mod,) = [m for m in cc.import_kernels_for_gpu(H200["sms"]) if m.__name__.endswith("lm_head_loss")]
+    recorder = LaunchRecorder(cc.CompileRecorder(90, "all"))
+    recorder.install()
+    dtype = cc.DTYPES[args.dtype]
+    rows, kernel_rows = [], []
+    try:
+        for r in s["rows"]:
+            for kind, strategy in CASES:
+                if re.search(args.cases, f"{kind}, {strategy}"):
+                    recorder.recorder.case, recorder.recorder.dtype = f"lm_head_loss {args.dtype} {kind}", args.dtype
+                    rows.append(model_case(mod, recorder, kind, strategy, s, r, dtype, kernel_rows))
+                    print(rows[-1], flush=True)
+    finally:
+        import shutil
+
+        shutil.rmtree(cc._CACHE_DIR, ignore_errors=True)
+    shape = {k: s[k] for k in ("H", "V", "B", "A", "T", "docs")}
+    meta = dict(
+        shapes=f"{shape}, N = rows x A x B for rows in {s['rows']}, {args.dtype}; lm_head frozen (the drafter's case)",
+        gpu="H200 as PERF.md: 790 TFLOP/s dense bf16 (measured), 4.3 TB/s, 132 SMs, 50 MB L2, 228 KB smem per SM",
+        unit="one GEMM unit = 2 N V H FLOPs; floor: 3 units for kl and teacher ce, 2 for the others",
+        ms="sum over launches of max(FLOPs at 790 TFLOP/s over whole waves, HBM bytes at 4.3 TB/s), plus host ops",
+        peak_extra_gb="most bytes the call's own allocations hold at once, its returned tensors left out",
+        kernel_sha256=kernel_sha256,
+        ptxas=str(cc.get_ptxas(90).path),
+    )
+    name = f"lm_head_model_{triton.__version__}" + ("_small" if args.small else "")
+    print(write_results(name, rows, args.out, meta=meta))
+    write_results(name + "_kernels", kernel_rows, args.out, meta=meta)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
