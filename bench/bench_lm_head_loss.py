@@ -4,9 +4,9 @@
     python bench/bench_lm_head_loss.py --smoke        # tiny fp32 shapes on CPU (interpreter), for CI
 
 Kinds: `kl` against the full teacher (lm_head(final_norm(last))) and `ce` with stored
-labels (no teacher matmul). Ours in both gradient strategies (kernels/lm_head_loss.py):
-`triton-recompute` (5 GEMM units for kl) and, for kl only (with stored labels the two
-are one path), `triton-store` (3 units, [C, V] fp32 buffers). Peers: eager
+labels (no teacher matmul). `triton` is kernels/lm_head_loss.py (logits of 1024-row chunks
+kept in fp32: kl 2 + U/N GEMM units, ce 2); the teacher is one row per slot here (U = N), the
+drafter's teacher rows shared by overlapping blocks are bench_step.py's business. Peers: eager
 (materialised [N, V] logits, fp32 log-softmax) and, when `liger_kernel` imports,
 LigerFusedLinearJSD(jsd_beta=0) (forward KL) for `kl` and
 LigerFusedLinearCrossEntropyLoss for `ce`; both get the normed states
@@ -14,7 +14,6 @@ and include the norm in the timing (their loss is a plain token mean, so the `lo
 column compares eager and triton only). Results: <out>/lm_head_loss.{json,md,png}.
 """
 import argparse
-import functools
 import os
 import sys
 
@@ -28,6 +27,7 @@ from dflash_fast.kernels.lm_head_loss import lm_head_loss  # noqa: E402
 
 from bench.harness import peak_memory_mb, time_ms, write_results  # noqa: E402
 from dflash_fast import eager  # noqa: E402
+from dflash_fast.eager import Teacher  # noqa: E402
 
 EPS = 1e-6
 KINDS = {"kl": ("kl", False), "ce (stored labels)": ("ce", True)}
@@ -48,12 +48,13 @@ def make_inputs(n, hid, v, dtype, device):
 
 
 def ours_or_eager(fn, x, kind, stored_labels):
+    teacher = Teacher(last=x["last"], final_norm_weight=x["final_norm_weight"])
+    if stored_labels:
+        teacher = Teacher(labels=x["labels"])
+
     def step():
         x["h"].grad = x["norm_weight"].grad = None
-        out = fn(
-            x["h"], x["norm_weight"], x["lm_head_weight"], x["weights"], kind, x["h"].shape[0], EPS,
-            last=x["last"], final_norm_weight=x["final_norm_weight"], labels=x["labels"] if stored_labels else None,
-        )
+        out = fn(x["h"], x["norm_weight"], x["lm_head_weight"], x["weights"], kind, x["h"].shape[0], EPS, teacher)
         out.loss.backward()
         return out.loss.detach()
 
@@ -117,12 +118,11 @@ def main(argv=None):
     x = make_inputs(n, hid, v, dtype, device)
     rows = []
     for label, (kind, stored_labels) in KINDS.items():
-        strategies = ("recompute",) if stored_labels else ("recompute", "store")  # one path without a teacher
-        impls = {"eager": lambda: ours_or_eager(eager.lm_head_loss, x, kind, stored_labels)}
-        for strategy in strategies:
-            ours = functools.partial(lm_head_loss, strategy=strategy)
-            impls[f"triton-{strategy}"] = lambda ours=ours: ours_or_eager(ours, x, kind, stored_labels)
-        impls["liger"] = lambda: liger_step(x, kind)
+        impls = {
+            "eager": lambda: ours_or_eager(eager.lm_head_loss, x, kind, stored_labels),
+            "triton": lambda: ours_or_eager(lm_head_loss, x, kind, stored_labels),
+            "liger": lambda: liger_step(x, kind),
+        }
         base = {"kind": label, "N": n, "H": hid, "V": v, "dtype": str(dtype).replace("torch.", "")}
         eager_row = None
         for impl, make in impls.items():

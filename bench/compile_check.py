@@ -314,22 +314,24 @@ def anchored_attention_cases(mod, s, dtype) -> Dict[str, Callable[[], None]]:
 
 
 def lm_head_loss_cases(mod, s, dtype) -> Dict[str, Callable[[], None]]:
-    """Every loss kind; both gradient strategies of the full-teacher kinds; a trainable lm_head (its
+    """Every loss kind (the full teacher's `last` is the row's T positions, which the A*B slots index, as the
+    drafter passes it); D-PACE weights (no kernel of their own, checked with kl); a trainable lm_head (its
     weight-gradient GEMM; the drafter's head is frozen).
 
     Every launch happens in the forward, which computes the gradients; the backward only scales them
     (no kernel), so it is not run: at V = 151936 it would write gigabytes of host memory for nothing.
     """
-    n, h, v = s["A"] * s["B"], s["H"], s["V"]
-    labels = torch.randint(0, v, (n,))
-    topk_ids = torch.randint(0, v, (n, TOPK))
+    n, h, v, t = s["A"] * s["B"], s["H"], s["V"], s["T"]
+    index = torch.linspace(0, t - 1, n).long()
 
-    def step(kind, with_labels=True, strategy="recompute", train_head=False):
-        kw = dict(last=_empty(n, h, dtype=dtype), final_norm_weight=_empty(h, dtype=dtype))
+    def step(kind, with_labels=True, train_head=False, dpace=False):
+        teacher = mod.Teacher(last=_empty(t, h, dtype=dtype), final_norm_weight=_empty(h, dtype=dtype), index=index)
         if kind in ("ce", "ce_data") and with_labels:
-            kw = dict(labels=labels)
+            teacher = mod.Teacher(labels=torch.randint(0, v, (n,)))
         elif kind == "kl_topk":
-            kw = dict(topk_ids=topk_ids, topk_logits=torch.zeros(n, TOPK), topk_lse=torch.zeros(n))
+            teacher = mod.Teacher(
+                topk_ids=torch.randint(0, v, (n, TOPK)), topk_logits=torch.zeros(n, TOPK), topk_lse=torch.zeros(n)
+            )
         mod.lm_head_loss(
             _empty(n, h, dtype=dtype, grad=True),
             _empty(h, dtype=dtype, grad=True),
@@ -338,8 +340,8 @@ def lm_head_loss_cases(mod, s, dtype) -> Dict[str, Callable[[], None]]:
             kind,
             float(n),
             EPS,
-            strategy=strategy,
-            **kw,
+            teacher,
+            mod.DPace(0.5, s["B"]) if dpace else None,
         )
 
     return {
@@ -348,10 +350,8 @@ def lm_head_loss_cases(mod, s, dtype) -> Dict[str, Callable[[], None]]:
         "ce(labels)": lambda: step("ce"),
         "ce(teacher argmax)": lambda: step("ce", with_labels=False),
         "ce_data": lambda: step("ce_data"),
+        "kl, D-PACE": lambda: step("kl", dpace=True),
         "kl, lm_head trained": lambda: step("kl", train_head=True),
-        "kl, store": lambda: step("kl", strategy="store"),
-        "ce(teacher argmax), store": lambda: step("ce", with_labels=False, strategy="store"),
-        "kl, store, lm_head trained": lambda: step("kl", strategy="store", train_head=True),
     }
 
 

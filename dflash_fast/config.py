@@ -17,7 +17,6 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
-LOSS_KINDS = ("auto", "kl", "kl_topk", "ce", "ce_data")
 SCHEDULES = ("cosine", "constant")
 PRECISIONS = ("auto", "bf16", "fp32")
 EXPORT_DTYPES = ("bf16", "fp16", "fp32")
@@ -58,10 +57,14 @@ class DataConfig:
 
 @dataclasses.dataclass
 class LossConfig:
-    """`auto`: `kl` (exact soft targets from `last`) when the store has `last`, else `kl_topk`."""
+    """`kind`: one of dflash_fast.eager.LOSS_KINDS, or `auto`: `kl` (exact soft targets from `last`) when the
+    store has `last`, else `kl_topk`. `weighting` of the slots of a block (SPEC §5): `decay`, or `dpace`
+    (D-PACE, from the drafter's own confidence against the teacher's argmax)."""
 
     kind: str = "auto"
-    gamma: float = 7.0  # position weight w_j = exp(-(j - 1) / gamma)
+    gamma: float = 7.0  # decay: position weight w_j = exp(-(j - 1) / gamma)
+    weighting: str = "decay"  # decay | dpace
+    dpace_alpha: float = 0.5  # dpace: confidence smoothing s_j = (1 - alpha) c_j + alpha, in [0, 1]
 
 
 @dataclasses.dataclass
@@ -285,6 +288,7 @@ def _numbers(node, prefix: str = ""):
 def validate(cfg: TrainConfig) -> None:
     """Ranges and choices; what needs the store or the target is checked by the trainer."""
     from dflash_fast import ops
+    from dflash_fast.eager import LOSS_KINDS, WEIGHTINGS
 
     for key, value in _numbers(cfg):
         _check(math.isfinite(value), f"{key}={value} is not a finite number")
@@ -314,8 +318,11 @@ def validate(cfg: TrainConfig) -> None:
     _check(0 <= d.val_fraction < 1, f"data.val_fraction={d.val_fraction} must be in [0, 1)")
     _check(d.num_workers >= 0, f"data.num_workers={d.num_workers} must be >= 0")
     _check(d.noise_std >= 0, f"data.noise_std={d.noise_std} must be >= 0")
-    _check(cfg.loss.kind in LOSS_KINDS, f"loss.kind={cfg.loss.kind!r} is not one of {LOSS_KINDS}")
+    kinds = ("auto",) + LOSS_KINDS
+    _check(cfg.loss.kind in kinds, f"loss.kind={cfg.loss.kind!r} is not one of {kinds}")
     _check(cfg.loss.gamma > 0, f"loss.gamma={cfg.loss.gamma} must be > 0")
+    _check(cfg.loss.weighting in WEIGHTINGS, f"loss.weighting={cfg.loss.weighting!r} is not one of {WEIGHTINGS}")
+    _check(0 <= cfg.loss.dpace_alpha <= 1, f"loss.dpace_alpha={cfg.loss.dpace_alpha} must be in [0, 1]")
     _check(o.kind in OPTIMIZERS, f"optimizer.kind={o.kind!r} is not one of {OPTIMIZERS}")
     _check(o.lr > 0 and o.muon_lr > 0, f"optimizer.lr={o.lr} and optimizer.muon_lr={o.muon_lr} must be > 0")
     _check(0 <= o.muon_momentum < 1, f"optimizer.muon_momentum={o.muon_momentum} must be in [0, 1)")

@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dflash_fast import ops
-from dflash_fast.eager import rms_norm
+from dflash_fast.eager import DPace, Teacher, needs_last, rms_norm
 from dflash_fast.store import final_norm_weight
 
 LAYER_KINDS = ("full", "sliding")
@@ -269,6 +269,14 @@ def slot_targets(batch: Dict[str, torch.Tensor], block_size: int) -> Targets:
     return Targets(mask, in_row, (p - 1).clamp(0, t - 1))
 
 
+def teacher_index(tg: Targets, seq_len: int) -> torch.Tensor:
+    """[R*A*B] row of last.flatten(0, 1) ([R*T, H]) each slot is scored against: its position p - 1 in its row.
+    Overlapping blocks share these rows, so the loss computes each teacher row's logits once."""
+    r = tg.teacher_row.shape[0]
+    offsets = torch.arange(r, device=tg.teacher_row.device)[:, None, None] * seq_len
+    return (tg.teacher_row + offsets).flatten()
+
+
 def gather_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """x [R, T, ...] at row positions rows [R, A, B] -> [R*A*B, ...]."""
     r, t = x.shape[:2]
@@ -360,8 +368,14 @@ class DFlashDrafter(nn.Module):
         gamma: float = 7.0,
         noise_std: float = 0.0,
         seed: int = 0,
+        weighting: str = "decay",
+        dpace_alpha: float = 0.5,
     ) -> DrafterOutput:
-        """Training forward on a collated batch (keys as in dflash_fast.batches)."""
+        """Training forward on a collated batch (keys as in dflash_fast.batches).
+
+        weighting: "decay" (SPEC §5 position weights with `gamma`) or "dpace" (D-PACE with `dpace_alpha`,
+        computed inside the loss from the drafter's confidence).
+        """
         cfg = self.config
         anchors = batch["anchors"]
         r, a = anchors.shape
@@ -377,27 +391,28 @@ class DFlashDrafter(nn.Module):
             batch["document_ids"],
         )
         tg = slot_targets(batch, b)
-        weights = position_weights(b, gamma).to(x.device) * tg.slot_mask
+        dpace = DPace(dpace_alpha, b) if weighting == "dpace" else None
+        weights = tg.slot_mask.float() if dpace else position_weights(b, gamma).to(x.device) * tg.slot_mask
         n = r * a * b
-        kwargs = {}
         stored_argmax = (
             gather_rows(batch["teacher_topk_ids"], tg.teacher_row)[:, 0] if "teacher_topk_ids" in batch else None
         )
-        if loss_kind == "kl" or (loss_kind == "ce" and stored_argmax is None):
+        if needs_last(loss_kind, stored_argmax is not None):
             if "last" not in batch:
                 raise ValueError(
                     f"loss kind {loss_kind!r} needs `last` in the store; use ce or kl_topk with a --no-last store"
                 )
-            kwargs = dict(
-                last=gather_rows(batch["last"], tg.teacher_row).to(x.dtype),
+            teacher = Teacher(
+                last=batch["last"].flatten(0, 1).to(x.dtype),
                 final_norm_weight=self.target_norm.to(x.dtype),
+                index=teacher_index(tg, batch["last"].shape[1]),
             )
         elif loss_kind == "ce":
-            kwargs = dict(labels=stored_argmax)
+            teacher = Teacher(labels=stored_argmax)
         elif loss_kind == "ce_data":
-            kwargs = dict(labels=gather_rows(batch["input_ids"], tg.position))
+            teacher = Teacher(labels=gather_rows(batch["input_ids"], tg.position))
         elif loss_kind == "kl_topk":
-            kwargs = dict(
+            teacher = Teacher(
                 topk_ids=gather_rows(batch["teacher_topk_ids"], tg.teacher_row),
                 topk_logits=gather_rows(batch["teacher_topk_logits"], tg.teacher_row),
                 topk_lse=gather_rows(batch["teacher_lse"], tg.teacher_row),
@@ -412,11 +427,12 @@ class DFlashDrafter(nn.Module):
             loss_kind,
             tg.slot_mask.sum(),
             cfg.rms_norm_eps,
-            **kwargs,
+            teacher,
+            dpace,
         )
-        teacher = stored_argmax if stored_argmax is not None and loss_kind == "ce_data" else out.teacher_argmax
+        teacher_argmax = stored_argmax if stored_argmax is not None and loss_kind == "ce_data" else out.teacher_argmax
         shape = (r, a, b)
-        return DrafterOutput(out.loss, out.kl, out.draft_argmax.view(shape), teacher.view(shape), tg.slot_mask)
+        return DrafterOutput(out.loss, out.kl, out.draft_argmax.view(shape), teacher_argmax.view(shape), tg.slot_mask)
 
     @torch.no_grad()
     def propose(self, hidden: torch.Tensor, anchor_token: int) -> torch.Tensor:

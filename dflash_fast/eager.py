@@ -11,8 +11,6 @@ from typing import NamedTuple, Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
-LOSS_KINDS = ("kl", "ce", "ce_data", "kl_topk")
-
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Qwen3/Llama RMSNorm: statistics in fp32, scale applied in the input dtype.
@@ -153,6 +151,46 @@ def anchored_attention(
     return out.reshape(r, n_q, hq, d).to(q.dtype)
 
 
+LOSS_KINDS = ("kl", "ce", "ce_data", "kl_topk")
+WEIGHTINGS = ("decay", "dpace")
+
+
+def has_kl(kind: str) -> bool:
+    """The loss kind is a soft cross-entropy, so its KL(p||q) is a metric: kl and kl_topk."""
+    return kind in ("kl", "kl_topk")
+
+
+def needs_last(kind: str, stored_labels: bool) -> bool:
+    """The loss kind scores against the full teacher lm_head(final_norm(last)): kl, and ce without stored labels."""
+    return kind == "kl" or (kind == "ce" and not stored_labels)
+
+
+class Teacher(NamedTuple):
+    """The teacher side of the loss (SPEC §5); which fields a kind reads is in `lm_head_loss`.
+
+    last: [U, H] the target's pre-norm final states at the teacher positions; final_norm_weight: [H]
+    (effective weight); index: [N] int64, the row of `last` that drafter row n is scored against (its
+    position p - 1), None when `last` is [N, H] row for row. Overlapping blocks share teacher positions,
+    so U can be much smaller than N: the teacher logits are computed once per row of `last`.
+    labels: [N]; topk_ids, topk_logits: [N, k]; topk_lse: [N].
+    """
+
+    last: Optional[torch.Tensor] = None
+    final_norm_weight: Optional[torch.Tensor] = None
+    index: Optional[torch.Tensor] = None
+    labels: Optional[torch.Tensor] = None
+    topk_ids: Optional[torch.Tensor] = None
+    topk_logits: Optional[torch.Tensor] = None
+    topk_lse: Optional[torch.Tensor] = None
+
+
+class DPace(NamedTuple):
+    """D-PACE position weights (SPEC §5) over blocks of `block_size` consecutive rows; alpha in [0, 1]."""
+
+    alpha: float
+    block_size: int
+
+
 class LossOutput(NamedTuple):
     """loss: scalar (differentiable); kl: scalar KL(p||q) metric for kl kinds, else None;
     draft_argmax, teacher_argmax: [N] int64 (teacher_argmax is the label the loss used)."""
@@ -163,6 +201,71 @@ class LossOutput(NamedTuple):
     teacher_argmax: torch.Tensor
 
 
+def dpace_weights(confidence: torch.Tensor, mask: torch.Tensor, dpace: DPace) -> torch.Tensor:
+    """D-PACE weights [N] fp32 of rows in blocks of dpace.block_size; confidence, mask: [N].
+
+    Per block, c_j = confidence (exp(-CE_j) against the loss's label), m_j = mask (trained slots):
+    s_j = (1 - alpha) c_j + alpha where m_j, else 1; P_j = prod_{i <= j} s_i; w_j = m_j sum_{i >= j} P_i m_i.
+    """
+    c = confidence.detach().float().view(-1, dpace.block_size)
+    m = mask.view(-1, dpace.block_size).float()
+    smooth = torch.where(m > 0, (1 - dpace.alpha) * c + dpace.alpha, torch.ones_like(c))
+    reach = torch.cumprod(smooth, dim=-1) * m
+    return (reach.flip(-1).cumsum(-1).flip(-1) * m).view(-1)
+
+
+def check_loss_inputs(
+    h: torch.Tensor,
+    norm_weight: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    weights: torch.Tensor,
+    kind: str,
+    teacher: Teacher,
+    dpace: Optional[DPace],
+) -> None:
+    """Shapes, dtypes and the inputs each kind needs, for the eager loss and the kernel alike."""
+    n, hid = h.shape if h.dim() == 2 else (None, None)
+    if kind not in LOSS_KINDS:
+        raise ValueError(f"loss kind {kind!r} is not one of {LOSS_KINDS}")
+    if h.dim() != 2 or lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != hid:
+        raise ValueError(
+            f"h must be [N, H] and lm_head_weight [V, H]; got {tuple(h.shape)} and {tuple(lm_head_weight.shape)}"
+        )
+    if h.dtype != lm_head_weight.dtype:
+        raise ValueError(f"h is {h.dtype} but lm_head_weight is {lm_head_weight.dtype}: cast both to one dtype")
+    if norm_weight.shape != (hid,) or weights.shape != (n,):
+        raise ValueError(
+            f"norm_weight must be [H] = [{hid}] and weights [N] = [{n}]; got {tuple(norm_weight.shape)} "
+            f"and {tuple(weights.shape)}"
+        )
+    if dpace is not None and (n % dpace.block_size or not 0 <= dpace.alpha <= 1):
+        raise ValueError(
+            f"D-PACE needs N = {n} rows in whole blocks of {dpace.block_size} and alpha = {dpace.alpha} in [0, 1]"
+        )
+    t = teacher
+    if needs_last(kind, t.labels is not None):
+        if t.last is None or t.final_norm_weight is None:
+            raise ValueError(f"loss kind {kind!r} without stored labels needs teacher.last and final_norm_weight")
+        if t.last.dim() != 2 or t.last.shape[1] != hid or t.last.dtype != h.dtype:
+            raise ValueError(f"teacher.last must be [U, {hid}] in {h.dtype}; got {tuple(t.last.shape)}, {t.last.dtype}")
+        if t.index is None and t.last.shape[0] != n:
+            raise ValueError(f"teacher.last has {t.last.shape[0]} rows for N = {n}: pass teacher.index [N]")
+        if t.index is not None and (t.index.shape != (n,) or t.index.is_floating_point()):
+            raise ValueError(f"teacher.index must be [N] = [{n}] integers; got {tuple(t.index.shape)} {t.index.dtype}")
+    elif kind in ("ce", "ce_data"):
+        if t.labels is None:
+            raise ValueError(f"loss kind {kind!r} needs teacher.labels")
+        if t.labels.shape != (n,):
+            raise ValueError(f"teacher.labels must be [N] = [{n}]; got {tuple(t.labels.shape)}")
+    elif t.topk_ids is None or t.topk_logits is None or t.topk_lse is None:
+        raise ValueError("loss kind 'kl_topk' needs teacher.topk_ids, topk_logits and topk_lse")
+    elif t.topk_ids.dim() != 2 or t.topk_ids.shape[0] != n or t.topk_logits.shape != t.topk_ids.shape:
+        raise ValueError(
+            f"teacher.topk_ids and topk_logits must be [N, k] with N = {n}; got {tuple(t.topk_ids.shape)}, "
+            f"{tuple(t.topk_logits.shape)}"
+        )
+
+
 def lm_head_loss(
     h: torch.Tensor,
     norm_weight: torch.Tensor,
@@ -171,56 +274,46 @@ def lm_head_loss(
     kind: str,
     normalizer: Union[float, torch.Tensor],
     eps: float,
-    last: Optional[torch.Tensor] = None,
-    final_norm_weight: Optional[torch.Tensor] = None,
-    labels: Optional[torch.Tensor] = None,
-    topk_ids: Optional[torch.Tensor] = None,
-    topk_logits: Optional[torch.Tensor] = None,
-    topk_lse: Optional[torch.Tensor] = None,
+    teacher: Teacher,
+    dpace: Optional[DPace] = None,
 ) -> LossOutput:
     """Drafter norm + lm_head + loss against the teacher (SPEC §5), materialised logits.
 
     h: [N, H] drafter pre-norm states; norm_weight: [H]; lm_head_weight: [V, H] (frozen
     unless it requires grad); weights: [N] = position weight x mask (0 drops a row);
-    loss = sum_n weights[n] * l[n] / max(normalizer, 1).
-    kind:
-      kl      -- soft CE against softmax(lm_head(final_norm(last))); needs last [N, H],
-                 final_norm_weight [H] (effective weight).
-      ce      -- hard CE against labels [N] (stored teacher argmax) if given, else
-                 against argmax(lm_head(final_norm(last))).
-      ce_data -- hard CE against labels [N] (the dataset tokens).
+    loss = sum_n w[n] * l[n] / max(normalizer, 1) with w = weights, or with D-PACE
+    (`dpace` given) w = weights * dpace_weights(exp(-CE against teacher_argmax), weights > 0).
+    kind (teacher: `Teacher`):
+      kl      -- soft CE against softmax(lm_head(final_norm(last)))[index]; needs last,
+                 final_norm_weight (and index when last is not row for row).
+      ce      -- hard CE against teacher.labels [N] (stored teacher argmax) if given, else
+                 against argmax(lm_head(final_norm(last)))[index].
+      ce_data -- hard CE against teacher.labels [N] (the dataset tokens).
       kl_topk -- soft CE against the stored top-k teacher: p_i = exp(topk_logits - topk_lse)
                  over topk_ids [N, k] plus the rest mass 1 - sum p_i on "every other token".
     """
-    if kind not in LOSS_KINDS:
-        raise ValueError(f"loss kind {kind!r} is not one of {LOSS_KINDS}")
+    check_loss_inputs(h, norm_weight, lm_head_weight, weights, kind, teacher, dpace)
     logits = F.linear(rms_norm(h, norm_weight, eps), lm_head_weight).float()  # [N, V]
     logq = torch.log_softmax(logits, dim=-1)
-    w = weights.float()
-    kl = None
-    if kind == "kl" or (kind == "ce" and labels is None):
-        if last is None or final_norm_weight is None:
-            raise ValueError(f"loss kind {kind!r} without stored labels needs last and final_norm_weight")
+    kl_row = None
+    if needs_last(kind, teacher.labels is not None):
         with torch.no_grad():
-            t = F.linear(rms_norm(last, final_norm_weight, eps), lm_head_weight).float()
+            t = F.linear(rms_norm(teacher.last, teacher.final_norm_weight, eps), lm_head_weight).float()
+            t = t if teacher.index is None else t[teacher.index]  # [N, V]
         teacher_argmax = t.argmax(-1)
         if kind == "kl":
             logp = torch.log_softmax(t, dim=-1)
             per_row = -(logp.exp() * logq).sum(-1)
-            kl = ((logp.exp() * (logp - logq.detach())).sum(-1) * w).sum()
+            kl_row = (logp.exp() * (logp - logq.detach())).sum(-1)
         else:
             per_row = -logq.gather(1, teacher_argmax[:, None])[:, 0]
     elif kind in ("ce", "ce_data"):
-        if labels is None:
-            raise ValueError(f"loss kind {kind!r} needs labels")
-        teacher_argmax = labels.long()
+        teacher_argmax = teacher.labels.long()
         per_row = -logq.gather(1, teacher_argmax.clamp(0, logits.shape[1] - 1)[:, None])[:, 0]
     else:
-        if topk_ids is None or topk_logits is None or topk_lse is None:
-            raise ValueError("loss kind 'kl_topk' needs topk_ids, topk_logits and topk_lse")
-        ids = topk_ids.long()
+        ids = teacher.topk_ids.long()
         teacher_argmax = ids[:, 0]
-        p = torch.exp(topk_logits.float() - topk_lse.float()[:, None])  # [N, k]
+        p = torch.exp(teacher.topk_logits.float() - teacher.topk_lse.float()[:, None])  # [N, k]
         p_rest = (1 - p.sum(-1)).clamp(min=0)
         logq_top = logq.gather(1, ids)
         rest_logits = logits.scatter(1, ids, float("-inf"))
@@ -230,9 +323,12 @@ def lm_head_loss(
         with torch.no_grad():
             plogp = torch.where(p > 0, p * p.clamp(min=1e-38).log(), torch.zeros_like(p)).sum(-1)
             plogp = plogp + torch.where(p_rest > 0, p_rest * p_rest.clamp(min=1e-38).log(), torch.zeros_like(p_rest))
-            kl = ((plogp + per_row.detach()) * w).sum()
+            kl_row = plogp + per_row.detach()
+    w = weights.float()
+    if dpace is not None:
+        label = teacher_argmax.clamp(0, logits.shape[1] - 1)[:, None]
+        w = w * dpace_weights(logq.detach().gather(1, label)[:, 0].exp(), w > 0, dpace)
     denom = torch.as_tensor(normalizer, dtype=torch.float32, device=h.device).clamp(min=1)
     loss = (per_row * w).sum() / denom
-    if kl is not None:
-        kl = kl / denom
+    kl = None if kl_row is None else (kl_row * w).sum() / denom
     return LossOutput(loss, kl, logits.argmax(-1), teacher_argmax)

@@ -7,8 +7,7 @@
               document_ids [R, T], block_size, window=None, causal_in_block=False,
               scale=None) -> out [R, A*B, Hq, D]
     lm_head_loss(h [N, H], norm_weight [H], lm_head_weight [V, H], weights [N],
-              kind, normalizer, eps, last=None, final_norm_weight=None, labels=None,
-              topk_ids=None, topk_logits=None, topk_lse=None) -> LossOutput
+              kind, normalizer, eps, teacher: eager.Teacher, dpace: eager.DPace = None) -> LossOutput
 
 Full semantics in `dflash_fast/eager.py`. The backend is chosen per op:
 `set_backend("triton")`, `set_backend(lm_head_loss="eager")`, the config key

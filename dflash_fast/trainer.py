@@ -59,6 +59,7 @@ from dflash_fast.checkpoint import (
 )
 from dflash_fast.config import ConfigError, TrainConfig, load_config
 from dflash_fast.drafter import DFlashDrafter, DrafterConfig, DrafterOutput, build_drafter, slot_metrics, slot_targets
+from dflash_fast.eager import has_kl, needs_last
 from dflash_fast.errors import DEBUG_ENV, UserError, run_reporting_errors
 from dflash_fast.export import export_drafter
 from dflash_fast.store import HiddenStateStore, torch_dtype
@@ -112,9 +113,9 @@ def check_store_matches(store_path: str, manifest: Dict, drafter: DrafterConfig,
             f"the store was extracted from {manifest['target']['path']}, the drafter is built from {target}")
     if problems:
         raise StoreMismatch(f"the store {store_path} does not match the drafter:\n  - " + "\n  - ".join(problems))
-    if loss_kind == "kl" and not manifest["has_last"]:
-        raise StoreMismatch(f"loss.kind=kl needs `last`, but the store {store_path} was extracted with --no-last: "
-                            f"use loss.kind=kl_topk (or ce), or re-extract without --no-last")
+    if needs_last(loss_kind, stored_labels=True) and not manifest["has_last"]:  # every store holds the top-k
+        raise StoreMismatch(f"loss.kind={loss_kind} needs `last`, but the store {store_path} was extracted with "
+                            f"--no-last: use loss.kind=kl_topk (or ce), or re-extract without --no-last")
 
 
 def deepspeed_config(path: str, cfg: TrainConfig, precision: str) -> Dict:
@@ -464,6 +465,8 @@ class Trainer:
         resume = self._find_resume()
         self.target = cfg.model.target or manifest["target"]["path"]
         self.loss_kind = resolve_loss_kind(cfg.loss.kind, manifest)
+        # Every store holds the teacher's top-k, so only kl reads `last` (ce takes the stored argmax).
+        self.with_last = needs_last(self.loss_kind, stored_labels=True)
         m = cfg.model
         self.precision = cfg.precision
         if self.precision == "auto":
@@ -499,7 +502,7 @@ class Trainer:
         self.zero_stage = ds.get("zero_optimization", {}).get("stage", 0)
         num_params = sum(p.numel() for p in drafter.parameters())
 
-        self.stream = TrainStream(self.store, cfg, rank, world_size, with_last=self.loss_kind == "kl")
+        self.stream = TrainStream(self.store, cfg, rank, world_size, with_last=self.with_last)
         self.total_steps = s.steps or math.ceil(s.epochs * self.stream.per_epoch / s.grad_accum)
         warmup = round(s.warmup_ratio * self.total_steps)
         optimizer = build_optimizer(drafter, cfg, offloads_optimizer(ds))
@@ -727,7 +730,16 @@ class Trainer:
         return out
 
     def _forward(self, batch: Dict[str, torch.Tensor], noise_std: float, seed: int) -> DrafterOutput:
-        return self.engine(batch, loss_kind=self.loss_kind, gamma=self.cfg.loss.gamma, noise_std=noise_std, seed=seed)
+        loss = self.cfg.loss
+        return self.engine(
+            batch,
+            loss_kind=self.loss_kind,
+            gamma=loss.gamma,
+            noise_std=noise_std,
+            seed=seed,
+            weighting=loss.weighting,
+            dpace_alpha=loss.dpace_alpha,
+        )
 
     def train_step(self) -> Tuple[Sums, Dict[str, float], Optional[float]]:
         """One optimizer step -> (sums reduced over ranks, seconds per phase, grad norm)."""
@@ -787,7 +799,7 @@ class Trainer:
             num_workers=d.num_workers,
             val_fraction=d.val_fraction,
             split_seed=d.split_seed,
-            with_last=self.loss_kind == "kl",
+            with_last=self.with_last,
         )
         sums = Sums(self.block_size, self.device)
         batches = 0
@@ -801,7 +813,7 @@ class Trainer:
         entry = {
             "split": "val",
             "step": self.step,
-            **sums.metrics(self.loss_kind in ("kl", "kl_topk")),
+            **sums.metrics(has_kl(self.loss_kind)),
             "batches": batches * self.world_size,
         }
         self.record(entry)
@@ -853,7 +865,7 @@ class Trainer:
             file=sys.stdout,
         )
         window = Window(self.block_size, self.device)
-        with_kl = self.loss_kind in ("kl", "kl_topk")
+        with_kl = has_kl(self.loss_kind)
         saved_at = self.step if self.last_checkpoint else None
         validated_at = None
         try:

@@ -193,6 +193,29 @@ def test_loss_falls_and_the_export_holds_the_trained_weights(tiny, tmp_path):
         assert torch.equal(p, weights[name]), name
 
 
+def test_loss_weighting_dpace_reaches_the_loss(tiny, tmp_path, monkeypatch):
+    from dflash_fast import ops
+    from dflash_fast.eager import DPace
+
+    calls = []
+    loss_fn = ops.lm_head_loss
+
+    def spy(*args):
+        calls.append((args[3].detach().clone(), args[8]))
+        return loss_fn(*args)
+
+    monkeypatch.setattr(ops, "lm_head_loss", spy)
+    out = str(tmp_path / "dpace")
+    run(tiny, out, schedule__steps=2, loss__weighting="dpace", loss__dpace_alpha=0.3)
+    assert calls and all(dpace == DPace(0.3, BLOCK) for _, dpace in calls)
+    assert all(set(weights.unique().tolist()) == {0.0, 1.0} for weights, _ in calls), "D-PACE weights the slot mask"
+    calls.clear()
+    decay = str(tmp_path / "decay")
+    run(tiny, decay, schedule__steps=2)
+    assert calls and all(dpace is None for _, dpace in calls)
+    assert losses(out)[1] != pytest.approx(losses(decay)[1], rel=1e-3)
+
+
 def test_tensorboard_holds_the_metrics_jsonl_scalars(tiny, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
