@@ -51,6 +51,7 @@ from bench.harness import peak_memory_mb, time_calls_ms, time_ms, write_results 
 from dflash_fast import ops  # noqa: E402
 from dflash_fast.batches import sample_anchors  # noqa: E402
 from dflash_fast.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
+from dflash_fast.eager import needs_last  # noqa: E402
 
 FULL = dict(H=4096, Hq=32, Hkv=8, D=128, I=12288, V=151936, K=5, L=5, B=16, A=512, T=3072, docs=4)
 SMOKE = dict(H=32, Hq=2, Hkv=1, D=16, I=64, V=256, K=2, L=2, B=4, A=6, T=48, docs=3)
@@ -378,7 +379,7 @@ def main(argv=None):
     shared_gb = sum(x.numel() * x.element_size() for x in [*batch.values(), *frozen.values()]) / 2**30
     n_anchors = int(batch["anchor_valid"].sum())
     peak_rate, matmul_rate = datasheet_bf16(), measured_matmul_rate()
-    ours_teacher = args.loss == "kl"
+    ours_teacher = needs_last(args.loss, stored_labels=True)  # the synthetic row stores the top-k teacher
     builders = {
         "triton": lambda: build_ours("triton", s, frozen, dtype, device, lr, args.loss, batch),
         "eager": lambda: build_ours("eager", s, frozen, dtype, device, lr, args.loss, batch),

@@ -269,12 +269,12 @@ def slot_targets(batch: Dict[str, torch.Tensor], block_size: int) -> Targets:
     return Targets(mask, in_row, (p - 1).clamp(0, t - 1))
 
 
-def teacher_index(tg: Targets, seq_len: int) -> torch.Tensor:
+def teacher_index(targets: Targets, seq_len: int) -> torch.Tensor:
     """[R*A*B] row of last.flatten(0, 1) ([R*T, H]) each slot is scored against: its position p - 1 in its row.
     Overlapping blocks share these rows, so the loss computes each teacher row's logits once."""
-    r = tg.teacher_row.shape[0]
-    offsets = torch.arange(r, device=tg.teacher_row.device)[:, None, None] * seq_len
-    return (tg.teacher_row + offsets).flatten()
+    r = targets.teacher_row.shape[0]
+    offsets = torch.arange(r, device=targets.teacher_row.device)[:, None, None] * seq_len
+    return (targets.teacher_row + offsets).flatten()
 
 
 def gather_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -390,12 +390,12 @@ class DFlashDrafter(nn.Module):
             batch["anchor_valid"],
             batch["document_ids"],
         )
-        tg = slot_targets(batch, b)
+        targets = slot_targets(batch, b)
         dpace = DPace(dpace_alpha, b) if weighting == "dpace" else None
-        weights = tg.slot_mask.float() if dpace else position_weights(b, gamma).to(x.device) * tg.slot_mask
+        weights = targets.slot_mask.float() if dpace else position_weights(b, gamma).to(x.device) * targets.slot_mask
         n = r * a * b
         stored_argmax = (
-            gather_rows(batch["teacher_topk_ids"], tg.teacher_row)[:, 0] if "teacher_topk_ids" in batch else None
+            gather_rows(batch["teacher_topk_ids"], targets.teacher_row)[:, 0] if "teacher_topk_ids" in batch else None
         )
         if needs_last(loss_kind, stored_argmax is not None):
             if "last" not in batch:
@@ -405,17 +405,17 @@ class DFlashDrafter(nn.Module):
             teacher = Teacher(
                 last=batch["last"].flatten(0, 1).to(x.dtype),
                 final_norm_weight=self.target_norm.to(x.dtype),
-                index=teacher_index(tg, batch["last"].shape[1]),
+                index=teacher_index(targets, batch["last"].shape[1]),
             )
         elif loss_kind == "ce":
             teacher = Teacher(labels=stored_argmax)
         elif loss_kind == "ce_data":
-            teacher = Teacher(labels=gather_rows(batch["input_ids"], tg.position))
+            teacher = Teacher(labels=gather_rows(batch["input_ids"], targets.position))
         elif loss_kind == "kl_topk":
             teacher = Teacher(
-                topk_ids=gather_rows(batch["teacher_topk_ids"], tg.teacher_row),
-                topk_logits=gather_rows(batch["teacher_topk_logits"], tg.teacher_row),
-                topk_lse=gather_rows(batch["teacher_lse"], tg.teacher_row),
+                topk_ids=gather_rows(batch["teacher_topk_ids"], targets.teacher_row),
+                topk_logits=gather_rows(batch["teacher_topk_logits"], targets.teacher_row),
+                topk_lse=gather_rows(batch["teacher_lse"], targets.teacher_row),
             )
         else:
             raise ValueError(f"unknown loss kind {loss_kind!r}")
@@ -425,14 +425,15 @@ class DFlashDrafter(nn.Module):
             self.lm_head.to(x.dtype),
             weights.reshape(n),
             loss_kind,
-            tg.slot_mask.sum(),
+            targets.slot_mask.sum(),
             cfg.rms_norm_eps,
             teacher,
             dpace,
         )
         teacher_argmax = stored_argmax if stored_argmax is not None and loss_kind == "ce_data" else out.teacher_argmax
-        shape = (r, a, b)
-        return DrafterOutput(out.loss, out.kl, out.draft_argmax.view(shape), teacher_argmax.view(shape), tg.slot_mask)
+        return DrafterOutput(
+            out.loss, out.kl, out.draft_argmax.view(r, a, b), teacher_argmax.view(r, a, b), targets.slot_mask
+        )
 
     @torch.no_grad()
     def propose(self, hidden: torch.Tensor, anchor_token: int) -> torch.Tensor:

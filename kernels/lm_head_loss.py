@@ -191,15 +191,15 @@ def _softmax_merge_fwd_kernel(
 
 
 @triton.jit
-def _sparse_target(b_g, b_top, ids_ptr, p_ptr, o_n, m_n, o_v, NUM_IDS):
-    """Subtract the sparse target mass p at ids ([N, NUM_IDS]) from a dlogits tile; mark the ids in b_top."""
+def _sparse_target(b_grad, b_top, ids_ptr, mass_ptr, o_n, m_n, o_v, NUM_IDS):
+    """Subtract the sparse target mass at ids ([N, NUM_IDS] each) from a dlogits tile; mark the ids in b_top."""
     for j in range(NUM_IDS):
         o_id = o_n.to(tl.int64) * NUM_IDS + j
         b_id = tl.load(ids_ptr + o_id, mask=m_n, other=-1)
         b_eq = o_v[None, :] == b_id[:, None]
-        b_g -= tl.where(b_eq, tl.load(p_ptr + o_id, mask=m_n, other=0.0)[:, None], 0.0)
+        b_grad -= tl.where(b_eq, tl.load(mass_ptr + o_id, mask=m_n, other=0.0)[:, None], 0.0)
         b_top = b_top | b_eq
-    return b_g, b_top
+    return b_grad, b_top
 
 
 @triton.autotune(configs=_ROW_TILES, key=["V", "HAS_TEACHER", "HAS_REST", "WRITE_GRAD"])
@@ -208,9 +208,9 @@ def _dlogits_bwd_kernel(
     logits_ptr,
     teacher_row_ptr,
     ids_ptr,
-    p_ptr,
+    mass_ptr,
     row_ptr,
-    g_ptr,
+    dlogits_ptr,
     out_ptr,
     N,
     V,
@@ -221,10 +221,10 @@ def _dlogits_bwd_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    """Row sums and dl/ds of N drafter rows from the stored logits; g[n, v] = c q_v - target_v in g's dtype.
+    """Row sums and dl/ds of N drafter rows from the stored logits: dlogits[n, v] = c q_v - target_v.
 
     logits: [*, V] fp32, drafter row n at row n, its teacher (HAS_TEACHER) at row teacher_row[n];
-    row: [4, N] fp32 = lse(s), lse(t), c, p_rest; ids, p: [N, NUM_IDS] sparse target mass (stored
+    row: [4, N] fp32 = lse(s), lse(t), c, p_rest; ids, mass: [N, NUM_IDS] sparse target mass (stored
     top-k, or the label with mass 1); the dense teacher adds softmax(t), the rest (HAS_REST) p_rest
     e^(s - lse_rest) off the ids. out: [3, N] fp32 = sum_v p_v s_v, sum_v p_v t_v (HAS_TEACHER),
     lse_rest = lse over the ids not in ids (HAS_REST).
@@ -233,7 +233,7 @@ def _dlogits_bwd_kernel(
     m_n = o_n < N
     o_s = o_n.to(tl.int64)[:, None] * V
     b_lse_s = tl.load(row_ptr + o_n, mask=m_n, other=0.0)
-    b_c = tl.load(row_ptr + 2 * N + o_n, mask=m_n, other=0.0)
+    b_mass = tl.load(row_ptr + 2 * N + o_n, mask=m_n, other=0.0)
     if HAS_TEACHER:
         o_t = tl.load(teacher_row_ptr + o_n, mask=m_n, other=0).to(tl.int64)[:, None] * V
         b_lse_t = tl.load(row_ptr + N + o_n, mask=m_n, other=0.0)
@@ -245,7 +245,7 @@ def _dlogits_bwd_kernel(
             m_x = m_n[:, None] & (o_v < V)[None, :]
             b_s = tl.load(logits_ptr + o_s + o_v[None, :], mask=m_x, other=float("-inf"))
             b_none = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.int1)
-            _, b_top = _sparse_target(b_s, b_none, ids_ptr, p_ptr, o_n, m_n, o_v, NUM_IDS)
+            _, b_top = _sparse_target(b_s, b_none, ids_ptr, mass_ptr, o_n, m_n, o_v, NUM_IDS)
             b_s = tl.where(b_top, float("-inf"), b_s)
             b_new = tl.maximum(b_max, tl.max(b_s, 1))
             b_shift = tl.where(b_new == float("-inf"), 0.0, b_new)  # every id so far is a top-k id
@@ -263,20 +263,20 @@ def _dlogits_bwd_kernel(
             o_v = v0 + tl.arange(0, BLOCK_V)
             m_x = m_n[:, None] & (o_v < V)[None, :]
             b_s = tl.load(logits_ptr + o_s + o_v[None, :], mask=m_x, other=0.0)
-            b_g = b_c[:, None] * tl.exp(b_s - b_lse_s[:, None])
+            b_grad = b_mass[:, None] * tl.exp(b_s - b_lse_s[:, None])
             if HAS_TEACHER:
                 b_t = tl.load(logits_ptr + o_t + o_v[None, :], mask=m_x, other=0.0)
-                b_p = tl.where(m_x, tl.exp(b_t - b_lse_t[:, None]), 0.0)
-                b_g -= b_p
-                b_ps += tl.sum(b_p * b_s, 1)
-                b_pt += tl.sum(b_p * b_t, 1)
+                b_prob = tl.where(m_x, tl.exp(b_t - b_lse_t[:, None]), 0.0)
+                b_grad -= b_prob
+                b_ps += tl.sum(b_prob * b_s, 1)
+                b_pt += tl.sum(b_prob * b_t, 1)
             if WRITE_GRAD:
                 b_none = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.int1)
-                b_g, b_top = _sparse_target(b_g, b_none, ids_ptr, p_ptr, o_n, m_n, o_v, NUM_IDS)
+                b_grad, b_top = _sparse_target(b_grad, b_none, ids_ptr, mass_ptr, o_n, m_n, o_v, NUM_IDS)
                 if HAS_REST:
                     b_off = tl.where(b_top, float("-inf"), b_s - b_lse_r[:, None])  # s <= lse_rest off the ids
-                    b_g -= b_rest[:, None] * tl.exp(b_off)
-                tl.store(g_ptr + o_s + o_v[None, :], b_g.to(g_ptr.dtype.element_ty), mask=m_x)
+                    b_grad -= b_rest[:, None] * tl.exp(b_off)
+                tl.store(dlogits_ptr + o_s + o_v[None, :], b_grad.to(dlogits_ptr.dtype.element_ty), mask=m_x)
         if HAS_TEACHER:
             tl.store(out_ptr + o_n, b_ps, mask=m_n)
             tl.store(out_ptr + N + o_n, b_pt, mask=m_n)
@@ -372,17 +372,18 @@ def chunk_plan(n: int, rows: int, index: Optional[torch.Tensor], num_teacher: in
 
 
 def logits_forward(
-    x: torch.Tensor, weight: torch.Tensor, logits: torch.Tensor, n_store: int
+    acts: torch.Tensor, weight: torch.Tensor, logits: torch.Tensor, n_store: int
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Passes 2-3: x [M, H] -> logits[:n_store] = x[:n_store] @ W^T (fp32), and lse, first argmax [M] of every row."""
-    m, hid = x.shape
+    """Passes 2-3: normed rows acts [M, H] -> logits[:n_store] = acts[:n_store] @ W^T (fp32), and lse and
+    first argmax [M] of every row."""
+    m, hid = acts.shape
     v = weight.shape[0]
     tiles = triton.cdiv(v, LOGITS_BLOCK_V)
-    part_max = torch.empty(tiles, m, dtype=torch.float32, device=x.device)
+    part_max = torch.empty(tiles, m, dtype=torch.float32, device=acts.device)
     part_sum = torch.empty_like(part_max)
-    part_arg = torch.empty(tiles, m, dtype=torch.int32, device=x.device)
+    part_arg = torch.empty(tiles, m, dtype=torch.int32, device=acts.device)
     _logits_fwd_kernel[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * tiles,)](
-        x,
+        acts,
         weight,
         logits,
         part_max,
@@ -394,11 +395,11 @@ def logits_forward(
         n_store,
         weight.stride(0),
         m,  # group_m: every row tile of a vocab tile in one group; a chunk's rows fit in L2
-        DOT_PRECISION=dot_precision(x.dtype),
+        DOT_PRECISION=dot_precision(acts.dtype),
         BLOCK_V=LOGITS_BLOCK_V,
     )
-    lse = torch.empty(m, dtype=torch.float32, device=x.device)
-    argmax = torch.empty(m, dtype=torch.int64, device=x.device)
+    lse = torch.empty(m, dtype=torch.float32, device=acts.device)
+    argmax = torch.empty(m, dtype=torch.int64, device=acts.device)
     block_m, block_t = (128, 32) if ON_GPU else (64, 64)
     _softmax_merge_fwd_kernel[(triton.cdiv(m, block_m),)](
         part_max, part_sum, part_arg, lse, argmax, m, v, tiles, BLOCK_M=block_m, BLOCK_T=block_t
@@ -410,14 +411,14 @@ def dlogits_backward(
     logits: torch.Tensor,
     teacher_of: Optional[torch.Tensor],
     ids: torch.Tensor,
-    p: torch.Tensor,
+    mass: torch.Tensor,
     rows: torch.Tensor,
-    g: Optional[torch.Tensor],
+    dlogits: Optional[torch.Tensor],
     has_rest: bool,
 ) -> torch.Tensor:
-    """Pass 4 over the chunk's stored logits [>= N, V]; rows [4, N] and ids, p [N, k] as in `_dlogits_bwd_kernel`.
+    """Pass 4 over the chunk's stored logits [>= N, V]; rows [4, N], ids and mass [N, k] as in `_dlogits_bwd_kernel`.
 
-    teacher_of: [N] row of logits holding each drafter row's teacher, or None; g: the [N, V] dlogits
+    teacher_of: [N] row of logits holding each drafter row's teacher, or None; dlogits: the [N, V] chunk
     to write, or None. Returns [3, N] fp32: sum_v p_v s_v, sum_v p_v t_v, lse_rest.
     """
     n = rows.shape[1]
@@ -427,16 +428,16 @@ def dlogits_backward(
         logits,
         teacher_of if teacher_of is not None else ids,
         ids,
-        p,
+        mass,
         rows,
-        g if g is not None else logits,
+        dlogits if dlogits is not None else logits,
         out,
         n,
         v,
         ids.shape[1],
         HAS_TEACHER=teacher_of is not None,
         HAS_REST=has_rest,
-        WRITE_GRAD=g is not None,
+        WRITE_GRAD=dlogits is not None,
     )
     return out
 
@@ -473,12 +474,12 @@ def matmul_backward(
 
 
 class Target(NamedTuple):
-    """What a chunk's rows are scored against: label [C] (teacher_argmax), sparse mass ids, p [C, k],
+    """What a chunk's rows are scored against: label [C] (teacher_argmax), sparse target ids, mass [C, k],
     rows [4, C] = lse(s), lse(t), c, p_rest (see `_dlogits_bwd_kernel`); teacher_of [C] or None."""
 
     label: torch.Tensor
     ids: torch.Tensor
-    p: torch.Tensor
+    mass: torch.Tensor
     rows: torch.Tensor
     teacher_of: Optional[torch.Tensor]
 
@@ -519,7 +520,7 @@ def row_losses(kind: str, target: Target, s_label: torch.Tensor, s_ids: torch.Te
         return lse_s - sums[0], sums[1] - target.rows[1] - sums[0] + lse_s
     if kind in ("ce", "ce_data"):
         return lse_s - s_label, None
-    p, p_rest = target.p, target.rows[3]
+    p, p_rest = target.mass, target.rows[3]
     zeros = torch.zeros_like(lse_s)
     rest_ok = (p_rest > 0) & torch.isfinite(sums[2])
     per_row = -((p * (s_ids - lse_s[:, None])).sum(-1) + torch.where(rest_ok, p_rest * (sums[2] - lse_s), zeros))
@@ -543,7 +544,7 @@ def lm_head_loss_forward(
     """Loss, metrics and, for the inputs flagged in need_grads (h, norm_weight, lm_head_weight), d loss.
 
     Shapes as in `lm_head_loss`. Returns (loss [], kl [] or None, draft_argmax [N], teacher_argmax [N],
-    grads): grads = (dh [N, H] or None, dnorm [H] or None, dW [V, H] or None).
+    grads): the gradients of h [N, H], norm_weight [H], lm_head_weight [V, H], each None when not flagged.
     """
     check_loss_inputs(h, norm_weight, lm_head_weight, weights, kind, teacher, dpace)
     check_device("lm_head_loss", h, lm_head_weight)
@@ -559,32 +560,34 @@ def lm_head_loss_forward(
     plan = chunk_plan(n, rows, index, teacher.last.shape[0] if full else 0)
     teacher_max = max((len(c.teacher_rows) for c in plan if c.teacher_rows is not None), default=0)
     logits_buf = torch.empty(rows + (teacher_max if kind == "kl" else 0), v, dtype=torch.float32, device=device)
-    g_buf = torch.empty(rows, v, dtype=h.dtype, device=device) if need_any else None
+    dlogits_buf = torch.empty(rows, v, dtype=h.dtype, device=device) if need_any else None
     denom = torch.as_tensor(normalizer, dtype=torch.float32, device=device).clamp(min=1)
     per_row = torch.empty(n, dtype=torch.float32, device=device)
     kl_row = torch.empty(n, dtype=torch.float32, device=device) if has_kl(kind) else None
     row_weight = weights.float().clone()
     draft_argmax = torch.empty(n, dtype=torch.int64, device=device)
     teacher_argmax = torch.empty(n, dtype=torch.int64, device=device)
-    dh = torch.empty_like(h) if need_grads[0] else None
-    dnorm = torch.zeros(hid, dtype=torch.float32, device=device) if need_grads[1] else None
-    dw = torch.zeros(v, hid, dtype=torch.float32, device=device) if need_grads[2] else None
+    grad_h = torch.empty_like(h) if need_grads[0] else None
+    grad_norm = torch.zeros(hid, dtype=torch.float32, device=device) if need_grads[1] else None
+    grad_head = torch.zeros(v, hid, dtype=torch.float32, device=device) if need_grads[2] else None
     for chunk in plan:
         lo, hi = chunk.lo, chunk.hi
         c = hi - lo
         xd, rstd = rms_norm_forward(h[lo:hi], norm_weight, eps)
-        x = xd
+        acts = xd
         if full:
             xt = rms_norm_forward(teacher.last[chunk.teacher_rows].contiguous(), teacher.final_norm_weight, eps)[0]
-            x = torch.cat([xd, xt])
-        n_store = x.shape[0] if kind == "kl" else c
+            acts = torch.cat([xd, xt])
+        n_store = acts.shape[0] if kind == "kl" else c
         logits = logits_buf[:n_store]
-        lse, argmax = logits_forward(x, weight, logits, n_store)
+        lse, argmax = logits_forward(acts, weight, logits, n_store)
         target = chunk_target(kind, teacher, chunk, lse, argmax, v)
-        g = g_buf[:c] if need_any else None
+        dlogits = dlogits_buf[:c] if need_any else None
         sums = None
-        if g is not None or kind in ("kl", "kl_topk"):
-            sums = dlogits_backward(logits, target.teacher_of, target.ids, target.p, target.rows, g, kind == "kl_topk")
+        if dlogits is not None or has_kl(kind):  # the soft targets' losses need the row sums
+            sums = dlogits_backward(
+                logits, target.teacher_of, target.ids, target.mass, target.rows, dlogits, kind == "kl_topk"
+            )
         label = target.label.clamp(0, v - 1)
         s_label = logits[:c].gather(1, label[:, None])[:, 0]
         per_row[lo:hi], kl = row_losses(kind, target, s_label, logits[:c].gather(1, target.ids), sums)
@@ -600,28 +603,28 @@ def lm_head_loss_forward(
         row_scale = (row_weight[lo:hi] / denom).contiguous()
         if need_dx:
             dxd = torch.empty(c, hid, dtype=torch.float32, device=device)
-            matmul_backward(g, (v, 1), weight, dxd, accumulate=False, group_m=c)
+            matmul_backward(dlogits, (v, 1), weight, dxd, accumulate=False, group_m=c)
             dh_chunk, dnorm_chunk = rms_norm_backward(h[lo:hi], norm_weight.float(), rstd, dxd, row_scale)
-            if dh is not None:
-                dh[lo:hi] = dh_chunk
-            if dnorm is not None:
-                dnorm += dnorm_chunk
-        if dw is not None:
+            if grad_h is not None:
+                grad_h[lo:hi] = dh_chunk
+            if grad_norm is not None:
+                grad_norm += dnorm_chunk
+        if grad_head is not None:
             # One row tile of dW for every column tile first (group 1): each dlogits tile is read once.
-            matmul_backward(g, (1, v), xd, dw, accumulate=lo > 0, group_m=1, scale=row_scale)
+            matmul_backward(dlogits, (1, v), xd, grad_head, accumulate=lo > 0, group_m=1, scale=row_scale)
     loss = (per_row * row_weight).sum() / denom
     kl = None if kl_row is None else (kl_row * row_weight).sum() / denom
     grads = (
-        dh,
-        None if dnorm is None else dnorm.to(norm_weight.dtype),
-        None if dw is None else dw.to(weight.dtype),
+        grad_h,
+        None if grad_norm is None else grad_norm.to(norm_weight.dtype),
+        None if grad_head is None else grad_head.to(weight.dtype),
     )
     return loss, kl, draft_argmax, teacher_argmax, grads
 
 
 def lm_head_loss_backward(grad_loss: torch.Tensor, grads):
     """Scale the unit gradients from lm_head_loss_forward by d(outer)/d loss (a scalar)."""
-    return tuple(None if g is None else g * grad_loss.to(g.dtype) for g in grads)
+    return tuple(None if grad is None else grad * grad_loss.to(grad.dtype) for grad in grads)
 
 
 class LmHeadLossFunction(torch.autograd.Function):
@@ -639,8 +642,7 @@ class LmHeadLossFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, *_):
-        dh, dnorm, dw = lm_head_loss_backward(grad_loss, ctx.grads)
-        return (dh, dnorm, dw) + (None,) * (len(ctx.needs_input_grad) - 3)
+        return lm_head_loss_backward(grad_loss, ctx.grads) + (None,) * (len(ctx.needs_input_grad) - 3)
 
 
 def lm_head_loss(
