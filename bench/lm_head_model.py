@@ -36,18 +36,18 @@ import sys
 import weakref
 from typing import Callable, Dict, List, Optional, Tuple
 
+import torch
+import triton
+from torch.utils._python_dispatch import TorchDispatchMode
+from triton.runtime.autotuner import Autotuner
+from triton.runtime.jit import JITFunction
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-from triton.runtime.autotuner import Autotuner  # noqa: E402
-from triton.runtime.jit import JITFunction  # noqa: E402
-
-from bench import compile_check as cc  # noqa: E402  (refuses TRITON_INTERPRET=1, empties the Triton cache)
 from bench.harness import write_results  # noqa: E402
 from dflash_fast.batches import sample_anchors  # noqa: E402
-from dflash_fast.drafter import slot_targets  # noqa: E402
+from dflash_fast.drafter import slot_targets, teacher_index  # noqa: E402
+from dflash_fast.eager import DPace, Teacher  # noqa: E402
 
 H200 = dict(flops=790e12, hbm=4.3e12, sms=132, l2=50 << 20, smem_per_sm=233472, regs=65536, warps=64, blocks=32)
 REFERENCE = dict(H=4096, V=151936, B=16, A=512, T=3072, docs=4, rows=(1, 4))
@@ -111,77 +111,57 @@ def _gemm_cost(order, n_m, n_n, m_rows, n_cols, k, a_elt, b_elt, out_bytes_per_e
     return Cost(flops, programs, tiles, out)
 
 
-def row_fast(n_m: int, n_n: int) -> List[Tuple[int, int]]:
-    """A 2-D grid (row tiles on axis 0): CUDA starts programs with axis 0 fastest."""
-    return [(i, j) for j in range(n_n) for i in range(n_m)]
+def tile_order(pid: int, n_m: int, n_n: int, group_m: int) -> Tuple[int, int]:
+    """kernels/lm_head_loss.py `_tile_order`: the (row tile, column tile) of program pid."""
+    width = group_m * n_n
+    first_m = pid // width * group_m
+    rows = min(n_m - first_m, group_m)
+    return first_m + pid % width % rows, pid % width // rows
 
 
-def cost_vocab_stats(a) -> Cost:
-    """Grid (row tiles, vocab splits); each program streams its split's vocab tiles, one step per tile,
-    re-reading its activation tiles (xd, and xt with the teacher) in every step."""
-    n, v, h, bn, bv = a["N"], a["V"], a["H"], a["BLOCK_N"], a["BLOCK_V"]
-    teacher, elt = a["HAS_TEACHER"], _elt(a["xd_ptr"])
-    rows = _rows(n, bn)
-    splits = triton.cdiv(v, a["V_PER_SPLIT"])
-    tiles = {("xd", i): r * h * elt for i, r in enumerate(rows)}
-    tiles.update({("xt", i): r * h * elt for i, r in enumerate(rows)} if teacher else {})
-    programs = []
-    for i_s in range(splits):
-        lo, hi = i_s * a["V_PER_SPLIT"], min((i_s + 1) * a["V_PER_SPLIT"], v)
-        for j in range(lo, hi, bv):
-            tiles[("w", j)] = min(bv, hi - j) * h * elt
-        for i in range(len(rows)):
-            acts = (("xd", i), ("xt", i)) if teacher else (("xd", i),)
-            programs.append([acts + (("w", j),) for j in range(lo, hi, bv)])
-    flops = 2.0 * n * v * h * (2 if teacher else 1)
-    return Cost(flops, programs, tiles, 12.0 * splits * n * 4)
+def grouped(n_m: int, n_n: int, group_m: int) -> List[Tuple[int, int]]:
+    return [tile_order(pid, n_m, n_n, group_m) for pid in range(n_m * n_n)]
 
 
-def cost_gather_logits(a) -> Cost:
-    n, h, k = a["N"], a["H"], a["NUM_IDS"]
-    elt = _elt(a["xd_ptr"])
-    return _stream_cost(triton.cdiv(n, a["BLOCK_N"]) * k, 2.0 * n * k * h * elt, 4.0 * n * k)
+def cost_logits(a) -> Cost:
+    """[M, H] @ W^T in the grouped order; writes the stored rows' fp32 logits and 3 partials per (row, tile)."""
+    m, v, h, bm, bv = a["M"], a["V"], a["H"], a["BLOCK_M"], a["BLOCK_V"]
+    rows, cols = _rows(m, bm), _rows(v, bv)
+    cost = _gemm_cost(grouped(len(rows), len(cols), a["group_m"]), len(rows), len(cols), rows, cols, h,
+                      _elt(a["x_ptr"]), _elt(a["w_ptr"]), 0.0)
+    cost.write_bytes = 4.0 * a["n_store"] * v + 12.0 * len(cols) * m
+    return cost
 
 
-def cost_dlogits_recompute(a) -> Cost:
-    """Grid (row tiles, vocab tiles of one chunk): recomputes s (and t) tiles, writes the dlogits chunk."""
-    n, h, bn, bv = a["N"], a["H"], a["BLOCK_N"], a["BLOCK_V"]
-    width = a["v_hi"] - a["v_lo"]
-    teacher, elt = a["HAS_TEACHER"], _elt(a["xd_ptr"])
-    rows, cols = _rows(n, bn), _rows(width, bv)
-    tiles = {("xd", i): r * h * elt for i, r in enumerate(rows)}
-    tiles.update({("xt", i): r * h * elt for i, r in enumerate(rows)} if teacher else {})
-    tiles.update({("w", j): c * h * elt for j, c in enumerate(cols)})
-    programs = [
-        [((("xd", i), ("xt", i)) if teacher else (("xd", i),)) + (("w", j),)] for i, j in row_fast(len(rows), len(cols))
-    ]
-    flops = 2.0 * n * width * h * (2 if teacher else 1)
-    return Cost(flops, programs, tiles, n * width * _elt(a["g_ptr"]))
+def cost_softmax_merge(a) -> Cost:
+    m, tiles = a["M"], a["NUM_TILES"]
+    return _stream_cost(triton.cdiv(m, a["BLOCK_M"]), 12.0 * tiles * m, 12.0 * m)
 
 
-def cost_store_logits(a) -> Cost:
-    n, v, h, bn, bv = a["N"], a["V"], a["H"], a["BLOCK_N"], a["BLOCK_V"]
-    elt = _elt(a["xd_ptr"])
-    rows, cols = _rows(n, bn), _rows(v, bv)
-    tiles = {("xd", i): r * h * elt for i, r in enumerate(rows)}
-    tiles.update({("xt", i): r * h * elt for i, r in enumerate(rows)})
-    tiles.update({("w", j): c * h * elt for j, c in enumerate(cols)})
-    programs = [[(("xd", i), ("xt", i), ("w", j))] for i, j in row_fast(len(rows), len(cols))]
-    return Cost(4.0 * n * v * h, programs, tiles, 8.0 * n * v)
-
-
-def cost_stored_dlogits(a) -> Cost:
-    n, v = a["N"], a["V"]
-    read = n * v * (12.0 if a["HARD"] else 16.0)  # s, t for the statistics; s (and t) again for dl/ds
-    return _stream_cost(triton.cdiv(n, a["BLOCK_N"]), read, n * v * _elt(a["g_ptr"]) + 48.0 * n)
+def cost_dlogits(a) -> Cost:
+    """One program per BLOCK_N rows: step 1 (kl_topk) reads the rows for the rest lse, step 2 reads them (and
+    each row's teacher row, shared by the drafter rows of a wave that point at it) and writes dlogits."""
+    n, v, bn = a["N"], a["V"], a["BLOCK_N"]
+    teacher = a["teacher_row_ptr"].values if a["HAS_TEACHER"] else None
+    tiles, programs = {}, []
+    for lo in range(0, n, bn):
+        own = tuple(("s", i) for i in range(lo, min(lo + bn, n)))
+        shared = tuple(("t", teacher[i]) for i in range(lo, min(lo + bn, n))) if teacher else ()
+        steps = [own] if a["HAS_REST"] else []
+        if a["HAS_TEACHER"] or a["WRITE_GRAD"]:
+            steps.append(own + shared)
+        programs.append(steps)
+        tiles.update({key: 4.0 * v for key in own + shared})
+    write = n * v * _elt(a["dlogits_ptr"]) if a["WRITE_GRAD"] else 0.0
+    return Cost(0.0, programs, tiles, write + 12.0 * n, gemm=False)
 
 
 def cost_matmul(a) -> Cost:
-    """c[M, NC] (+)= a[M, K] @ b[K, NC] on a 2-D grid, row tiles on axis 0."""
+    """c[M, NC] (+)= a[M, K] @ b[K, NC] in the grouped order."""
     m, nc, k, bm, bnc = a["M"], a["NC"], a["K"], a["BLOCK_M"], a["BLOCK_NC"]
     rows, cols = _rows(m, bm), _rows(nc, bnc)
     return _gemm_cost(
-        row_fast(len(rows), len(cols)),
+        grouped(len(rows), len(cols), a["group_m"]),
         len(rows),
         len(cols),
         rows,
@@ -197,12 +177,10 @@ def cost_matmul(a) -> Cost:
 COSTS: Dict[str, Callable[[Dict], Cost]] = {
     "_rms_norm_fwd_kernel": cost_rms_norm_fwd,
     "_rms_norm_bwd_kernel": cost_rms_norm_bwd,
-    "_vocab_stats_kernel": cost_vocab_stats,
-    "_gather_logits_kernel": cost_gather_logits,
-    "_dlogits_kernel": cost_dlogits_recompute,
-    "_store_logits_kernel": cost_store_logits,
-    "_stored_dlogits_kernel": cost_stored_dlogits,
-    "_matmul_kernel": cost_matmul,
+    "_logits_fwd_kernel": cost_logits,
+    "_softmax_merge_fwd_kernel": cost_softmax_merge,
+    "_dlogits_bwd_kernel": cost_dlogits,
+    "_matmul_bwd_kernel": cost_matmul,
 }
 
 
@@ -270,10 +248,10 @@ class Launch:
 
 
 class LaunchRecorder:
-    """Wraps compile_check's interception: every launch (and every autotune config of it) is recorded with
-    its bound arguments and the compile row of the kernel it would run."""
+    """Wraps bench/compile_check.py's CompileRecorder: every launch (and every autotune config of it) is
+    recorded with its bound arguments and the compile row of the kernel it would run."""
 
-    def __init__(self, recorder: "cc.CompileRecorder"):
+    def __init__(self, recorder):
         self.recorder = recorder
         self.launches: List[List[Launch]] = []  # one list per launch: one entry per autotune config
         self._autotuning = False
@@ -398,65 +376,53 @@ class HostOps(TorchDispatchMode):
 # ---------------------------------------------------------------- the cases
 
 
-def teacher_rows(s: Dict, rows: int, seed: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Slot mask [N] and teacher row [N] (into rows*T positions) of `rows` synthetic training rows:
+def training_rows(s: Dict, rows: int, seed: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Slot mask [N] and teacher index [N] (into rows*T positions) of `rows` synthetic training rows:
     `docs` documents of random lengths, a prompt (loss_mask 0) on each one's first eighth, A anchors
     sampled as dflash_fast.batches does (bench/bench_step.py's synthetic row)."""
     t = s["T"]
     gen = torch.Generator().manual_seed(seed)
-    masks, teacher = [], []
-    for r in range(rows):
+    batch = collections.defaultdict(list)
+    for _ in range(rows):
         cuts = torch.randperm(t - 1, generator=gen)[: s["docs"] - 1].add(1).sort().values
         starts = torch.cat([torch.zeros(1, dtype=torch.long), cuts])
         lengths = torch.diff(torch.cat([starts, torch.tensor([t])]))
         document_ids = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
         loss_mask = (torch.arange(t) - starts[document_ids]) >= lengths[document_ids] // 8
         anchors, valid = sample_anchors(loss_mask, document_ids, s["A"], gen)
-        batch = dict(
-            input_ids=torch.zeros(1, t, dtype=torch.long),
-            loss_mask=loss_mask[None],
-            document_ids=document_ids[None],
-            anchors=anchors[None],
-            anchor_valid=valid[None],
-        )
-        tg = slot_targets(batch, s["B"])
-        masks.append(tg.slot_mask.flatten())
-        teacher.append(tg.teacher_row.flatten() + r * t)
-    return torch.cat(masks), torch.cat(teacher)
+        for key, value in dict(loss_mask=loss_mask, document_ids=document_ids, anchors=anchors,
+                               anchor_valid=valid, input_ids=torch.zeros(t, dtype=torch.long)).items():
+            batch[key].append(value)
+    tg = slot_targets({key: torch.stack(value) for key, value in batch.items()}, s["B"])
+    return tg.slot_mask.flatten(), teacher_index(tg, t)
 
 
-def case_call(mod, kind: str, strategy: str, s: Dict, rows: int, dtype) -> Callable[[], object]:
-    """The drafter's call of the loss for one case: h and norm_weight get gradients, lm_head is frozen."""
+def case_call(mod, kind: str, s: Dict, rows: int, dtype, dpace: bool) -> Callable[[], object]:
+    """The drafter's call of the loss for one case: h and norm_weight get gradients, lm_head is frozen;
+    the full teacher is `last` of the rows' positions with the drafter's index into it."""
     n, h, v = rows * s["A"] * s["B"], s["H"], s["V"]
-    mask, _ = teacher_rows(s, rows)
+    mask, index = training_rows(s, rows)
     empty = lambda *shape, dt=dtype: torch.empty(shape, dtype=dt)  # noqa: E731
-    teacher = kind == "kl" or kind == "ce(teacher argmax)"
-    kw = dict(last=empty(n, h), final_norm_weight=empty(h)) if teacher else {}
-    if kind in ("ce(labels)", "ce_data"):
-        kw = dict(labels=torch.zeros(n, dtype=torch.long))
-    elif kind == "kl_topk":
-        kw = dict(topk_ids=torch.zeros(n, TOPK, dtype=torch.long), topk_logits=torch.zeros(n, TOPK),
-                  topk_lse=torch.zeros(n))
-    loss_kind = kind.split("(")[0]
-    args = (empty(n, h), empty(h), empty(v, h), mask.float(), loss_kind, float(mask.sum()), EPS)
-    return lambda: mod.lm_head_loss_forward(*args, strategy=strategy, need_grads=(True, True, False), **kw)
+    if kind in ("kl", "ce(teacher argmax)"):
+        teacher = Teacher(last=empty(rows * s["T"], h), final_norm_weight=empty(h), index=index)
+    elif kind in ("ce(labels)", "ce_data"):
+        teacher = Teacher(labels=torch.zeros(n, dtype=torch.long))
+    else:
+        teacher = Teacher(topk_ids=torch.zeros(n, TOPK, dtype=torch.long), topk_logits=torch.zeros(n, TOPK),
+                          topk_lse=torch.zeros(n))
+    args = (empty(n, h), empty(h), empty(v, h), mask.float(), kind.split("(")[0], float(mask.sum()), EPS, teacher)
+    weighting = DPace(0.5, s["B"]) if dpace else None
+    return lambda: mod.lm_head_loss_forward(*args, weighting, need_grads=(True, True, False))
 
 
-CASES = [
-    ("kl", "recompute"),
-    ("kl", "store"),
-    ("ce(teacher argmax)", "recompute"),
-    ("ce(teacher argmax)", "store"),
-    ("ce(labels)", "recompute"),
-    ("ce_data", "recompute"),
-    ("kl_topk", "recompute"),
-]
+CASES = [("kl", False), ("ce(teacher argmax)", False), ("ce(labels)", False), ("ce_data", False), ("kl_topk", False),
+         ("kl", True)]
 
 
-def model_case(mod, recorder: LaunchRecorder, kind, strategy, s, rows, dtype, kernel_rows: List[Dict]) -> Dict:
+def model_case(mod, recorder: LaunchRecorder, kind, dpace, s, rows, dtype, kernel_rows: List[Dict]) -> Dict:
     n = rows * s["A"] * s["B"]
     unit = 2.0 * n * s["V"] * s["H"]
-    call = case_call(mod, kind, strategy, s, rows, dtype)
+    call = case_call(mod, kind, s, rows, dtype, dpace)
     first = len(recorder.launches)
     host = HostOps()
     with host:
@@ -495,7 +461,7 @@ def model_case(mod, recorder: LaunchRecorder, kind, strategy, s, rows, dtype, ke
         chosen = (launch.kernel, launch.row["variant"], launch.row["config"], launch.row["warps"], launch.row["stages"])
         per_kernel[chosen]["chosen"] = per_kernel[chosen].get("chosen", 0) + 1
     host_s = host.bytes / H200["hbm"]
-    label = f"{kind}, {strategy}"
+    label = f"{kind}, D-PACE" if dpace else kind
     for (kernel, variant, config, warps, stages), agg in per_kernel.items():
         row = agg["row"]
         kernel_rows.append(
@@ -540,13 +506,15 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=os.path.join("bench", "results"), help="results folder (default bench/results)")
     p.add_argument("--small", action="store_true", help="small shapes (the CI test): H=256, V=4099, A=32, T=192")
-    p.add_argument("--dtype", default="bf16", choices=sorted(cc.DTYPES))
-    p.add_argument("--cases", default="", help="regex over '<kind>, <strategy>' labels")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--cases", default="", help="regex over the case labels ('kl', 'ce(labels)', 'kl, D-PACE', ...)")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> List[Dict]:
     import re
+
+    from bench import compile_check as cc  # refuses TRITON_INTERPRET=1; compiles into an empty Triton cache
 
     args = parse_args(argv)
     torch.set_num_threads(1)
@@ -559,10 +527,10 @@ def main(argv=None) -> List[Dict]:
     rows, kernel_rows = [], []
     try:
         for r in s["rows"]:
-            for kind, strategy in CASES:
-                if re.search(args.cases, f"{kind}, {strategy}"):
+            for kind, dpace in CASES:
+                if re.search(args.cases, f"{kind}, D-PACE" if dpace else kind):
                     recorder.recorder.case, recorder.recorder.dtype = f"lm_head_loss {args.dtype} {kind}", args.dtype
-                    rows.append(model_case(mod, recorder, kind, strategy, s, r, dtype, kernel_rows))
+                    rows.append(model_case(mod, recorder, kind, dpace, s, r, dtype, kernel_rows))
                     print(rows[-1], flush=True)
     finally:
         import shutil

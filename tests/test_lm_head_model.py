@@ -1,0 +1,67 @@
+"""bench/lm_head_model.py, the design model of the fused lm_head loss, on small shapes: every default path
+stays within its GEMM-unit budget (3 for kl and teacher ce, 2 for the others) and no autotune config a
+default path runs spills registers in bf16 when compiled for sm_90. Like tests/test_compile_check.py it
+needs the triton wheel's ptxas and fails, not skips, without it. The wave model's pieces are checked here
+too, on cases small enough to count by hand."""
+import json
+import os
+import subprocess
+import sys
+
+import triton
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from bench.lm_head_model import H200, Cost, grouped, hbm_bytes, programs_per_sm  # noqa: E402
+
+UNIT_BUDGET = {"kl": 3, "ce(teacher argmax)": 3, "ce(labels)": 2, "ce_data": 2, "kl_topk": 2, "kl, D-PACE": 3}
+
+
+def test_default_paths_stay_within_their_unit_budget_and_never_spill(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [sys.executable, os.path.join(REPO, "bench", "lm_head_model.py"), "--small", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-6000:]}"
+    name = f"lm_head_model_{triton.__version__}_small"
+    with open(tmp_path / f"{name}.json") as f:
+        rows = {r["case"]: r for r in json.load(f)["rows"]}
+    assert set(rows) == set(UNIT_BUDGET)
+    for case, row in rows.items():
+        assert 1.9 <= row["units"] <= UNIT_BUDGET[case], (case, row["units"])
+        assert row["spilling_configs"] == 0, f"{case}: a bf16 config spills (see {tmp_path}/{name}_kernels.md)"
+    assert rows["kl"]["units"] < 2.6, "kl computes its teacher once per distinct position, not once per slot"
+    with open(tmp_path / f"{name}_kernels.json") as f:
+        kernels = json.load(f)["rows"]
+    assert {r["kernel"] for r in kernels} >= {"_logits_fwd_kernel", "_dlogits_bwd_kernel", "_matmul_bwd_kernel"}
+
+
+def test_one_wave_reads_a_shared_tile_once_and_the_next_wave_finds_it_in_l2_if_it_fits():
+    programs = [[(("a", 0), ("b", 0))], [(("a", 0), ("b", 1))]]  # two programs share A tile 0
+    small = {("a", 0): 10, ("b", 0): 100, ("b", 1): 100}
+    assert hbm_bytes(Cost(0.0, programs, small, 5.0), slots=2) == 210 + 5  # one wave: A read once
+    assert hbm_bytes(Cost(0.0, programs, small, 5.0), slots=1) == 210 + 5  # two waves: A still in L2
+    big = {key: H200["l2"] for key in small}  # a wave whose tiles overflow L2 leaves none of them there
+    assert hbm_bytes(Cost(0.0, programs, big, 0.0), slots=2) == 3 * H200["l2"]
+    assert hbm_bytes(Cost(0.0, programs, big, 0.0), slots=1) == 4 * H200["l2"]
+
+
+def test_grouped_order_reads_the_row_operand_once_per_group():
+    # dW's grid: 8 row tiles of dlogits^T (1 MB each) x 4 column tiles of xd (1 KB), 4 programs a wave:
+    # group 1 walks the columns of one row tile per wave (each row tile read once, xd stays in L2), one
+    # group of all rows walks 4 row tiles per wave for each column (every row tile read again per column).
+    def cost(order):
+        tiles = {("a", i): 1 << 20 for i in range(8)} | {("b", j): 1 << 10 for j in range(4)}
+        return Cost(0.0, [[(("a", i), ("b", j))] for i, j in order], tiles, 0.0)
+
+    assert hbm_bytes(cost(grouped(8, 4, 1)), slots=4) == 8 * (1 << 20) + 4 * (1 << 10)
+    assert hbm_bytes(cost(grouped(8, 4, 8)), slots=4) == 4 * 8 * (1 << 20) + 4 * (1 << 10)
+
+
+def test_residency_is_the_tightest_of_registers_shared_memory_and_warps():
+    row = dict(warps=8, n_regs=255, smem_bytes=48 * 1024)
+    assert programs_per_sm(row) == 1  # 255 registers x 256 threads: one program's worth of the register file
+    assert programs_per_sm(dict(row, n_regs=64, smem_bytes=64 * 1024)) == 3  # then shared memory: 228 / 65 KB
+    assert programs_per_sm(dict(row, n_regs=64, smem_bytes=0)) == 4  # then registers: 65536 / (64 x 256)
+    assert programs_per_sm(dict(row, warps=4, n_regs=32, smem_bytes=0)) == 16  # then 64 warps per SM
