@@ -312,6 +312,7 @@ class HostOps(TorchDispatchMode):
     VIEWS = {"view", "_unsafe_view", "slice", "select", "expand", "t", "transpose", "permute", "unsqueeze", "squeeze",
              "as_strided", "alias", "detach", "reshape", "unbind", "split", "chunk", "narrow", "diagonal", "unfold",
              "lift_fresh"}
+    GATHERS = {"gather", "index", "index_select", "take", "take_along_dim"}
     FACTORIES = {"empty", "empty_like", "empty_strided", "new_empty", "zeros", "zeros_like", "new_zeros", "ones",
                  "ones_like", "full", "full_like", "new_full", "new_ones", "arange", "scalar_tensor", "zero_", "fill_"}
 
@@ -332,6 +333,9 @@ class HostOps(TorchDispatchMode):
         outs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         if name not in self.VIEWS and name not in self.FACTORIES:
             ins = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            if name in self.GATHERS:  # reads what it gathers (and the index), not its whole source
+                ins = ins[1:]
+                self.bytes += sum(t.numel() * t.element_size() for t in outs)
             self.bytes += sum(t.numel() * t.element_size() for t in ins + outs)
         for t in outs:
             self._track(t, view=name in self.VIEWS)

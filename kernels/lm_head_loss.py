@@ -15,9 +15,9 @@ Math (per drafter row n; s = drafter logits, t = teacher logits, fp32-accumulate
     row weight w_n = weights_n, or weights_n * D-PACE_n (eager.dpace_weights, from the confidence
     exp(s_y - lse(s)) of the label y the loss reports as teacher_argmax); loss = sum_n w_n l_n / denom.
 
-Passes, for each chunk of C drafter rows (C sized so that the chunk's buffers fit CHUNK_BYTES:
-1024 rows at V = 151936 in bf16 for kl, 1664 without a stored teacher; a multiple of the D-PACE
-block, so that every block is inside one chunk). U_c = the distinct teacher rows the chunk's rows
+Passes, for each chunk of C drafter rows (C sized so that the chunk's buffers fit CHUNK_BYTES: 1024
+rows at V = 151936 in bf16, see `chunk_rows`; a multiple of the D-PACE block, so that every block is
+inside one chunk). U_c = the distinct teacher rows the chunk's rows
 point at (kl and ce against argmax(t)): a teacher position shared by overlapping blocks is computed
 once per chunk, not once per slot.
   1. `rms_norm_forward` (kernels/_common.py): xd of the chunk and xt of its U_c teacher rows, O((C + U_c) H).
@@ -348,10 +348,15 @@ class Chunk(NamedTuple):
 
 def chunk_rows(n: int, v: int, element_size: int, with_teacher: bool, block: int = 1) -> int:
     """Drafter rows per chunk: fp32 logits of the rows (and of as many teacher rows), and their dlogits,
-    within CHUNK_BYTES; a multiple of ROW_ALIGN and of `block` (the D-PACE block)."""
+    within CHUNK_BYTES; a power-of-two multiple of ROW_ALIGN and of `block` (the D-PACE block).
+
+    Powers of two keep the input-gradient GEMM's grid in whole waves: 1024 rows at H = 4096 are
+    8 x 32 = 256 programs of 128 x 128, one wave at 2 per SM on 132 SMs (1664 rows, what the budget
+    allows without a stored teacher, would be 416 programs: 1.6 waves).
+    """
     align = ROW_ALIGN * block // math.gcd(ROW_ALIGN, block)
-    per_row = v * ((8 if with_teacher else 4) + element_size)
-    return min(max(align, CHUNK_BYTES // per_row // align * align), n)
+    fits = max(1, CHUNK_BYTES // (v * ((8 if with_teacher else 4) + element_size)) // align)
+    return min(align << (fits.bit_length() - 1), n)
 
 
 def chunk_plan(n: int, rows: int, index: Optional[torch.Tensor], num_teacher: int) -> List[Chunk]:
