@@ -87,27 +87,13 @@ def test_dpace_refuses_partial_blocks_and_alpha_outside_0_1(n, alpha):
 
 
 def test_drafter_dpace_weights_the_mask_by_its_own_confidence_against_the_teacher():
-    from test_drafter import B, random_batch, random_drafter
-
-    from dflash_fast.drafter import gather_rows, slot_targets
+    from test_drafter import B, ce_against_stored_argmax, random_batch, random_drafter
 
     d = random_drafter()
     batch = random_batch()
     out = d(batch, "ce", weighting="dpace", dpace_alpha=0.25)
-    tg = slot_targets(batch, B)
-    x = d.block_states(
-        d.context(batch["hidden"]),
-        batch["position_ids"],
-        batch["input_ids"].gather(1, batch["anchors"]),
-        batch["position_ids"].gather(1, batch["anchors"]),
-        batch["anchors"],
-        batch["anchor_valid"],
-        batch["document_ids"],
-    )
-    logq = F.log_softmax(F.linear(d.norm(x[0]), d.lm_head).float(), -1)
-    labels = gather_rows(batch["teacher_topk_ids"], tg.teacher_row)[:, 0]
-    ce = -logq.gather(1, labels[:, None])[:, 0]
-    mask = tg.slot_mask.reshape(-1)
+    ce, slot_mask = ce_against_stored_argmax(d, batch)
+    mask = slot_mask.reshape(-1)
     w = mask * dpace_weights(torch.exp(-ce), mask, DPace(0.25, B))
     assert torch.allclose(out.loss, (ce * w).sum() / mask.sum(), atol=1e-5)
     assert not torch.allclose(out.loss, d(batch, "ce").loss), "the decay and D-PACE losses differ"

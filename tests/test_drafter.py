@@ -166,15 +166,12 @@ def test_slots_leaving_the_document_or_masked_are_not_trained():
     assert out.slot_mask[0, 1].tolist() == [False, True, False, False]  # p=9, 10 are the next document
 
 
-def test_loss_weights_and_denominator():
-    w = position_weights(16, 7.0)
-    assert w[0] == 0 and w[1] == 1 and torch.isclose(w[8], torch.exp(torch.tensor(-1.0)))
-    d = random_drafter()
-    batch = random_batch()
-    out = d(batch, "ce")
+def ce_against_stored_argmax(d: DFlashDrafter, batch):
+    """Per-slot CE [A*B] of the drafter's materialised logits against the stored teacher argmax at p - 1,
+    and the slot mask [R, A, B]: a reference for the `ce` loss outside ops.lm_head_loss (one row)."""
     from dflash_fast.drafter import gather_rows, slot_targets
 
-    tg = slot_targets(batch, B)
+    tg = slot_targets(batch, d.config.block_size)
     x = d.block_states(
         d.context(batch["hidden"]),
         batch["position_ids"],
@@ -186,9 +183,18 @@ def test_loss_weights_and_denominator():
     )
     logq = F.log_softmax(F.linear(d.norm(x[0]), d.lm_head).float(), -1)
     labels = gather_rows(batch["teacher_topk_ids"], tg.teacher_row)[:, 0]
-    per = -logq.gather(1, labels[:, None])[:, 0]
-    weights = (position_weights(B, 7.0) * tg.slot_mask).reshape(-1)
-    expected = (per * weights).sum() / tg.slot_mask.sum()
+    return -logq.gather(1, labels[:, None])[:, 0], tg.slot_mask
+
+
+def test_loss_weights_and_denominator():
+    w = position_weights(16, 7.0)
+    assert w[0] == 0 and w[1] == 1 and torch.isclose(w[8], torch.exp(torch.tensor(-1.0)))
+    d = random_drafter()
+    batch = random_batch()
+    out = d(batch, "ce")
+    per, slot_mask = ce_against_stored_argmax(d, batch)
+    weights = (position_weights(B, 7.0) * slot_mask).reshape(-1)
+    expected = (per * weights).sum() / slot_mask.sum()
     assert torch.allclose(out.loss, expected, atol=1e-5)
 
 
