@@ -18,9 +18,11 @@ import triton
 import triton.language as tl
 from dflash_fast.kernels.lm_head_loss import lm_head_loss
 
-from bench.lm_head_model import tile_order
 from dflash_fast import eager, ops
 from dflash_fast.eager import DPace, Teacher
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.lm_head_model import tile_order  # noqa: E402
 
 EPS = 1e-6
 # Max |kernel - eager| relative to max |eager|, per dtype: fp16 eager rounds logits and
