@@ -506,7 +506,7 @@ def chunk_target(
             rows = torch.stack([lse_s, lse[teacher_of], ones, zeros])
             return Target(label, no_ids, no_ids.float(), rows, teacher_of)
         rows = torch.stack([lse_s, zeros, ones, zeros])
-        return Target(label, label[:, None].contiguous(), ones[:, None], rows, None)
+        return Target(label, label.clamp(0, v - 1)[:, None].contiguous(), ones[:, None], rows, None)
     if kind in ("ce", "ce_data"):
         label = teacher.labels[lo:hi].long()
         ids = label.clamp(0, v - 1)[:, None].contiguous()
