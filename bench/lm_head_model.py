@@ -48,6 +48,7 @@ from bench.harness import write_results  # noqa: E402
 from dflash_fast.batches import sample_anchors  # noqa: E402
 from dflash_fast.drafter import slot_targets, teacher_index  # noqa: E402
 from dflash_fast.eager import DPace, Teacher  # noqa: E402
+from dflash_fast.store import torch_dtype  # noqa: E402
 
 H200 = dict(flops=790e12, hbm=4.3e12, sms=132, l2=50 << 20, smem_per_sm=233472, regs=65536, warps=64, blocks=32)
 REFERENCE = dict(H=4096, V=151936, B=16, A=512, T=3072, docs=4, rows=(1, 4))
@@ -527,7 +528,7 @@ def main(argv=None) -> List[Dict]:
     (mod,) = [m for m in cc.import_kernels_for_gpu(H200["sms"]) if m.__name__.endswith("lm_head_loss")]
     recorder = LaunchRecorder(cc.CompileRecorder(90, "all"))
     recorder.install()
-    dtype = cc.DTYPES[args.dtype]
+    dtype = torch_dtype(args.dtype)
     rows, kernel_rows = [], []
     try:
         for r in s["rows"]:
