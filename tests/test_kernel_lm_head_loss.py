@@ -5,6 +5,7 @@ small H and V; bf16 numerics are checked on a GPU against an fp32 eager referenc
 Under the interpreter the kernel processes 16-row chunks, so N = 37 is 16 + 16 + 5, and
 teacher rows shared by several drafter rows (Teacher.index) are computed once per chunk.
 """
+import inspect
 import json
 import os
 import subprocess
@@ -364,6 +365,11 @@ def test_ops_switch_routes_to_the_kernel(monkeypatch):
         ops.set_backend(lm_head_loss="auto")
     assert calls == [1]
     assert_matches(got, run(eager.lm_head_loss, inputs, "kl", stored_labels=False), torch.float32)
+
+
+def test_eager_twin_has_the_kernels_exact_signature():
+    # dflash_fast/eager.py promises it, and ops.lm_head_loss passes the same arguments to either backend.
+    assert inspect.signature(eager.lm_head_loss) == inspect.signature(lm_head_loss)
 
 
 def test_bench_smoke_writes_results(tmp_path):
