@@ -7,9 +7,22 @@ intercepted: each (kernel, signature, constexprs, autotune config) that a GPU ru
 compiled for `GPUTarget("cuda", arch, 32)` (TTIR -> TTGIR -> LLVM IR -> PTX -> ptxas cubin) and
 nothing is launched, so no CUDA driver is needed. Each compile records registers and spills (from
 `ptxas -v`), shared memory (Triton's allocation, checked against the arch's per-block opt-in limit,
-which a launch would enforce), compile seconds, or the error.
+which a launch would enforce), compile seconds, or the error, and static facts read off the emitted
+PTX and the launch (`bench/static_facts.py`):
 
-    python bench/compile_check.py        # everything: bf16, fp16, fp32; reference and ragged shapes; every config
+  * loops: llc's loop comments on each basic block say which instructions each loop holds;
+    `mma_loops_without_async` counts the loops with MMA instructions and no asynchronous copy (every
+    iteration of such a loop waits for its loads);
+  * the main loop, the innermost loop with the most MMA instructions (the most instructions when there
+    is none): its asynchronous copies (cp.async, TMA cp.async.bulk: what the software pipeliner
+    issues), its synchronous global loads (ld.global, each one waited for inside the loop), its MMA
+    instruction shapes (wgmma m64nNk16, mma.sync m16n8k16) and the widest N among them; the MMA shapes
+    outside it;
+  * ptxas's "Potential Performance Loss" remarks (wgmma serialisation);
+  * programs of the launch, how many fit on one SM at once (registers, shared memory, warps, blocks)
+    and the waves they make on the arch's SMs at the case's shape.
+
+    python bench/compile_check.py        # everything: bf16, fp16, fp32; reference, long, ragged shapes; every config
     python bench/compile_check.py --dtypes bf16 --shapes reference --configs first \
         --cases 'noise=0$|causal=False|kl_topk|kl, store$'   # each kernel once: what tests/test_compile_check.py runs
     python bench/compile_check.py --arch 90 --out bench/results --fail-on-spills
@@ -26,13 +39,16 @@ Shapes (`REFERENCE`): the Qwen3-8B drafter of bench_step.py, H = H_t = 4096, K =
 D = 128, V = 151936, B = 16, A = 512, T = 3072. `RAGGED` changes the sizes that are free in training
 (token counts, anchors, a target width not a multiple of 64) so that the kernels' masked tails
 (EVEN_T / EVEN_N false) and unaligned integer arguments compile too. The attention window is not a
-kernel switch (it only moves the per-anchor bounds on the host), so it adds no variant.
+kernel switch (it only moves the per-anchor bounds on the host), so it adds no variant. `long`
+(T = 8192) recompiles the ops whose sizes it changes (the specialisation is the reference's) for
+their programs and waves at 8192 tokens; like `ragged` it runs in bf16 only.
 """
 
 import argparse
 import contextlib
 import hashlib
 import io
+import math
 import os
 import re
 import shutil
@@ -60,19 +76,29 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.harness import write_results  # noqa: E402
+from bench.static_facts import (  # noqa: E402
+    ARCHS,
+    BLOCKS_PER_SM,
+    REGISTERS_PER_SM,
+    SMEM_RESERVED_PER_BLOCK,
+    STATIC_FACTS,
+    WARPS_PER_SM,
+    occupancy,
+    static_facts,
+)
 from dflash_fast.store import torch_dtype  # noqa: E402
 
-# Per-block shared memory a kernel may opt into, and SMs (which size some grids), per compute capability.
-ARCHS = {
-    80: dict(smem=166912, sms=108, gpu="A100"),
-    90: dict(smem=232448, sms=132, gpu="H100/H200"),
-    100: dict(smem=232448, sms=148, gpu="B200"),
-}
-REGISTERS_PER_SM = 65536
 KERNELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels")
 REFERENCE = dict(H=4096, H_t=4096, K=5, Hq=32, Hkv=8, D=128, V=151936, B=16, A=512, T=3072, docs=4)
 RAGGED = dict(REFERENCE, H_t=4000, A=509, T=3001)
-SHAPES = {"reference": REFERENCE, "ragged": RAGGED}
+LONG = dict(REFERENCE, T=8192)
+SHAPES = {"reference": REFERENCE, "long": LONG, "ragged": RAGGED}
+# The sizes each op's cases read: a shape that leaves all of an op's sizes at the reference adds nothing.
+OP_SIZES = {
+    "fc_concat": ("T", "K", "H_t", "H"),
+    "anchored_attention": ("Hq", "Hkv", "D", "B", "A", "T", "docs"),
+    "lm_head_loss": ("A", "B", "H", "V"),
+}
 EPS = 1e-6
 TOPK = 8
 
@@ -108,7 +134,17 @@ class CompileRecorder:
         self.case, self.dtype = "", ""
         self.autotune: Optional[Dict[str, object]] = None
         self.records: List[Dict[str, object]] = []
+        self.programs: Optional[int] = None  # of the launch being compiled
         self._failed = set()
+        self._kernels = set()
+
+    def forget_compiled(self) -> None:
+        """Drop the kernel caches (in memory and on disk), so that a new shape whose specialisations equal an
+        earlier one's compiles again and records its own programs and waves."""
+        for fn in self._kernels:
+            fn.device_caches.clear()
+        shutil.rmtree(_CACHE_DIR, ignore_errors=True)
+        os.makedirs(_CACHE_DIR)
 
     def install(self) -> None:
         driver.set_active(CompileOnlyDriver(GPUTarget("cuda", self.arch, 32)))
@@ -132,6 +168,8 @@ class CompileRecorder:
                     r["status"], r["error"] = "error", r["error"] + "; no config of this autotune list fits"
 
         def run(fn, *args, grid, warmup, **kwargs):  # noqa: ARG001 (a launch never warms up here)
+            recorder._kernels.add(fn)
+            recorder.programs = _programs(fn, grid, args, kwargs)
             try:
                 return jit_run(fn, *args, grid=grid, warmup=True, **kwargs)
             except Exception as err:  # binding or specialising the arguments failed, before any compile
@@ -179,6 +217,10 @@ class CompileRecorder:
             "n_spills": None,
             "spill_store_bytes": None,
             "smem_bytes": None,
+            **dict.fromkeys(STATIC_FACTS),
+            "programs": self.programs,
+            "per_sm": None,
+            "waves": None,
             "compile_s": round(seconds, 2),
             "status": "ok",
             "error": "",
@@ -186,6 +228,9 @@ class CompileRecorder:
         if error is None and kernel is not None:
             row.update(_ptxas_usage(log))
             row["smem_bytes"] = kernel.metadata.shared
+            row.update(static_facts(kernel.asm["ptx"], log))
+            if row["n_regs"] is not None:
+                row.update(occupancy(self.arch, row["n_regs"], row["warps"], row["smem_bytes"], self.programs))
             limit = ARCHS[self.arch]["smem"]
             if row["n_regs"] is None:
                 error = f"no register count in the ptxas log (knobs.nvidia.dump_ptxas_log): {log[-500:]!r}"
@@ -206,6 +251,15 @@ class CompileRecorder:
             row["status"] = "error"
             row["error"] = f"{type(error).__name__}: {error}" if isinstance(error, Exception) else error
         return row
+
+
+def _programs(fn, grid, args, kwargs) -> Optional[int]:
+    """Programs of a launch: its grid evaluated on the launch's arguments, as `JITFunction.run` does."""
+    try:
+        dims = grid(dict(zip(fn.arg_names, args), **kwargs)) if callable(grid) else grid
+        return math.prod(int(d) for d in dims)
+    except Exception:  # a grid that needs more than the arguments: the row says programs = None
+        return None
 
 
 def _path_name(names: List[str], path) -> str:
@@ -244,10 +298,16 @@ def _one_line(text: str, limit: int = 600) -> str:
 
 def _progress(r: Dict[str, object]) -> str:
     usage = (
-        f"{r['n_regs']} regs, {r['n_spills']} spills, {r['smem_bytes']} B smem" if r["status"] != "error" else "ERROR"
+        f"{r['n_regs']} regs, {r['n_spills']} spills, {r['smem_bytes']} B smem, main loop: "
+        f"{r['main_loop_async_copies']} async copies, {r['main_loop_sync_loads']} sync loads, {r['main_loop_mma']}; "
+        f"{r['programs']} programs, {r['per_sm']}/SM, {r['waves']} waves"
+        if r["status"] != "error"
+        else "ERROR"
     )
-    return f"  {r['compile_s']:6.2f}s {r['kernel']} {r['dtype']} {r['variant']} {r['config']} "
-    f"w{r['warps']} s{r['stages']}: {usage}"
+    return (
+        f"  {r['compile_s']:6.2f}s {r['kernel']} {r['dtype']} {r['variant']} {r['config']} "
+        f"w{r['warps']} s{r['stages']}: {usage}"
+    )
 
 
 def import_kernels_for_gpu(sms: int):
@@ -297,7 +357,7 @@ def fc_concat_cases(mod, s, dtype) -> Dict[str, Callable[[], None]]:
 
 
 def anchored_attention_cases(mod, s, dtype) -> Dict[str, Callable[[], None]]:
-    """Forward, backward preprocess, dq and dk/dv (context and block keys), causal in block off and on."""
+    """Forward, block pass, dQ and context dK/dV, causal in block off and on."""
     r, a, b, t, hq, hkv, d = 1, s["A"], s["B"], s["T"], s["Hq"], s["Hkv"], s["D"]
     anchors = torch.linspace(t // 8, t - 1, a).long()[None]
     document_ids = (torch.arange(t) * s["docs"] // t)[None]
@@ -369,7 +429,9 @@ def parse_args(argv=None):
         "--arch", type=int, default=90, choices=sorted(ARCHS), help="CUDA compute capability (90: H100/H200)"
     )
     p.add_argument("--dtypes", default="bf16,fp16,fp32", help="comma-separated, of bf16, fp16, fp32")
-    p.add_argument("--shapes", default="reference,ragged", help="comma-separated, of reference, ragged")
+    p.add_argument(
+        "--shapes", default="reference,long,ragged", help="comma-separated, of " + ", ".join(SHAPES)
+    )
     p.add_argument(
         "--configs", default="all", choices=["all", "first"], help="every autotune config, or the first of each list"
     )
@@ -398,10 +460,13 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     try:
         for shape in args.shapes.split(","):
+            recorder.forget_compiled()
             for dtype in args.dtypes.split(","):
-                if shape == "ragged" and dtype != "bf16":
-                    continue  # the masked tails are dtype-independent code; bf16 is the training dtype
+                if shape != "reference" and dtype != "bf16":
+                    continue  # masked tails and grids are dtype-independent; bf16 is the training dtype
                 for op in args.ops.split(","):
+                    if shape != "reference" and all(SHAPES[shape][k] == REFERENCE[k] for k in OP_SIZES[op]):
+                        continue
                     for name, step in CASES[op](modules[op], SHAPES[shape], torch_dtype(dtype)).items():
                         recorder.case, recorder.dtype = f"{op} {dtype} {shape} {name}", dtype
                         if re.search(args.cases, recorder.case):
@@ -432,6 +497,13 @@ def main(argv=None) -> int:
         "spilling": len(spills),
         "out_of_resources": len(too_big),
         "total_s": round(seconds, 1),
+        "static facts": "mma_loops_without_async = PTX loops with MMA instructions and no async copy; main loop = "
+        "the innermost PTX loop with the most MMA instructions; async copies = "
+        "cp.async / cp.async.bulk (TMA) in it, sync loads = ld.global in it; per_sm = programs resident on one SM "
+        f"(registers in 256-per-warp units of {REGISTERS_PER_SM}, shared memory + {SMEM_RESERVED_PER_BLOCK} B of "
+        f"{ARCHS[args.arch]['smem_per_sm']} B, {WARPS_PER_SM} warps, {BLOCKS_PER_SM} blocks); waves = programs / "
+        f"(per_sm x {ARCHS[args.arch]['sms']} SMs) at the case's shape",
+        "shapes (sizes)": {name: SHAPES[name] for name in args.shapes.split(",")},
     }
     name = f"compile_check_{triton.__version__}"
     print(write_results(name, [dict(r, error=_one_line(r["error"])) for r in rows], args.out, meta=meta))

@@ -1,6 +1,6 @@
 """bench/compile_check.py compiles every Triton kernel for sm_90 without a GPU, so compile errors,
 spills and shared-memory overflows show up before a GPU session, and a kernel the tool never
-launches fails here.
+launches fails here. The static facts of its rows are read off PTX as tested here on excerpts.
 
 It needs ptxas, which the triton wheel ships. Where there is none the tool says so and this test
 fails with that message instead of skipping: a skipped check is how an uncompilable kernel would
@@ -17,6 +17,8 @@ import triton
 from dflash_fast.kernels import anchored_attention, fc_concat, lm_head_loss
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
+
+from bench import static_facts
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The reduced run: bf16, the reference shape, the first config of each autotune list, and the cases
@@ -47,16 +49,21 @@ def triton_kernels(module):
     return set(sources) - called
 
 
-def test_every_kernel_compiles_for_sm90(tmp_path):
+def run_compile_check(out_dir, *args):
+    """Rows of one compile_check run (which must exit 0) written to out_dir."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["OMP_NUM_THREADS"] = "1"
-    cmd = [sys.executable, os.path.join(REPO, "bench", "compile_check.py"), *QUICK, "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    cmd = [sys.executable, os.path.join(REPO, "bench", "compile_check.py"), *args, "--out", str(out_dir)]
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (
         f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-6000:]}\n{proc.stdout[-2000:]}"
     )
-    with open(tmp_path / f"compile_check_{triton.__version__}.json") as f:
-        rows = json.load(f)["rows"]
+    with open(out_dir / f"compile_check_{triton.__version__}.json") as f:
+        return json.load(f)["rows"]
+
+
+def test_every_kernel_compiles_for_sm90(tmp_path):
+    rows = run_compile_check(tmp_path, *QUICK)
     for module in (fc_concat, anchored_attention, lm_head_loss):
         op = module.__name__.rsplit(".", 1)[-1]
         kernels = triton_kernels(module)
@@ -66,3 +73,53 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
         assert not missing, (
             f"{op}: compile_check never launched {missing}; add a case that does to bench/compile_check.py and to QUICK"
         )
+
+
+# A PTX excerpt in the shape llc writes it: an outer loop (BB0_2) around an inner loop (BB0_4) that holds
+# the MMAs and the pipelined loads, a block reached by falling through that belongs to the inner loop,
+# and MMAs after the loops.
+PTX = """
+// %bb.0:
+\tld.global.v4.b32 \t{%r1, %r2, %r3, %r4}, [%rd1];
+$L__BB0_2:                              // =>This Loop Header: Depth=1
+                                        //     Child Loop BB0_4 Depth 2
+\tld.global.b32 \t%r5, [%rd2];
+$L__BB0_4:                              // %.lr.ph
+                                        //   Parent Loop BB0_2 Depth=1
+                                        // =>  This Inner Loop Header: Depth=2
+\tcp.async.cg.shared.global [ %r6 + 0 ], [ %rd3 + 0 ], 0x10, %r7;
+\tcp.async.commit_group;
+\twgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%r8}, %rd4, %rd5, 1;
+\twgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%r8}, %rd4, %rd5, 1;
+// %bb.5:                               //   in Loop: Header=BB0_4 Depth=2
+\tcp.async.wait_group \t0;
+\tld.global.b32 \t%r9, [%rd6];
+\twgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%r8}, %rd4, %rd5, 1;
+\t@%p1 bra \t$L__BB0_4;
+$L__BB0_6:                              //   in Loop: Header=BB0_2 Depth=1
+\t@%p2 bra \t$L__BB0_2;
+// %bb.7:
+\tmma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%r10}, {%r11}, {%r12}, {%r13};
+\tret;
+"""
+
+
+def test_static_facts_read_the_main_loop_of_ptx():
+    facts = static_facts.static_facts(PTX, "ptxas info : Potential Performance Loss: wgmma serialized\n")
+    assert facts["loops"] == 2
+    assert facts["mma_loops_without_async"] == 0
+    assert facts["main_loop_async_copies"] == 1  # commit_group and wait_group are not copies
+    assert facts["main_loop_sync_loads"] == 1
+    assert facts["main_loop_mma"] == "wgmma m64n128k16 x1, wgmma m64n64k16 x2"
+    assert facts["widest_mma_n"] == 128
+    assert facts["other_mma"] == "mma m16n8k16 x1"
+    assert facts["ptxas_remarks"] == "wgmma serialized"
+    unpipelined = static_facts.static_facts(PTX.replace("cp.async.cg.shared.global", "ld.global.v4.b32"))
+    assert unpipelined["mma_loops_without_async"] == 1 and unpipelined["main_loop_async_copies"] == 0
+
+
+def test_occupancy_counts_programs_per_sm_and_waves():
+    # 255 registers x 256 threads fill the register file: one program per SM.
+    assert static_facts.occupancy(90, 255, 8, 98304, 2048) == {"per_sm": 1, "waves": round(2048 / 132, 2)}
+    # 128 registers x 128 threads fit four times; 60 KB of shared memory (+1 KB reserved) only three times.
+    assert static_facts.occupancy(90, 128, 4, 60 * 1024, 396) == {"per_sm": 3, "waves": 1.0}
