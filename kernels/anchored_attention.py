@@ -1,18 +1,55 @@
 """Anchored block-sparse attention (SPEC §4): flash-style Triton forward and backward.
 
-Query (anchor i, slot j) sees context keys p with doc_start(a_i) <= p < a_i (and
-p >= a_i - W with a window) and the keys of its own block (slots j' <= j when
-causal in block). Documents are contiguous runs, so each anchor's context is one
-interval [lo_i, hi_i), computed on the host in O(A + T). No mask and no BlockMask
-is built: a query tile visits only the context tiles in [min lo, max hi) of its
-anchors, then its own block keys. Extra memory: the per-anchor bounds [R, A], two
-per-position anchor ranges [R, T] for the backward, and the per-row log-sum-exp
-and delta [R, Hq, A*B] (fp32).
+Math, per query row (anchor i, slot j), q head h and its kv head h // g (GQA, g = Hq / Hkv):
 
-Sorted anchors make the intervals monotone, which keeps a tile's context range
-tight and makes the anchors that see one context tile a contiguous range; the
-code stays correct (only slower) for unsorted valid anchors.
+    visible keys   context keys lo_i <= p < hi_i (from the anchor's document start, or the window edge,
+                   up to the anchor, strictly before it) and the slots j' of block i (j' <= j when causal)
+    s_jp           = scale * q_j . k_p on visible keys, kept in base 2 (times log2 e)
+    out_j          = sum_p softmax(s_j)_p v_p,   lse_j = log2 sum_p 2^(s_jp log2 e)   (fp32)
+    backward       P = 2^(s log2 e - lse), delta_j = dO_j . out_j, dS = P * (dO V^T - delta),
+                   dQ = scale dS K,  dV = P^T dO,  dK = scale dS^T Q   (dK, dV summed over the g heads)
+
+Invalid anchors give zero rows and lse = +inf, which makes P = 0 in every backward pass. Documents are
+contiguous runs, so anchor i's context is one interval [lo_i, hi_i), computed on the host in O(A + T).
+
+Tiles. Rows are packed by anchor: a pack of BLOCK_P rows (16, or the next power of two >= B when B > 16)
+holds BLOCK_P // B whole blocks, and an anchor tile holds BLOCK_M // BLOCK_P packs (B = 16: 8 anchors,
+128 rows, no padding). The own-block scores of a pack are one [BLOCK_P, BLOCK_P] block, so the own
+blocks of a tile are one batched dot and no score between packs is ever computed. Context keys stream
+in tiles of BLOCK_N from the smallest lo of the tile's valid anchors to the largest hi: tiles inside
+[largest lo, smallest hi) are seen whole by every valid row and run in a loop without any mask; the
+others (the ends of the range) run in a second loop with it. Key-tile addresses depend only on the
+loop counter (no branch between sources), so the compiler pipelines the loads (cp.async).
+
+Passes, with their MMAs and FLOPs per visited (query row, key) pair and channel of one q head:
+  1. forward        (q head, anchor tile): own blocks, then the context tiles             2 MMAs, 4 FLOPs
+  2. block pass     (anchor tile, kv head): for each q head of the group delta = rowsum(dO * out),
+                    and dK, dV of the block keys (P, dP, dS recomputed per pack)         4 MMAs, 8 FLOPs
+  3. dQ             (q head, anchor tile): the forward's context tiles, then own blocks   3 MMAs, 6 FLOPs
+  4. context dK/dV  (kv head, context key tile): the g heads x anchor tiles of the anchors that may
+                    see the key tile ([first, last) of `context_ranges`, contiguous for sorted anchors),
+                    masked only where an anchor of the tile sees the key tile in part     4 MMAs, 8 FLOPs
+  Forward 4, backward 14 FLOPs per pair and channel: dQ is not accumulated with atomics, so passes 3
+  and 4 each recompute P and dP. Pass 4 keeps K, V in shared memory and accumulates dK^T = dS^T Q and
+  dV^T = dO^T P transposed ([D, BLOCK_N]), so that both operands of every MMA come from shared memory
+  (P and dS are staged there) and no transposed copy of them is held in registers.
+  Launch order: heads vary fastest, then the heaviest tiles first (the last anchor tiles in passes 1
+  and 3, which see the most context; in pass 4 the first key tiles of a document, which the most
+  anchors see), so the g heads that read the same K/V tiles run together and the tail is short.
+
+Memory. The forward reads q, k_blk, v_blk once per q head and each context key tile once per anchor
+tile that visits it (the g heads of a kv head read the same tiles: mostly L2 hits); the backward reads
+q, dO, out once more (block pass), q, dO and the key tiles again (dQ), and q, dO, lse, delta of every
+anchor tile per context key tile (dK/dV). Each output is written once. Extra memory: the per-anchor
+bounds [R, A] and their running max / suffix min, the per-position anchor ranges [R, T] of pass 4, and
+lse, delta [R, Hq, A*B] fp32. Offsets inside one row of a tensor are int32 (the host checks the row
+size; int64 offset tensors cost registers the dK/dV pass does not have).
+
+Sorted anchors make the intervals monotone, which keeps a tile's context range tight and makes the
+anchors that see one context tile a contiguous range; the code stays correct (only slower) for
+unsorted valid anchors.
 """
+
 import math
 from typing import NamedTuple, Optional, Tuple
 
@@ -28,507 +65,497 @@ def _configs(gpu_configs, interpreter_config):
     return autotune_configs(("BLOCK_M", "BLOCK_N"), gpu_configs, interpreter_config)
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages). Candidates chosen to compile without register
-# spills for D = 128 on sm_90 (checked with cuobjdump), plus one larger tile each.
-# Query-tile kernels (forward, dq): BLOCK_M queries stay resident, BLOCK_N keys stream past.
-_Q_TILE_CONFIGS = _configs(
-    [(128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (64, 32, 4, 4), (128, 128, 8, 2), (128, 32, 8, 3)],
-    (32, 32, 4, 1),
-)
-# Key-tile kernel (dk/dv): BLOCK_N keys stay resident, BLOCK_M query rows stream past.
-_KEY_TILE_CONFIGS = _configs(
-    [(64, 64, 8, 3), (64, 64, 8, 2), (32, 64, 8, 3), (32, 64, 4, 3), (32, 128, 8, 3), (64, 128, 8, 2)],
-    (32, 32, 4, 1),
-)
+# (BLOCK_M, BLOCK_N, num_warps, num_stages). Query-tile kernels (forward, dQ): BLOCK_M query rows stay
+# resident, BLOCK_N context keys stream past.
+_Q_TILE_CONFIGS = _configs([(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3)], (32, 32, 4, 1))
+# Context dK/dV: BLOCK_N keys stay resident, BLOCK_M query rows stream past.
+_KEY_TILE_CONFIGS = _configs([(128, 64, 8, 2)], (32, 32, 4, 1))
+# The block pass has no loop over keys: one fixed tile, and its loop over the g heads of a kv head is not
+# software-pipelined (with stages > 1, Triton 3.6 spills its batched dots for every tile size).
+_BLOCK_PASS_ROWS, _BLOCK_PASS_WARPS, _BLOCK_PASS_STAGES = 32, 4, 1
+
+
+# ---------------------------------------------------------------- Triton kernels
 
 
 @triton.jit
-def _row_ptrs(base, stride, o_rows, o_d):
-    """[len(o_rows), HEAD_DIM] pointers to rows o_rows of one head. Offsets inside a row
-    are int32 (the host checks that a row spans < 2^31 elements): int64 offsets made
-    the kernels spill registers on sm_90."""
-    return base + o_rows[:, None] * stride + o_d[None, :]
+def _packed_rows(o_pack, o_local, anchor_start, n_anchor, BLOCK_SIZE: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Row (pack, row in pack) of the anchor tile starting at anchor_start -> o_anchor, o_q (its query
+    index, anchor * B + slot) and m_q (real query rows: a whole block of the pack, anchor < A)."""
+    n_pack = BLOCK_P // BLOCK_SIZE
+    o_anchor = anchor_start + o_pack * n_pack + o_local // BLOCK_SIZE
+    o_q = (anchor_start + o_pack * n_pack) * BLOCK_SIZE + o_local
+    return o_anchor, o_q, (o_local < n_pack * BLOCK_SIZE) & (o_anchor < n_anchor)
 
 
 @triton.jit
-def _load_rows(base, stride, o_rows, o_d, n_rows):
-    """Rows o_rows of one head, zero past n_rows."""
-    return tl.load(_row_ptrs(base, stride, o_rows, o_d), mask=(o_rows < n_rows)[:, None], other=0.0)
+def _tile_rows(anchor_start, n_anchor, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr):
+    """The rows of an anchor tile as [BLOCK_M] vectors: o_anchor, o_q, m_q."""
+    o_m = tl.arange(0, BLOCK_M)
+    return _packed_rows(o_m // BLOCK_P, o_m % BLOCK_P, anchor_start, n_anchor, BLOCK_SIZE, BLOCK_P)
 
 
 @triton.jit
-def _query_tile(LO, HI, VALID, n_ctx, n_q, n_qh, n_anchor, group, block_size,
-                CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Program ids (grid: query tiles x R*Hq) -> the tile's rows and the key tiles it visits.
-
-    Returns row r (int64), q head, kv head, offsets o_m [BLOCK_M] and o_d [HEAD_DIM];
-    per query row its anchor's context interval lo, hi and validity; then c_lo and
-    n_ctx_tiles (context tiles covering [min lo, max hi) of the valid rows), lo_max and hi_min (tiles
-    inside [lo_max, hi_min) are seen whole by every valid row), b_lo (first key of the tile's own blocks)
-    and n_tiles (context + block tiles). A tile without valid rows visits nothing.
-    """
-    # Later anchors see more context: launch the heavy tiles first to shorten the tail.
-    i_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    i_rh = tl.program_id(1)
-    i_r, i_h = i_rh // n_qh, i_rh % n_qh
-    r64 = i_r.to(tl.int64)
-    m0 = i_m * BLOCK_M
-    o_m = m0 + tl.arange(0, BLOCK_M)
-    m_row = o_m < n_q
-    o_anchor = o_m // block_size
-    valid = tl.load(VALID + r64 * n_anchor + o_anchor, mask=m_row, other=0) != 0
-    lo = tl.where(valid, tl.load(LO + r64 * n_anchor + o_anchor, mask=m_row, other=0), 0)
-    hi = tl.where(valid, tl.load(HI + r64 * n_anchor + o_anchor, mask=m_row, other=0), 0)
-
-    any_valid = tl.max(valid.to(tl.int32), axis=0) > 0
-    lo_min = tl.min(tl.where(valid, lo, n_ctx), axis=0)
-    lo_max = tl.max(tl.where(valid, lo, 0), axis=0)
-    hi_min = tl.min(tl.where(valid, hi, n_ctx), axis=0)
-    hi_max = tl.max(tl.where(valid, hi, 0), axis=0)
-    c_lo = (lo_min // BLOCK_N) * BLOCK_N
-    n_ctx_tiles = tl.where(any_valid, tl.cdiv(tl.maximum(hi_max - c_lo, 0), BLOCK_N), 0)
-    m_last = tl.minimum(m0 + BLOCK_M, n_q) - 1
-    b_lo = (m0 // block_size) * block_size
-    b_hi = tl.minimum((m_last // block_size + 1) * block_size, n_q)
-    if CAUSAL:
-        b_hi = tl.minimum(b_hi, m_last + 1)
-    n_blk_tiles = tl.where(any_valid, tl.cdiv(b_hi - b_lo, BLOCK_N), 0)
-    return (
-        r64,
-        i_h,
-        i_h // group,
-        o_m,
-        tl.arange(0, HEAD_DIM),
-        lo,
-        hi,
-        valid,
-        c_lo,
-        n_ctx_tiles,
-        lo_max,
-        hi_min,
-        b_lo,
-        n_ctx_tiles + n_blk_tiles,
-    )
+def _tile_packs(anchor_start, n_anchor, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr):
+    """The same rows as [BLOCK_M // BLOCK_P, BLOCK_P] (pack, row in pack): o_q, m_q."""
+    o_pack = tl.arange(0, BLOCK_M // BLOCK_P)[:, None]
+    o_local = tl.arange(0, BLOCK_P)[None, :]
+    _, o_q, m_q = _packed_rows(o_pack, o_local, anchor_start, n_anchor, BLOCK_SIZE, BLOCK_P)
+    return o_q, m_q
 
 
 @triton.jit
-def _visible(o_m, o_n, lo, hi, block_size, IS_CTX: tl.constexpr, CAUSAL: tl.constexpr):
-    """SPEC §4 visibility of keys o_n to query rows o_m (with their anchor's lo, hi), broadcast
-    to 2-D by the caller ([M, 1] vs [1, N] or transposed). Row validity is handled elsewhere."""
-    if IS_CTX:
-        vis = (o_n >= lo) & (o_n < hi)
+def _load_packs(base_ptr, stride, o_q, m_q, HEAD_DIM: tl.constexpr):
+    """[packs, BLOCK_P, HEAD_DIM] rows o_q of one head (row stride `stride`), zero where not m_q."""
+    o_d = tl.arange(0, HEAD_DIM)
+    return tl.load(base_ptr + o_q[:, :, None] * stride + o_d[None, None, :], mask=m_q[:, :, None], other=0.0)
+
+
+@triton.jit
+def _pack_visible(BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_P: tl.constexpr, KEYS_FIRST: tl.constexpr):
+    """[1, BLOCK_P, BLOCK_P] own-block visibility inside a pack: same block and a real key row (and key slot
+    <= query slot when causal); queries on axis 1 and keys on axis 2, or the transpose with KEYS_FIRST."""
+    o_local = tl.arange(0, BLOCK_P)
+    if KEYS_FIRST:
+        o_key, o_query = o_local[:, None], o_local[None, :]
     else:
-        vis = (o_n // block_size) == (o_m // block_size)
-        if CAUSAL:
-            vis = vis & (o_n <= o_m)
-    return vis
+        o_query, o_key = o_local[:, None], o_local[None, :]
+    m_vis = (o_key // BLOCK_SIZE == o_query // BLOCK_SIZE) & (o_key < (BLOCK_P // BLOCK_SIZE) * BLOCK_SIZE)
+    if CAUSAL:
+        m_vis = m_vis & (o_key <= o_query)
+    # A padding row sees itself (a zero key), which keeps its softmax finite; a real row sees itself anyway.
+    return (m_vis | (o_key == o_query))[None, :, :]
 
 
 @triton.jit
-def _key_tile_scores(
-    it,
-    q,
-    KC,
-    VC,
-    KB,
-    VB,
-    skc,
-    svc,
-    skb,
-    svb,
-    c_lo,
-    n_ctx_tiles,
-    lo_max,
-    hi_min,
+def _context_tiles(b_lo, b_hi, m_valid, n_ctx, BLOCK_N: tl.constexpr):
+    """The context key tiles of an anchor tile (rows' bounds b_lo, b_hi; m_valid: rows of valid anchors),
+    laid from ctx_start = the smallest lo: n_lead tiles reaching into [min lo, max lo) (masked), n_full
+    tiles inside [max lo, min hi) (seen whole by every valid row), n_tail tiles up to the largest hi
+    (masked). All counts are zero without a valid row."""
+    ctx_start = tl.min(tl.where(m_valid, b_lo, n_ctx), axis=0)
+    lo_max = tl.max(tl.where(m_valid, b_lo, 0), axis=0)
+    hi_min = tl.min(tl.where(m_valid, b_hi, n_ctx), axis=0)
+    hi_max = tl.max(tl.where(m_valid, b_hi, 0), axis=0)
+    n_all = tl.cdiv(tl.maximum(hi_max - ctx_start, 0), BLOCK_N)
+    n_lead = tl.minimum(tl.cdiv(tl.maximum(lo_max - ctx_start, 0), BLOCK_N), n_all)
+    n_full = tl.minimum(tl.maximum(hi_min - (ctx_start + n_lead * BLOCK_N), 0) // BLOCK_N, n_all - n_lead)
+    return ctx_start, n_lead, n_full, n_all - n_lead - n_full
+
+
+@triton.jit
+def _context_scores(
+    b_q,
+    k_base_ptr,
+    v_base_ptr,
+    stride_k,
+    key_start,
     b_lo,
+    b_hi,
     n_ctx,
-    n_q,
-    o_m,
-    o_d,
-    lo,
-    hi,
-    block_size,
     qk_scale,
-    CAUSAL: tl.constexpr,
+    MASKED: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """The it-th key tile of a query tile (context tiles, then block tiles) -> k, v [BLOCK_N, D]
-    and base-2 scores s = scale * log2(e) * q k^T [BLOCK_M, BLOCK_N], -inf where not visible.
-
-    One loop serves both key sources, so one set of loop state stays live (separate
-    loops spilled registers on sm_90); only context tiles at the edges of the tile's
-    intervals pay for the mask.
-    """
-    is_ctx = it < n_ctx_tiles
-    if is_ctx:
-        o_n = c_lo + it * BLOCK_N + tl.arange(0, BLOCK_N)
-        k = _load_rows(KC, skc, o_n, o_d, n_ctx)
-        v = _load_rows(VC, svc, o_n, o_d, n_ctx)
+    """Context keys [key_start, key_start + BLOCK_N) -> k, v [BLOCK_N, D] and the base-2 scores of b_q
+    [BLOCK_M, BLOCK_N]; MASKED: -inf outside each row's [lo, hi), and keys past n_ctx load as zero."""
+    o_n = key_start + tl.arange(0, BLOCK_N)
+    o_kv = o_n[:, None] * stride_k + tl.arange(0, HEAD_DIM)[None, :]
+    if MASKED:
+        m_key = (o_n < n_ctx)[:, None]
+        b_k = tl.load(k_base_ptr + o_kv, mask=m_key, other=0.0)
+        b_v = tl.load(v_base_ptr + o_kv, mask=m_key, other=0.0)
     else:
-        o_n = b_lo + (it - n_ctx_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-        k = _load_rows(KB, skb, o_n, o_d, n_q)
-        v = _load_rows(VB, svb, o_n, o_d, n_q)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-    if is_ctx:
-        n0 = c_lo + it * BLOCK_N
-        if (n0 < lo_max) | (n0 + BLOCK_N > hi_min):
-            s = tl.where(
-                _visible(o_m[:, None], o_n[None, :], lo[:, None], hi[:, None], block_size, True, CAUSAL),
-                s,
-                float("-inf"),
-            )
-    else:
-        s = tl.where(
-            _visible(o_m[:, None], o_n[None, :], lo[:, None], hi[:, None], block_size, False, CAUSAL), s, float("-inf")
-        )
-    return k, v, s
+        b_k = tl.load(k_base_ptr + o_kv)
+        b_v = tl.load(v_base_ptr + o_kv)
+    b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION) * qk_scale
+    if MASKED:
+        b_s = tl.where((o_n[None, :] >= b_lo[:, None]) & (o_n[None, :] < b_hi[:, None]), b_s, float("-inf"))
+    return b_k, b_v, b_s
 
 
-@triton.autotune(configs=_Q_TILE_CONFIGS, key=["n_ctx", "n_q", "block_size", "HEAD_DIM", "CAUSAL"])
+@triton.jit
+def _fwd_context_tile(
+    b_acc,
+    b_sum,
+    b_max,
+    b_q,
+    k_base_ptr,
+    v_base_ptr,
+    stride_k,
+    key_start,
+    b_lo,
+    b_hi,
+    n_ctx,
+    qk_scale,
+    MASKED: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One online-softmax step over context keys [key_start, key_start + BLOCK_N). b_max is finite on
+    entry (every row has seen its own pack), so a row that sees none of these keys keeps its state."""
+    b_k, b_v, b_s = _context_scores(
+        b_q, k_base_ptr, v_base_ptr, stride_k, key_start, b_lo, b_hi, n_ctx, qk_scale, MASKED, HEAD_DIM, BLOCK_N,
+        DOT_PRECISION,
+    )
+    b_max_new = tl.maximum(b_max, tl.max(b_s, axis=1))
+    b_p = tl.exp2(b_s - b_max_new[:, None])
+    b_alpha = tl.exp2(b_max - b_max_new)
+    b_sum = b_sum * b_alpha + tl.sum(b_p, axis=1)
+    b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
+    return b_acc, b_sum, b_max_new
+
+
+@triton.jit
+def _dq_context_tile(
+    b_dq,
+    b_q,
+    b_do,
+    b_lse,
+    b_delta,
+    k_base_ptr,
+    v_base_ptr,
+    stride_k,
+    key_start,
+    b_lo,
+    b_hi,
+    n_ctx,
+    qk_scale,
+    MASKED: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """dQ (unscaled) += dS K over context keys [key_start, key_start + BLOCK_N), P from the saved lse."""
+    b_k, b_v, b_s = _context_scores(
+        b_q, k_base_ptr, v_base_ptr, stride_k, key_start, b_lo, b_hi, n_ctx, qk_scale, MASKED, HEAD_DIM, BLOCK_N,
+        DOT_PRECISION,
+    )
+    b_p = tl.exp2(b_s - b_lse[:, None])
+    b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PRECISION)
+    b_ds = b_p * (b_dp - b_delta[:, None])
+    return b_dq + tl.dot(b_ds.to(b_k.dtype), b_k, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _tile_start(i_tile, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr):
+    """First anchor of anchor tile i_tile."""
+    return i_tile * (BLOCK_M // BLOCK_P) * (BLOCK_P // BLOCK_SIZE)
+
+
+@triton.autotune(configs=_Q_TILE_CONFIGS, key=["n_ctx", "n_anchor", "BLOCK_SIZE", "HEAD_DIM", "CAUSAL"])
 @triton.jit
 def _attn_fwd_kernel(
-    Q,
-    KC,
-    VC,
-    KB,
-    VB,
-    OUT,
-    LSE,
-    LO,
-    HI,
-    VALID,
-    sq_r,
-    sq_m,
-    sq_h,
-    skc_r,
-    skc_t,
-    skc_h,
-    svc_r,
-    svc_t,
-    svc_h,
-    skb_r,
-    skb_m,
-    skb_h,
-    svb_r,
-    svb_m,
-    svb_h,
-    so_r,
-    so_m,
-    so_h,
+    q_ptr,
+    k_ctx_ptr,
+    v_ctx_ptr,
+    k_blk_ptr,
+    v_blk_ptr,
+    out_ptr,
+    lse_ptr,
+    lo_ptr,
+    hi_ptr,
+    valid_ptr,
     n_ctx,
-    n_q,
     n_anchor,
     n_qh,
     group,
-    block_size,
     qk_scale,
+    BLOCK_SIZE: tl.constexpr,
     CAUSAL: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    BLOCK_P: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """OUT = softmax(scale * Q K^T over visible keys) V for one (row, q head, query tile); LSE in base 2.
+    """out and lse (base 2, +inf on invalid anchors) of one (row, q head, anchor tile): its own packs,
+    then the context tiles of `_context_tiles`. Heads vary fastest and the last anchor tiles (late anchors
+    see the most context) launch first: the heaviest programs start first, and the g heads that read the
+    same K/V tiles run together."""
+    i_rh, i_tile = tl.program_id(0), tl.num_programs(1) - 1 - tl.program_id(1)
+    i_r, i_h = (i_rh // n_qh).to(tl.int64), i_rh % n_qh
+    n_q = n_anchor * BLOCK_SIZE
+    stride_q, stride_k = n_qh * HEAD_DIM, n_qh // group * HEAD_DIM
+    q_offset = i_r * n_q * stride_q + i_h * HEAD_DIM
+    blk_offset = i_r * n_q * stride_k + i_h // group * HEAD_DIM
+    ctx_offset = i_r * n_ctx * stride_k + i_h // group * HEAD_DIM
+    anchor_start = _tile_start(i_tile, BLOCK_SIZE, BLOCK_M, BLOCK_P)
 
-    Reads its query tile once and K/V of context tiles [min lo, max hi) plus its own
-    blocks; writes OUT [BLOCK_M, D] and LSE [BLOCK_M] (+inf on invalid rows).
-    """
-    r64, i_h, i_hk, o_m, o_d, lo, hi, valid, c_lo, n_ctx_tiles, lo_max, hi_min, b_lo, n_tiles = _query_tile(
-        LO, HI, VALID, n_ctx, n_q, n_qh, n_anchor, group, block_size, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N
-    )
-    q = _load_rows(Q + r64 * sq_r + i_h * sq_h, sq_m, o_m, o_d, n_q)
-    KCh, VCh = KC + r64 * skc_r + i_hk * skc_h, VC + r64 * svc_r + i_hk * svc_h
-    KBh, VBh = KB + r64 * skb_r + i_hk * skb_h, VB + r64 * svb_r + i_hk * svb_h
+    # Own blocks: one [BLOCK_P, BLOCK_P] softmax block per pack; they start the online softmax.
+    o_q3, m_q3 = _tile_packs(anchor_start, n_anchor, BLOCK_SIZE, BLOCK_M, BLOCK_P)
+    b_q3 = _load_packs(q_ptr + q_offset, stride_q, o_q3, m_q3, HEAD_DIM)
+    b_k3 = _load_packs(k_blk_ptr + blk_offset, stride_k, o_q3, m_q3, HEAD_DIM)
+    b_v3 = _load_packs(v_blk_ptr + blk_offset, stride_k, o_q3, m_q3, HEAD_DIM)
+    b_s3 = tl.dot(b_q3, tl.trans(b_k3, 0, 2, 1), input_precision=DOT_PRECISION) * qk_scale
+    b_s3 = tl.where(_pack_visible(BLOCK_SIZE, CAUSAL, BLOCK_P, False), b_s3, float("-inf"))
+    b_max3 = tl.max(b_s3, axis=2)
+    b_p3 = tl.exp2(b_s3 - b_max3[:, :, None])
+    b_acc = tl.reshape(tl.dot(b_p3.to(b_v3.dtype), b_v3, input_precision=DOT_PRECISION), [BLOCK_M, HEAD_DIM])
+    b_sum = tl.reshape(tl.sum(b_p3, axis=2), [BLOCK_M])
+    b_max = tl.reshape(b_max3, [BLOCK_M])
+    b_q = tl.reshape(b_q3, [BLOCK_M, HEAD_DIM])
 
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    for it in range(n_tiles):
-        k, v, s = _key_tile_scores(
-            it,
-            q,
-            KCh,
-            VCh,
-            KBh,
-            VBh,
-            skc_t,
-            svc_t,
-            skb_m,
-            svb_m,
-            c_lo,
-            n_ctx_tiles,
-            lo_max,
-            hi_min,
-            b_lo,
-            n_ctx,
-            n_q,
-            o_m,
-            o_d,
-            lo,
-            hi,
-            block_size,
-            qk_scale,
-            CAUSAL,
-            BLOCK_N,
-            DOT_PRECISION,
+    o_anchor, o_q, m_q = _tile_rows(anchor_start, n_anchor, BLOCK_SIZE, BLOCK_M, BLOCK_P)
+    m_valid = tl.load(valid_ptr + i_r * n_anchor + o_anchor, mask=m_q, other=0) != 0
+    b_lo = tl.load(lo_ptr + i_r * n_anchor + o_anchor, mask=m_q, other=0)
+    b_hi = tl.load(hi_ptr + i_r * n_anchor + o_anchor, mask=m_q, other=0)
+    ctx_start, n_lead, n_full, n_tail = _context_tiles(b_lo, b_hi, m_valid, n_ctx, BLOCK_N)
+    for it in range(n_lead + n_tail):
+        key_start = ctx_start + tl.where(it < n_lead, it, it + n_full) * BLOCK_N
+        b_acc, b_sum, b_max = _fwd_context_tile(
+            b_acc, b_sum, b_max, b_q, k_ctx_ptr + ctx_offset, v_ctx_ptr + ctx_offset, stride_k, key_start, b_lo,
+            b_hi, n_ctx, qk_scale, True, HEAD_DIM, BLOCK_N, DOT_PRECISION,
         )
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # A row with nothing visible yet keeps m = -inf; subtract 0 there so exp2 gives 0, not NaN.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    for it in range(n_full):
+        key_start = ctx_start + (n_lead + it) * BLOCK_N
+        b_acc, b_sum, b_max = _fwd_context_tile(
+            b_acc, b_sum, b_max, b_q, k_ctx_ptr + ctx_offset, v_ctx_ptr + ctx_offset, stride_k, key_start, b_lo,
+            b_hi, n_ctx, qk_scale, False, HEAD_DIM, BLOCK_N, DOT_PRECISION,
+        )
 
-    # A valid row always sees its own slot, so l > 0 there; invalid rows are zero.
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    out = tl.where(valid[:, None], acc / l_safe[:, None], 0.0)
-    lse = tl.where(valid, m_i + tl.log2(l_safe), float("inf"))
-    m_row = o_m < n_q
-    p_out = _row_ptrs(OUT + r64 * so_r + i_h * so_h, so_m, o_m, o_d)
-    tl.store(p_out, out.to(OUT.dtype.element_ty), mask=m_row[:, None])
-    tl.store(LSE + (r64 * n_qh + i_h) * n_q + o_m, lse, mask=m_row)
+    b_out = tl.where(m_valid[:, None], b_acc / b_sum[:, None], 0.0)
+    b_lse = tl.where(m_valid, b_max + tl.log2(b_sum), float("inf"))
+    p_out = out_ptr + q_offset + o_q[:, None] * stride_q + tl.arange(0, HEAD_DIM)[None, :]
+    tl.store(p_out, b_out.to(out_ptr.dtype.element_ty), mask=m_q[:, None])
+    tl.store(lse_ptr + (i_r * n_qh + i_h) * n_q + o_q, b_lse, mask=m_q)
 
 
 @triton.jit
-def _bwd_preprocess_kernel(
-    OUT, DO, DELTA, so_r, so_m, so_h, sdo_r, sdo_m, sdo_h, n_q, n_qh, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr
+def _attn_bwd_block_kernel(
+    q_ptr,
+    k_blk_ptr,
+    v_blk_ptr,
+    out_ptr,
+    do_ptr,
+    lse_ptr,
+    delta_ptr,
+    dk_blk_ptr,
+    dv_blk_ptr,
+    n_anchor,
+    n_qh,
+    group,
+    qk_scale,
+    scale,
+    BLOCK_SIZE: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
 ):
-    """delta[r, h, m] = sum_d dO * OUT (fp32): the softmax-backward row term."""
-    i_m, i_rh = tl.program_id(0), tl.program_id(1)
-    i_h = i_rh % n_qh
-    r64 = (i_rh // n_qh).to(tl.int64)
-    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    o_d = tl.arange(0, HEAD_DIM)
-    o = _load_rows(OUT + r64 * so_r + i_h * so_h, so_m, o_m, o_d, n_q).to(tl.float32)
-    do = _load_rows(DO + r64 * sdo_r + i_h * sdo_h, sdo_m, o_m, o_d, n_q).to(tl.float32)
-    tl.store(DELTA + (r64 * n_qh + i_h) * n_q + o_m, tl.sum(o * do, axis=1), mask=o_m < n_q)
+    """The block pass of one (row, kv head, anchor tile): delta = rowsum(dO * out) of each of its g q heads
+    (stored for the dQ and dK/dV passes), and dK, dV of the block keys, which only their own block sees."""
+    i_tile, i_rh = tl.program_id(0), tl.program_id(1)
+    n_kh = n_qh // group
+    i_r, i_hk = (i_rh // n_kh).to(tl.int64), i_rh % n_kh
+    n_q = n_anchor * BLOCK_SIZE
+    stride_q, stride_k = n_qh * HEAD_DIM, n_kh * HEAD_DIM
+    blk_offset = i_r * n_q * stride_k + i_hk * HEAD_DIM
+    o_q3, m_q3 = _tile_packs(_tile_start(i_tile, BLOCK_SIZE, BLOCK_M, BLOCK_P), n_anchor, BLOCK_SIZE, BLOCK_M, BLOCK_P)
+    b_k3 = _load_packs(k_blk_ptr + blk_offset, stride_k, o_q3, m_q3, HEAD_DIM)
+    b_v3 = _load_packs(v_blk_ptr + blk_offset, stride_k, o_q3, m_q3, HEAD_DIM)
+    m_vis = _pack_visible(BLOCK_SIZE, CAUSAL, BLOCK_P, True)
+
+    b_dk3 = tl.zeros([BLOCK_M // BLOCK_P, BLOCK_P, HEAD_DIM], dtype=tl.float32)
+    b_dv3 = tl.zeros([BLOCK_M // BLOCK_P, BLOCK_P, HEAD_DIM], dtype=tl.float32)
+    for i_h in range(i_hk * group, (i_hk + 1) * group):
+        q_offset = i_r * n_q * stride_q + i_h * HEAD_DIM
+        b_q3 = _load_packs(q_ptr + q_offset, stride_q, o_q3, m_q3, HEAD_DIM)
+        b_do3 = _load_packs(do_ptr + q_offset, stride_q, o_q3, m_q3, HEAD_DIM)
+        b_out3 = _load_packs(out_ptr + q_offset, stride_q, o_q3, m_q3, HEAD_DIM)
+        stat_offset = (i_r * n_qh + i_h) * n_q
+        b_delta3 = tl.sum(b_out3.to(tl.float32) * b_do3.to(tl.float32), axis=2)
+        tl.store(delta_ptr + stat_offset + o_q3, b_delta3, mask=m_q3)
+        b_lse3 = tl.load(lse_ptr + stat_offset + o_q3, mask=m_q3, other=float("inf"))
+        # Keys on axis 1, queries on axis 2: P^T of each pack.
+        b_st3 = tl.dot(b_k3, tl.trans(b_q3, 0, 2, 1), input_precision=DOT_PRECISION) * qk_scale
+        b_pt3 = tl.where(m_vis, tl.exp2(b_st3 - b_lse3[:, None, :]), 0.0)
+        b_dv3 += tl.dot(b_pt3.to(b_do3.dtype), b_do3, input_precision=DOT_PRECISION)
+        b_dpt3 = tl.dot(b_v3, tl.trans(b_do3, 0, 2, 1), input_precision=DOT_PRECISION)
+        b_dst3 = b_pt3 * (b_dpt3 - b_delta3[:, None, :])
+        b_dk3 += tl.dot(b_dst3.to(b_q3.dtype), b_q3, input_precision=DOT_PRECISION)
+    o_dkv = o_q3[:, :, None] * stride_k + tl.arange(0, HEAD_DIM)[None, None, :]
+    b_dk3 = (b_dk3 * scale).to(dk_blk_ptr.dtype.element_ty)
+    tl.store(dk_blk_ptr + blk_offset + o_dkv, b_dk3, mask=m_q3[:, :, None])
+    tl.store(dv_blk_ptr + blk_offset + o_dkv, b_dv3.to(dv_blk_ptr.dtype.element_ty), mask=m_q3[:, :, None])
 
 
-@triton.autotune(configs=_Q_TILE_CONFIGS, key=["n_ctx", "n_q", "block_size", "HEAD_DIM", "CAUSAL"])
+@triton.autotune(configs=_Q_TILE_CONFIGS, key=["n_ctx", "n_anchor", "BLOCK_SIZE", "HEAD_DIM", "CAUSAL"])
 @triton.jit
 def _attn_bwd_dq_kernel(
-    Q,
-    KC,
-    VC,
-    KB,
-    VB,
-    DO,
-    LSE,
-    DELTA,
-    DQ,
-    LO,
-    HI,
-    VALID,
-    sq_r,
-    sq_m,
-    sq_h,
-    skc_r,
-    skc_t,
-    skc_h,
-    svc_r,
-    svc_t,
-    svc_h,
-    skb_r,
-    skb_m,
-    skb_h,
-    svb_r,
-    svb_m,
-    svb_h,
-    sdo_r,
-    sdo_m,
-    sdo_h,
-    sdq_r,
-    sdq_m,
-    sdq_h,
+    q_ptr,
+    k_ctx_ptr,
+    v_ctx_ptr,
+    k_blk_ptr,
+    v_blk_ptr,
+    do_ptr,
+    lse_ptr,
+    delta_ptr,
+    dq_ptr,
+    lo_ptr,
+    hi_ptr,
+    valid_ptr,
     n_ctx,
-    n_q,
     n_anchor,
     n_qh,
     group,
-    block_size,
     qk_scale,
     scale,
+    BLOCK_SIZE: tl.constexpr,
     CAUSAL: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    BLOCK_P: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """dQ = scale * dS K for one (row, q head, query tile), dS = P * (dO V^T - delta), P
-    recomputed from the saved LSE; visits exactly the key tiles the forward visited.
-    Invalid rows carry LSE = +inf, so P = 0 and their dQ is zero without a mask.
-    """
-    r64, i_h, i_hk, o_m, o_d, lo, hi, valid, c_lo, n_ctx_tiles, lo_max, hi_min, b_lo, n_tiles = _query_tile(
-        LO, HI, VALID, n_ctx, n_q, n_qh, n_anchor, group, block_size, CAUSAL, HEAD_DIM, BLOCK_M, BLOCK_N
-    )
-    m_row = o_m < n_q
-    q = _load_rows(Q + r64 * sq_r + i_h * sq_h, sq_m, o_m, o_d, n_q)
-    do = _load_rows(DO + r64 * sdo_r + i_h * sdo_h, sdo_m, o_m, o_d, n_q)
-    o_stat = (r64 * n_qh + i_h) * n_q + o_m
-    lse = tl.load(LSE + o_stat, mask=m_row, other=float("inf"))
-    delta = tl.load(DELTA + o_stat, mask=m_row, other=0.0)
-    KCh, VCh = KC + r64 * skc_r + i_hk * skc_h, VC + r64 * svc_r + i_hk * svc_h
-    KBh, VBh = KB + r64 * skb_r + i_hk * skb_h, VB + r64 * svb_r + i_hk * svb_h
+    """dQ = scale * dS K of one (row, q head, anchor tile) over the keys the forward visited: its own packs,
+    then the same context tiles. Rows with lse = +inf (invalid anchors, padding) get P = 0, so dQ = 0."""
+    i_rh, i_tile = tl.program_id(0), tl.num_programs(1) - 1 - tl.program_id(1)
+    i_r, i_h = (i_rh // n_qh).to(tl.int64), i_rh % n_qh
+    n_q = n_anchor * BLOCK_SIZE
+    stride_q, stride_k = n_qh * HEAD_DIM, n_qh // group * HEAD_DIM
+    q_offset = i_r * n_q * stride_q + i_h * HEAD_DIM
+    blk_offset = i_r * n_q * stride_k + i_h // group * HEAD_DIM
+    ctx_offset = i_r * n_ctx * stride_k + i_h // group * HEAD_DIM
+    stat_offset = (i_r * n_qh + i_h) * n_q
+    anchor_start = _tile_start(i_tile, BLOCK_SIZE, BLOCK_M, BLOCK_P)
 
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    for it in range(n_tiles):
-        k, v, s = _key_tile_scores(
-            it,
-            q,
-            KCh,
-            VCh,
-            KBh,
-            VBh,
-            skc_t,
-            svc_t,
-            skb_m,
-            svb_m,
-            c_lo,
-            n_ctx_tiles,
-            lo_max,
-            hi_min,
-            b_lo,
-            n_ctx,
-            n_q,
-            o_m,
-            o_d,
-            lo,
-            hi,
-            block_size,
-            qk_scale,
-            CAUSAL,
-            BLOCK_N,
-            DOT_PRECISION,
+    o_anchor, o_q, m_q = _tile_rows(anchor_start, n_anchor, BLOCK_SIZE, BLOCK_M, BLOCK_P)
+    m_valid = tl.load(valid_ptr + i_r * n_anchor + o_anchor, mask=m_q, other=0) != 0
+    b_lo = tl.load(lo_ptr + i_r * n_anchor + o_anchor, mask=m_q, other=0)
+    b_hi = tl.load(hi_ptr + i_r * n_anchor + o_anchor, mask=m_q, other=0)
+    o_qd = o_q[:, None] * stride_q + tl.arange(0, HEAD_DIM)[None, :]
+    b_q = tl.load(q_ptr + q_offset + o_qd, mask=m_q[:, None], other=0.0)
+    b_do = tl.load(do_ptr + q_offset + o_qd, mask=m_q[:, None], other=0.0)
+    b_lse = tl.load(lse_ptr + stat_offset + o_q, mask=m_q, other=float("inf"))
+    b_delta = tl.load(delta_ptr + stat_offset + o_q, mask=m_q, other=0.0)
+    b_dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    ctx_start, n_lead, n_full, n_tail = _context_tiles(b_lo, b_hi, m_valid, n_ctx, BLOCK_N)
+    for it in range(n_lead + n_tail):
+        key_start = ctx_start + tl.where(it < n_lead, it, it + n_full) * BLOCK_N
+        b_dq = _dq_context_tile(
+            b_dq, b_q, b_do, b_lse, b_delta, k_ctx_ptr + ctx_offset, v_ctx_ptr + ctx_offset, stride_k, key_start,
+            b_lo, b_hi, n_ctx, qk_scale, True, HEAD_DIM, BLOCK_N, DOT_PRECISION,
         )
-        p = tl.exp2(s - lse[:, None])
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
-    tl.store(
-        _row_ptrs(DQ + r64 * sdq_r + i_h * sdq_h, sdq_m, o_m, o_d),
-        (dq * scale).to(DQ.dtype.element_ty),
-        mask=m_row[:, None],
-    )
+    for it in range(n_full):
+        key_start = ctx_start + (n_lead + it) * BLOCK_N
+        b_dq = _dq_context_tile(
+            b_dq, b_q, b_do, b_lse, b_delta, k_ctx_ptr + ctx_offset, v_ctx_ptr + ctx_offset, stride_k, key_start,
+            b_lo, b_hi, n_ctx, qk_scale, False, HEAD_DIM, BLOCK_N, DOT_PRECISION,
+        )
+
+    # Own blocks last: one [BLOCK_P, BLOCK_P] block per pack (a batched dot).
+    o_q3, m_q3 = _tile_packs(anchor_start, n_anchor, BLOCK_SIZE, BLOCK_M, BLOCK_P)
+    b_q3 = _load_packs(q_ptr + q_offset, stride_q, o_q3, m_q3, HEAD_DIM)
+    b_do3 = _load_packs(do_ptr + q_offset, stride_q, o_q3, m_q3, HEAD_DIM)
+    b_k3 = _load_packs(k_blk_ptr + blk_offset, stride_k, o_q3, m_q3, HEAD_DIM)
+    b_v3 = _load_packs(v_blk_ptr + blk_offset, stride_k, o_q3, m_q3, HEAD_DIM)
+    b_lse3 = tl.load(lse_ptr + stat_offset + o_q3, mask=m_q3, other=float("inf"))
+    b_delta3 = tl.load(delta_ptr + stat_offset + o_q3, mask=m_q3, other=0.0)
+    b_s3 = tl.dot(b_q3, tl.trans(b_k3, 0, 2, 1), input_precision=DOT_PRECISION) * qk_scale
+    b_p3 = tl.where(_pack_visible(BLOCK_SIZE, CAUSAL, BLOCK_P, False), tl.exp2(b_s3 - b_lse3[:, :, None]), 0.0)
+    b_ds3 = b_p3 * (tl.dot(b_do3, tl.trans(b_v3, 0, 2, 1), input_precision=DOT_PRECISION) - b_delta3[:, :, None])
+    b_dq += tl.reshape(tl.dot(b_ds3.to(b_k3.dtype), b_k3, input_precision=DOT_PRECISION), [BLOCK_M, HEAD_DIM])
+    p_dq = dq_ptr + q_offset + o_q[:, None] * stride_q + tl.arange(0, HEAD_DIM)[None, :]
+    tl.store(p_dq, (b_dq * scale).to(dq_ptr.dtype.element_ty), mask=m_q[:, None])
 
 
-@triton.autotune(configs=_KEY_TILE_CONFIGS, key=["n_keys", "n_q", "block_size", "HEAD_DIM", "CAUSAL", "IS_CTX"])
+@triton.autotune(configs=_KEY_TILE_CONFIGS, key=["n_ctx", "n_anchor", "BLOCK_SIZE", "HEAD_DIM"])
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    Q,
-    K,
-    V,
-    DO,
-    LSE,
-    DELTA,
-    DK,
-    DV,
-    LO,
-    HI,
-    Q_FIRST,
-    Q_LAST,
-    sq_r,
-    sq_m,
-    sq_h,
-    sk_r,
-    sk_n,
-    sk_h,
-    sv_r,
-    sv_n,
-    sv_h,
-    sdo_r,
-    sdo_m,
-    sdo_h,
-    sdk_r,
-    sdk_n,
-    sdk_h,
-    sdv_r,
-    sdv_n,
-    sdv_h,
-    n_keys,
-    n_q,
+    q_ptr,
+    k_ctx_ptr,
+    v_ctx_ptr,
+    do_ptr,
+    lse_ptr,
+    delta_ptr,
+    dk_ctx_ptr,
+    dv_ctx_ptr,
+    lo_ptr,
+    hi_ptr,
+    first_ptr,
+    last_ptr,
+    lo_max_ptr,
+    hi_min_ptr,
+    n_ctx,
     n_anchor,
     n_qh,
     group,
-    block_size,
     qk_scale,
     scale,
-    IS_CTX: tl.constexpr,
-    CAUSAL: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    BLOCK_P: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """dV = P^T dO, dK = scale * dS^T Q for one (row, kv head, key tile), summed over the
-    `group` query heads that share it.
-
-    Context keys (IS_CTX): the query rows are the anchors [Q_FIRST[n0], Q_LAST[n1 - 1])
-    that can see the tile, a contiguous range for sorted anchors. Block keys: the
-    queries of the same blocks. Each program owns its output tile: no atomics.
-    """
-    i_n, i_rh = tl.program_id(0), tl.program_id(1)
+    """dV = P^T dO, dK = scale * dS^T Q of one (row, context key tile, kv head), summed over its g q heads
+    and the anchor tiles from first[key_start] to last[key_end - 1], the anchors that may see the key tile
+    (both accumulated transposed, see the module docstring). One program owns its output tile: no atomics."""
+    # kv head fastest, then the key tile, then the row.
     n_kh = n_qh // group
-    i_hk = i_rh % n_kh
-    r64 = (i_rh // n_kh).to(tl.int64)
-    n0 = i_n * BLOCK_N
-    o_n = n0 + tl.arange(0, BLOCK_N)
+    i_p = tl.program_id(0)
+    i_hk, key_start = i_p % n_kh, i_p // n_kh % tl.cdiv(n_ctx, BLOCK_N) * BLOCK_N
+    i_r = (i_p // (n_kh * tl.cdiv(n_ctx, BLOCK_N))).to(tl.int64)
+    n_q = n_anchor * BLOCK_SIZE
+    stride_q, stride_k = n_qh * HEAD_DIM, n_kh * HEAD_DIM
+    o_n = key_start + tl.arange(0, BLOCK_N)
     o_d = tl.arange(0, HEAD_DIM)
-    k = _load_rows(K + r64 * sk_r + i_hk * sk_h, sk_n, o_n, o_d, n_keys)
-    v = _load_rows(V + r64 * sv_r + i_hk * sv_h, sv_n, o_n, o_d, n_keys)
-    n_last = tl.minimum(n0 + BLOCK_N, n_keys) - 1
-    if IS_CTX:
-        q_lo = tl.load(Q_FIRST + r64 * n_keys + n0) * block_size
-        q_hi = tl.minimum(tl.load(Q_LAST + r64 * n_keys + n_last) * block_size, n_q)
-    else:
-        q_lo = (n0 // block_size) * block_size
-        if CAUSAL:
-            # Rows before the tile see no key in it (slot j sees j' <= j only).
-            q_lo = n0
-        q_hi = tl.minimum((n_last // block_size + 1) * block_size, n_q)
-    LOr, HIr = LO + r64 * n_anchor, HI + r64 * n_anchor
+    m_key = (o_n < n_ctx)[:, None]
+    ctx_offset = i_r * n_ctx * stride_k + i_hk * HEAD_DIM
+    o_kv = o_n[:, None] * stride_k + o_d[None, :]
+    # Transposed once, before the loop: the compiler then stores them to shared memory once (a transpose
+    # inside the loop kept a register copy and stored it again every iteration).
+    b_kt = tl.trans(tl.load(k_ctx_ptr + ctx_offset + o_kv, mask=m_key, other=0.0))
+    b_vt = tl.trans(tl.load(v_ctx_ptr + ctx_offset + o_kv, mask=m_key, other=0.0))
+    anchor_first = tl.load(first_ptr + i_r * n_ctx + key_start)
+    anchor_last = tl.load(last_ptr + i_r * n_ctx + tl.minimum(key_start + BLOCK_N, n_ctx) - 1)
+    tile_anchors = (BLOCK_M // BLOCK_P) * (BLOCK_P // BLOCK_SIZE)
+    n_tiles = tl.cdiv(tl.maximum(anchor_last - anchor_first, 0), tile_anchors)
+    anchor_offset = i_r * n_anchor
 
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    for g in range(group):
-        i_h = i_hk * group + g
-        Qh, DOh = Q + r64 * sq_r + i_h * sq_h, DO + r64 * sdo_r + i_h * sdo_h
-        LSEh, DELTAh = LSE + (r64 * n_qh + i_h) * n_q, DELTA + (r64 * n_qh + i_h) * n_q
-        for m0 in range(q_lo, q_hi, BLOCK_M):
-            o_m = m0 + tl.arange(0, BLOCK_M)
-            m_row = o_m < q_hi
-            q = _load_rows(Qh, sq_m, o_m, o_d, q_hi)
-            do = _load_rows(DOh, sdo_m, o_m, o_d, q_hi)
-            # +inf LSE (invalid anchors, rows outside the range) makes P exactly 0.
-            lse = tl.load(LSEh + o_m, mask=m_row, other=float("inf"))
-            delta = tl.load(DELTAh + o_m, mask=m_row, other=0.0)
-            p_t = tl.exp2(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale - lse[None, :])
-            if IS_CTX:
-                lo = tl.load(LOr + o_m // block_size, mask=m_row, other=0)
-                hi = tl.load(HIr + o_m // block_size, mask=m_row, other=0)
-                live = lse != float("inf")
-                # Only key tiles at the edge of some live row's interval need the mask.
-                if (tl.max(tl.where(live, lo, 0), axis=0) > n0) | (
-                    tl.min(tl.where(live, hi, n_keys), axis=0) < n0 + BLOCK_N
-                ):
-                    p_t = tl.where(
-                        _visible(o_m[None, :], o_n[:, None], lo[None, :], hi[None, :], block_size, True, CAUSAL),
-                        p_t,
-                        0.0,
-                    )
-            else:
-                p_t = tl.where(_visible(o_m[None, :], o_n[:, None], 0, 0, block_size, False, CAUSAL), p_t, 0.0)
-            dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
-            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-            ds_t = p_t * (dp_t - delta[None, :])
-            dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
-    m_key = (o_n < n_keys)[:, None]
-    tl.store(
-        _row_ptrs(DK + r64 * sdk_r + i_hk * sdk_h, sdk_n, o_n, o_d), (dk * scale).to(DK.dtype.element_ty), mask=m_key
-    )
-    tl.store(_row_ptrs(DV + r64 * sdv_r + i_hk * sdv_h, sdv_n, o_n, o_d), dv.to(DV.dtype.element_ty), mask=m_key)
+    b_dkt = tl.zeros([HEAD_DIM, BLOCK_N], dtype=tl.float32)
+    b_dvt = tl.zeros([HEAD_DIM, BLOCK_N], dtype=tl.float32)
+    for it in range(group * n_tiles):
+        i_h = i_hk * group + it // n_tiles
+        anchor_start = anchor_first + it % n_tiles * tile_anchors
+        anchor_end = tl.minimum(anchor_start + tile_anchors, anchor_last)
+        o_anchor, o_q, m_q = _tile_rows(anchor_start, anchor_last, BLOCK_SIZE, BLOCK_M, BLOCK_P)
+        q_offset = i_r * n_q * stride_q + i_h * HEAD_DIM
+        o_qd = o_q[:, None] * stride_q + o_d[None, :]
+        b_q = tl.load(q_ptr + q_offset + o_qd, mask=m_q[:, None], other=0.0)
+        b_do = tl.load(do_ptr + q_offset + o_qd, mask=m_q[:, None], other=0.0)
+        stat_offset = (i_r * n_qh + i_h) * n_q
+        b_lse = tl.load(lse_ptr + stat_offset + o_q, mask=m_q, other=float("inf"))
+        b_delta = tl.load(delta_ptr + stat_offset + o_q, mask=m_q, other=0.0)
+        # Queries on the rows: the per-query lse, delta, lo, hi are row vectors of the MMA layout.
+        b_p = tl.exp2(tl.dot(b_q, b_kt, input_precision=DOT_PRECISION) * qk_scale - b_lse[:, None])
+        # The mask unless every valid anchor of the tile sees the whole key tile: the running max of lo up
+        # to the tile's last anchor and the suffix min of hi from its first bound the tile's own.
+        lo_max = tl.load(lo_max_ptr + anchor_offset + anchor_end - 1)
+        hi_min = tl.load(hi_min_ptr + anchor_offset + anchor_start)
+        if (lo_max > key_start) | (hi_min < key_start + BLOCK_N):
+            b_lo = tl.load(lo_ptr + anchor_offset + o_anchor, mask=m_q, other=0)
+            b_hi = tl.load(hi_ptr + anchor_offset + o_anchor, mask=m_q, other=0)
+            b_p = tl.where((o_n[None, :] >= b_lo[:, None]) & (o_n[None, :] < b_hi[:, None]), b_p, 0.0)
+        b_dvt += tl.dot(tl.trans(b_do), b_p.to(b_do.dtype), input_precision=DOT_PRECISION)
+        b_ds = b_p * (tl.dot(b_do, b_vt, input_precision=DOT_PRECISION) - b_delta[:, None])
+        b_dkt += tl.dot(tl.trans(b_q), b_ds.to(b_q.dtype), input_precision=DOT_PRECISION)
+    # dK^T, dV^T [D, BLOCK_N] stored through transposed offsets. Unsigned, their 64-bit extension is a zero
+    # high word: signed ones kept four sign words live across the loop, which spilled.
+    o_kvt = (o_n[None, :] * stride_k + o_d[:, None]).to(tl.uint32)
+    m_keyt = (o_n < n_ctx)[None, :]
+    tl.store(dk_ctx_ptr + ctx_offset + o_kvt, (b_dkt * scale).to(dk_ctx_ptr.dtype.element_ty), mask=m_keyt)
+    tl.store(dv_ctx_ptr + ctx_offset + o_kvt, b_dvt.to(dv_ctx_ptr.dtype.element_ty), mask=m_keyt)
+
+
+# ---------------------------------------------------------------- host functions
 
 
 class VisibilityPlan(NamedTuple):
@@ -562,23 +589,50 @@ def visibility_plan(
     return VisibilityPlan(torch.where(valid, lo, zero).int(), torch.where(valid, hi, zero).int(), valid.int())
 
 
-def context_query_ranges(plan: VisibilityPlan, n_ctx: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """[R, T] int32 first, last: the valid anchors that may see context key p lie in [first[p], last[p]).
+class ContextRanges(NamedTuple):
+    """What the context dK/dV pass needs to find the anchors of a key tile, from monotone envelopes of the
+    bounds over valid anchors: exact for sorted anchors, a superset (or a looser bound) otherwise.
 
-    Uses monotone envelopes of the bounds (running max of hi, suffix min of lo over
-    valid anchors), so the range is exact for sorted anchors and a superset otherwise.
+    first, last: [R, T] int32, the valid anchors that may see context key p lie in [first[p], last[p]);
+    lo_max: [R, A] int32, the running max of lo (0 for invalid anchors) up to anchor i;
+    hi_min: [R, A] int32, the suffix min of hi (T for invalid anchors) from anchor i on: every valid anchor
+    of [a0, a1) sees [lo_max[a1 - 1], hi_min[a0]) whole.
     """
+
+    first: torch.Tensor
+    last: torch.Tensor
+    lo_max: torch.Tensor
+    hi_min: torch.Tensor
+
+
+def _suffix_min(x: torch.Tensor) -> torch.Tensor:
+    return x.flip(1).cummin(dim=1).values.flip(1)
+
+
+def context_ranges(plan: VisibilityPlan, n_ctx: int) -> ContextRanges:
+    """The ContextRanges of a plan over n_ctx context keys, O(A + T) on the plan's device."""
     valid = plan.valid.bool()
-    hi_env = torch.where(valid, plan.hi, torch.zeros_like(plan.hi)).long().cummax(dim=1).values
-    lo_env = torch.where(valid, plan.lo, torch.full_like(plan.lo, n_ctx)).long().flip(1).cummin(dim=1).values.flip(1)
+    lo, hi = plan.lo.long(), plan.hi.long()
+    hi_running_max = torch.where(valid, hi, 0).cummax(dim=1).values
+    lo_suffix_min = _suffix_min(torch.where(valid, lo, n_ctx))
     p = torch.arange(n_ctx, device=plan.lo.device).expand(plan.lo.shape[0], n_ctx).contiguous()
-    first = torch.searchsorted(hi_env, p, right=True)  # first anchor whose interval ends after p
-    last = torch.searchsorted(lo_env, p, right=True)  # first anchor whose interval starts after p
-    return first.int(), last.int()
+    first = torch.searchsorted(hi_running_max, p, right=True)  # first anchor whose interval ends after p
+    last = torch.searchsorted(lo_suffix_min, p, right=True)  # first anchor whose interval starts after p
+    lo_max = torch.where(valid, lo, 0).cummax(dim=1).values
+    hi_min = _suffix_min(torch.where(valid, hi, n_ctx))
+    return ContextRanges(first.int(), last.int(), lo_max.int(), hi_min.int())
 
 
-def _strides3(x: torch.Tensor) -> Tuple[int, int, int]:
-    return x.stride(0), x.stride(1), x.stride(2)
+def pack_rows(block_size: int) -> int:
+    """BLOCK_P, the rows of one pack of whole blocks: 16 (tl.dot's smallest side), or the block size
+    rounded up to a power of two when it is larger."""
+    return max(16, triton.next_power_of_2(block_size))
+
+
+def anchors_per_tile(block_m: int, block_size: int) -> int:
+    """Anchors in an anchor tile of block_m rows."""
+    block_p = pack_rows(block_size)
+    return block_m // block_p * (block_p // block_size)
 
 
 def _check_inputs(q, k_ctx, v_ctx, k_blk, v_blk, anchors, anchor_valid, document_ids, block_size):
@@ -612,29 +666,24 @@ def _check_inputs(q, k_ctx, v_ctx, k_blk, v_blk, anchors, anchor_valid, document
             f"anchors has shape {tuple(anchors.shape)} but q has A*B={n_q} rows with "
             f"block_size={block_size}; anchors must be [R, A] with A*B = q.shape[1]"
         )
+    smallest_tile = min([c.kwargs["BLOCK_M"] for c in _Q_TILE_CONFIGS + _KEY_TILE_CONFIGS] + [_BLOCK_PASS_ROWS])
+    if pack_rows(block_size) > smallest_tile:
+        raise ValueError(
+            f"block_size={block_size} does not fit the kernel's {smallest_tile}-row query tiles (a tile holds "
+            f"whole blocks, padded to a power of two): use a block size <= {smallest_tile}, or the eager backend"
+        )
     if anchor_valid.shape != anchors.shape:
         raise ValueError(
             f"anchor_valid has shape {tuple(anchor_valid.shape)}, anchors {tuple(anchors.shape)}: they must match"
         )
     if document_ids.shape != (r, t) or t < 1:
         raise ValueError(f"document_ids has shape {tuple(document_ids.shape)}; expected [R={r}, T={t}] with T >= 1")
-    _check_row_span(q=q, k_ctx=k_ctx, v_ctx=v_ctx, k_blk=k_blk, v_blk=v_blk)
-
-
-def _check_row_span(**tensors: torch.Tensor) -> None:
-    """The kernels address inside one row with int32 offsets."""
-    for name, x in tensors.items():
-        span = 1 + sum((n - 1) * st for n, st in zip(x.shape[1:], x.stride()[1:]))
-        if span >= 2**31:
+    for name, x in (("q", q), ("k_ctx", k_ctx), ("k_blk", k_blk)):
+        if x[0].numel() >= 2**31:
             raise ValueError(
-                f"one row of {name} spans {span} elements (shape {tuple(x.shape)}, strides {x.stride()}); "
-                f"the kernel addresses a row with int32 offsets: pack shorter rows (smaller T or A) or "
-                f"make {name} contiguous"
+                f"one row of {name} has {x[0].numel()} elements (shape {tuple(x.shape)}), but the kernel addresses "
+                "a row with int32 offsets: pack shorter rows (smaller T or A)"
             )
-
-
-def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def anchored_attention_forward(
@@ -648,13 +697,14 @@ def anchored_attention_forward(
     causal_in_block: bool,
     scale: float,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """q [R, A*B, Hq, D], k_ctx/v_ctx [R, T, Hkv, D], k_blk/v_blk [R, A*B, Hkv, D] (last dim contiguous)
+    """q [R, A*B, Hq, D], k_ctx/v_ctx [R, T, Hkv, D], k_blk/v_blk [R, A*B, Hkv, D] (all contiguous)
     -> out [R, A*B, Hq, D] (q.dtype), lse [R, Hq, A*B] fp32 base-2 log-sum-exp of the scaled scores."""
     r, n_q, hq, d = q.shape
     t, hkv = k_ctx.shape[1], k_ctx.shape[2]
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    n_anchor = plan.lo.shape[1]
+    out = torch.empty_like(q)
     lse = torch.empty((r, hq, n_q), dtype=torch.float32, device=q.device)
-    grid = lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), r * hq)
+    grid = lambda meta: (r * hq, triton.cdiv(n_anchor, anchors_per_tile(meta["BLOCK_M"], block_size)))
     _attn_fwd_kernel[grid](
         q,
         k_ctx,
@@ -666,21 +716,15 @@ def anchored_attention_forward(
         plan.lo,
         plan.hi,
         plan.valid,
-        *_strides3(q),
-        *_strides3(k_ctx),
-        *_strides3(v_ctx),
-        *_strides3(k_blk),
-        *_strides3(v_blk),
-        *_strides3(out),
         t,
-        n_q,
-        plan.lo.shape[1],
+        n_anchor,
         hq,
         hq // hkv,
-        block_size,
         scale * math.log2(math.e),
+        BLOCK_SIZE=block_size,
         CAUSAL=causal_in_block,
         HEAD_DIM=d,
+        BLOCK_P=pack_rows(block_size),
         DOT_PRECISION=dot_precision(q.dtype),
     )
     return out, lse
@@ -700,30 +744,44 @@ def anchored_attention_backward(
     causal_in_block: bool,
     scale: float,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """do [R, A*B, Hq, D] plus the forward's inputs, out and lse -> dq, dk_ctx, dv_ctx, dk_blk, dv_blk
-    (shapes and dtypes of q, k_ctx, v_ctx, k_blk, v_blk)."""
+    """do [R, A*B, Hq, D] plus the forward's (contiguous) inputs, out and lse -> dq, dk_ctx, dv_ctx, dk_blk,
+    dv_blk (shapes and dtypes of q, k_ctx, v_ctx, k_blk, v_blk)."""
     r, n_q, hq, d = q.shape
     t, hkv = k_ctx.shape[1], k_ctx.shape[2]
     group = hq // hkv
     n_anchor = plan.lo.shape[1]
+    block_p = pack_rows(block_size)
     qk_scale = scale * math.log2(math.e)
     precision = dot_precision(q.dtype)
-    do = _last_dim_contiguous(do)
-    _check_row_span(grad_out=do)
+    do = do.contiguous()
     delta = torch.empty_like(lse)
-    _bwd_preprocess_kernel[(triton.cdiv(n_q, 64), r * hq)](
+    dk_blk, dv_blk = torch.empty_like(k_blk), torch.empty_like(v_blk)
+    _attn_bwd_block_kernel[(triton.cdiv(n_anchor, anchors_per_tile(_BLOCK_PASS_ROWS, block_size)), r * hkv)](
+        q,
+        k_blk,
+        v_blk,
         out,
         do,
+        lse,
         delta,
-        *_strides3(out),
-        *_strides3(do),
-        n_q,
+        dk_blk,
+        dv_blk,
+        n_anchor,
         hq,
+        group,
+        qk_scale,
+        scale,
+        BLOCK_SIZE=block_size,
+        CAUSAL=causal_in_block,
         HEAD_DIM=d,
-        BLOCK_M=64,
+        BLOCK_P=block_p,
+        DOT_PRECISION=precision,
+        BLOCK_M=_BLOCK_PASS_ROWS,
+        num_warps=_BLOCK_PASS_WARPS,
+        num_stages=_BLOCK_PASS_STAGES,
     )
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-    grid_q = lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), r * hq)
+    dq = torch.empty_like(q)
+    grid_q = lambda meta: (r * hq, triton.cdiv(n_anchor, anchors_per_tile(meta["BLOCK_M"], block_size)))
     _attn_bwd_dq_kernel[grid_q](
         q,
         k_ctx,
@@ -737,66 +795,45 @@ def anchored_attention_backward(
         plan.lo,
         plan.hi,
         plan.valid,
-        *_strides3(q),
-        *_strides3(k_ctx),
-        *_strides3(v_ctx),
-        *_strides3(k_blk),
-        *_strides3(v_blk),
-        *_strides3(do),
-        *_strides3(dq),
         t,
-        n_q,
         n_anchor,
         hq,
         group,
-        block_size,
         qk_scale,
         scale,
+        BLOCK_SIZE=block_size,
         CAUSAL=causal_in_block,
         HEAD_DIM=d,
+        BLOCK_P=block_p,
         DOT_PRECISION=precision,
     )
-    q_first, q_last = context_query_ranges(plan, t)
-    grads = []
-    for k, v, is_ctx in ((k_ctx, v_ctx, True), (k_blk, v_blk, False)):
-        dk = torch.empty_like(k, memory_format=torch.contiguous_format)
-        dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-        n_keys = k.shape[1]
-        grid_k = lambda meta, n_keys=n_keys: (triton.cdiv(n_keys, meta["BLOCK_N"]), r * hkv)
-        _attn_bwd_dkdv_kernel[grid_k](
-            q,
-            k,
-            v,
-            do,
-            lse,
-            delta,
-            dk,
-            dv,
-            plan.lo,
-            plan.hi,
-            q_first,
-            q_last,
-            *_strides3(q),
-            *_strides3(k),
-            *_strides3(v),
-            *_strides3(do),
-            *_strides3(dk),
-            *_strides3(dv),
-            n_keys,
-            n_q,
-            n_anchor,
-            hq,
-            group,
-            block_size,
-            qk_scale,
-            scale,
-            IS_CTX=is_ctx,
-            CAUSAL=causal_in_block,
-            HEAD_DIM=d,
-            DOT_PRECISION=precision,
-        )
-        grads += [dk, dv]
-    return dq, grads[0], grads[1], grads[2], grads[3]
+    ranges = context_ranges(plan, t)
+    dk_ctx, dv_ctx = torch.empty_like(k_ctx), torch.empty_like(v_ctx)
+    grid_k = lambda meta: (r * triton.cdiv(t, meta["BLOCK_N"]) * hkv,)
+    _attn_bwd_dkdv_kernel[grid_k](
+        q,
+        k_ctx,
+        v_ctx,
+        do,
+        lse,
+        delta,
+        dk_ctx,
+        dv_ctx,
+        plan.lo,
+        plan.hi,
+        *ranges,
+        t,
+        n_anchor,
+        hq,
+        group,
+        qk_scale,
+        scale,
+        BLOCK_SIZE=block_size,
+        HEAD_DIM=d,
+        BLOCK_P=block_p,
+        DOT_PRECISION=precision,
+    )
+    return dq, dk_ctx, dv_ctx, dk_blk, dv_blk
 
 
 class _AnchoredAttention(torch.autograd.Function):
@@ -854,7 +891,7 @@ def anchored_attention(
     _check_inputs(q, k_ctx, v_ctx, k_blk, v_blk, anchors, anchor_valid, document_ids, block_size)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     plan = visibility_plan(anchors.to(q.device), anchor_valid.to(q.device), document_ids.to(q.device), window)
-    q, k_ctx, v_ctx, k_blk, v_blk = map(_last_dim_contiguous, (q, k_ctx, v_ctx, k_blk, v_blk))
+    q, k_ctx, v_ctx, k_blk, v_blk = (x.contiguous() for x in (q, k_ctx, v_ctx, k_blk, v_blk))
     return _AnchoredAttention.apply(
         q, k_ctx, v_ctx, k_blk, v_blk, plan.lo, plan.hi, plan.valid, block_size, causal_in_block, scale
     )

@@ -1,6 +1,6 @@
 """bench/compile_check.py compiles every Triton kernel for sm_90 without a GPU, so compile errors,
 spills and shared-memory overflows show up before a GPU session, and a kernel the tool never
-launches fails here. The static facts of its rows are read off PTX as tested here on excerpts.
+launches fails here; the hot kernels' compiled main loops must stay pipelined and full-width.
 
 It needs ptxas, which the triton wheel ships. Where there is none the tool says so and this test
 fails with that message instead of skipping: a skipped check is how an uncompilable kernel would
@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 import triton
 from dflash_fast.kernels import anchored_attention, fc_concat, lm_head_loss
 from triton.runtime.interpreter import InterpretedFunction
@@ -73,6 +74,66 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
         assert not missing, (
             f"{op}: compile_check never launched {missing}; add a case that does to bench/compile_check.py and to QUICK"
         )
+
+
+# The kernels whose main loop carries an op's FLOPs: every config of their GPU autotune lists must compile
+# to a main loop with asynchronous (pipelined) loads and MMAs at least n64 wide, and at least one config
+# of every kernel of the op must compile without spills. (Another op joins by listing its kernels here.)
+HOT_KERNELS = {"anchored_attention": ("_attn_fwd_kernel", "_attn_bwd_dq_kernel", "_attn_bwd_dkdv_kernel")}
+MIN_MMA_N = 64
+
+
+@pytest.fixture(scope="module")
+def attention_rows(tmp_path_factory):
+    """Every bf16 autotune config of the attention kernels at the reference shape (causal in block off)."""
+    out = tmp_path_factory.mktemp("attention")
+    args = ["--ops", "anchored_attention", "--dtypes", "bf16", "--shapes", "reference", "--configs", "all"]
+    return run_compile_check(out, *args, "--cases", "causal=False")
+
+
+def static_check_failures(rows, hot_kernels):
+    """What breaks the rules above, one line per row or kernel (empty when none does)."""
+    failures = []
+    for r in rows:
+        where = f"{r['kernel']} {r['variant']} {r['config']} w{r['warps']} s{r['stages']}"
+        if r["kernel"] in hot_kernels and r["status"] in ("ok", "spills"):
+            if r["mma_loops_without_async"] or not r["main_loop_async_copies"]:
+                failures.append(
+                    f"{where}: a loop with MMAs has no asynchronous load ({r['mma_loops_without_async']} such loops, "
+                    f"{r['main_loop_async_copies']} async copies and {r['main_loop_sync_loads']} ld.global in the "
+                    "main loop): keep the K/V/Q addresses free of branches so the pipeliner can issue cp.async"
+                )
+            if (r["widest_mma_n"] or 0) < MIN_MMA_N:
+                failures.append(
+                    f"{where}: widest MMA of the main loop is n{r['widest_mma_n']} ({r['main_loop_mma']}), below "
+                    f"n{MIN_MMA_N}: lay the tile so each warpgroup owns >= {MIN_MMA_N} columns"
+                )
+    for kernel in sorted({r["kernel"] for r in rows}):
+        statuses = {r["status"] for r in rows if r["kernel"] == kernel}
+        if "ok" not in statuses:
+            failures.append(f"{kernel}: every bf16 config {sorted(statuses)}; at least one must compile without spills")
+    return failures
+
+
+def test_hot_attention_kernels_pipeline_loads_and_use_wide_mma(attention_rows):
+    kernels = {r["kernel"] for r in attention_rows}
+    assert set(HOT_KERNELS["anchored_attention"]) <= kernels, f"compiled {sorted(kernels)}"
+    failures = static_check_failures(attention_rows, HOT_KERNELS["anchored_attention"])
+    assert not failures, "\n".join(failures)
+
+
+def test_static_check_flags_unpipelined_narrow_and_spilling_kernels(attention_rows):
+    """The rules catch each regression they are there for, on rows edited to show it."""
+    hot = HOT_KERNELS["anchored_attention"]
+    fwd = [r for r in attention_rows if r["kernel"] == "_attn_fwd_kernel"]
+    regressions = {
+        "no asynchronous load": [dict(fwd[0], mma_loops_without_async=1)],
+        "below n64": [dict(fwd[0], widest_mma_n=32, main_loop_mma="wgmma m64n32k16 x16")],
+        "at least one must compile without spills": [dict(r, status="spills") for r in fwd],
+    }
+    for message, edited in regressions.items():
+        failures = static_check_failures(edited, hot)
+        assert any(message in f for f in failures), (message, failures)
 
 
 # A PTX excerpt in the shape llc writes it: an outer loop (BB0_2) around an inner loop (BB0_4) that holds

@@ -1,7 +1,8 @@
 """The anchored-attention Triton kernel against its eager twin (SPEC §4).
 
 On CPU the kernel runs under TRITON_INTERPRET=1 with 32x32 tiles, so the shapes
-below span several query and key tiles and end mid-tile.
+below span several query and key tiles and end mid-tile. A tile packs whole blocks
+into 16-row packs (B = 3: five blocks and a padding row; B = 4: four; B = 16: one).
 """
 import json
 import os
@@ -82,8 +83,16 @@ def assert_matches_eager(block_size, hq, hkv, d, dtype, window, causal, **case):
         (4, 4, 1, 16, torch.float16, 20, True),
         (16, 2, 2, 64, torch.float16, None, False),
         (3, 4, 4, 16, torch.float32, 40, False),
+        (16, 4, 2, 128, torch.float16, None, True),
     ],
-    ids=["B4-gqa4-fp32", "B16-gqa1-window-causal-fp32", "B4-gqa4-window-causal-fp16", "B16-D64-fp16", "B3-window-fp32"],
+    ids=[
+        "B4-gqa4-fp32",
+        "B16-gqa1-window-causal-fp32",
+        "B4-gqa4-window-causal-fp16",
+        "B16-D64-fp16",
+        "B3-window-fp32",
+        "B16-D128-gqa2-causal-fp16",
+    ],
 )
 def test_output_and_all_gradients_match_eager(block_size, hq, hkv, d, dtype, window, causal):
     assert_matches_eager(block_size, hq, hkv, d, dtype, window, causal)
