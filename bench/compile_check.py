@@ -16,8 +16,8 @@ PTX and the launch (`bench/static_facts.py`):
   * the main loop, the innermost loop with the most MMA instructions (the most instructions when there
     is none): its asynchronous copies (cp.async, TMA cp.async.bulk: what the software pipeliner
     issues), its synchronous global loads (ld.global, each one waited for inside the loop), its MMA
-    instruction shapes (wgmma m64nNk16, mma.sync m16n8k16) and the widest N among them; the MMA shapes
-    outside it;
+    instruction shapes (wgmma m64nNk16, mma.sync m16n8k16) and the widest and narrowest N among them;
+    the MMA shapes outside it;
   * ptxas's "Potential Performance Loss" remarks (wgmma serialisation);
   * programs of the launch, how many fit on one SM at once (registers, shared memory, warps, blocks)
     and the waves they make on the arch's SMs at the case's shape.

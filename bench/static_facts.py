@@ -35,6 +35,7 @@ STATIC_FACTS = (
     "main_loop_sync_loads",
     "main_loop_mma",
     "widest_mma_n",
+    "narrowest_mma_n",
     "other_mma",
     "ptxas_remarks",
 )
@@ -95,7 +96,8 @@ def static_facts(ptx: str, ptxas_log: str = "") -> Dict[str, object]:
     facts["main_loop_async_copies"] = sum(bool(_ASYNC_COPY.search(line)) for line in body)
     facts["main_loop_sync_loads"] = sum(bool(_SYNC_LOAD.search(line)) for line in body)
     facts["main_loop_mma"] = _shape_list(shapes)
-    facts["widest_mma_n"] = max((int(re.search(r"n(\d+)", name).group(1)) for name in shapes), default=0)
+    widths = [int(re.search(r"n(\d+)", name).group(1)) for name in shapes]
+    facts["widest_mma_n"], facts["narrowest_mma_n"] = max(widths, default=0), min(widths, default=0)
     facts["other_mma"] = _shape_list(_mma_shapes([line for h, lines in loops.items() if h != main for line in lines]))
     return facts
 
