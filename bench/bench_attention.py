@@ -10,7 +10,6 @@ without that build (`step_ms` vs `fwd_bwd_ms`). The Triton kernel's host-side
 plan (per-anchor context bounds) is inside its timed call. CPU times are no claim.
 """
 import argparse
-import math
 import os
 import sys
 
@@ -18,57 +17,16 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.attention_model import forward_visited_pairs, make_row, visible_pairs  # noqa: E402
 from bench.harness import peak_memory_mb, time_ms, write_results  # noqa: E402
 
 FLOP_NOTE = (
     "FLOPs of one forward+backward = 14 * D * Hq * R * pairs (forward 2 matmuls = 4*D per pair and head, "
     "backward 5 matmuls = 2.5x forward). tflops_visible counts pairs = visible (query, key) pairs; "
-    "tflops_tiles counts pairs = BLOCK_M x BLOCK_N for every tile the Triton forward visits (its autotuned tiles); "
+    "tflops_tiles counts pairs = BLOCK_M x BLOCK_N for every context tile the Triton forward visits (its autotuned "
+    "tiles) plus BLOCK_P x BLOCK_P (16 x 16 for B <= 16) per pack of own blocks (bench/attention_model.py); "
     "pct_of_matmul = tflops_tiles / measured dense bf16 matmul rate (8192^3)."
 )
-
-
-def make_row(t, n_anchor, seed=0):
-    """One packed row: document_ids [1, T] of random lengths, sorted anchors [1, A] (never a document's last token)."""
-    gen = torch.Generator().manual_seed(seed)
-    lengths = []
-    while sum(lengths) < t:
-        lengths.append(int(torch.randint(t // 8, t // 2 + 1, (1,), generator=gen)))
-    lengths[-1] -= sum(lengths) - t
-    docs = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-    not_last = torch.ones(t, dtype=torch.bool)
-    not_last[:-1] = docs[1:] == docs[:-1]
-    not_last[-1] = False
-    candidates = not_last.nonzero()[:, 0]
-    anchors = candidates[torch.randperm(len(candidates), generator=gen)[:n_anchor]].sort().values
-    return docs[None], anchors[None], torch.ones_like(anchors, dtype=torch.bool)[None]
-
-
-def visible_pairs(plan, block_size, causal):
-    """Visible (query, key) pairs of one head, summed over rows."""
-    ctx = (plan.hi - plan.lo).long() * plan.valid
-    blk = block_size * (block_size + 1) // 2 if causal else block_size * block_size
-    return int(ctx.sum()) * block_size + int(plan.valid.sum()) * blk
-
-
-def visited_tile_pairs(plan, n_q, block_size, causal, block_m, block_n):
-    """BLOCK_M x BLOCK_N for every key tile the forward kernel visits (its `_query_tile_ranges`), one head."""
-    total = 0
-    for r in range(plan.lo.shape[0]):
-        lo, hi, valid = plan.lo[r].tolist(), plan.hi[r].tolist(), plan.valid[r].tolist()
-        for m0 in range(0, n_q, block_m):
-            m1 = min(m0 + block_m, n_q)
-            rows = [m // block_size for m in range(m0, m1) if valid[m // block_size]]
-            if not rows:
-                continue
-            c_lo = min(lo[i] for i in rows) // block_n * block_n
-            c_hi = max(hi[i] for i in rows)
-            b_lo = m0 // block_size * block_size
-            b_hi = min(((m1 - 1) // block_size + 1) * block_size, n_q, m1 if causal else n_q)
-            total += (
-                block_m * block_n * (max(math.ceil((c_hi - c_lo) / block_n), 0) + math.ceil((b_hi - b_lo) / block_n))
-            )
-    return total
 
 
 def flex_mask_mod(anchors, anchor_valid, document_ids, block_size, window, causal):
@@ -166,7 +124,7 @@ def bench_shape(t, args, device, dtype, timing):
             )
         if name == "triton":
             cfg = kernel._attn_fwd_kernel.best_config.kwargs
-            tiles = visited_tile_pairs(plan, n_q, b, causal, cfg["BLOCK_M"], cfg["BLOCK_N"])
+            tiles = forward_visited_pairs(plan, b, cfg["BLOCK_M"], cfg["BLOCK_N"])
             row.update(tflops_tiles=14 * d * hq * tiles / fwd_bwd_ms * 1e-9, tiles=f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}")
         rows.append(row)
     flex_row = rows[1]
