@@ -215,62 +215,54 @@ def price(
     return makespan_us(programs, SMS * per_sm), tile_flops * sum(iterations) + extra_flops * len(iterations)
 
 
-def model_after(rows: Dict[str, List[Dict]], plan, ranges, t: int) -> List[Dict]:
+def launch_after(name: str, row: Dict, plan, ranges, t: int) -> Dict:
+    """Modelled time, visited FLOPs and per-program iterations of one pass of the kernels now, one config."""
     hq, hkv, d, b, a = (SHAPE[k] for k in ("Hq", "Hkv", "D", "B", "A"))
-    group, n_q, out = hq // hkv, a * b, []
-    for name, kernel in AFTER.items():
-        best = None
-        for row in rows.get(kernel, []):
-            if name == "block pass":
-                bytes_moved = DTYPE_BYTES * n_q * d * (3 * hq + 4 * hkv) + 4 * n_q * hq * 2
-                us = bytes_moved / (COPY_TB_S * 1e6)
-                cand = dict(us=us, flops=4 * 2 * n_q * b * d * hq, iterations=[1] * (row["programs"] or 0))
-            else:
-                cfg = config_of(row)
-                bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-                if name == "context dK/dV":
-                    per_head = key_tile_iterations(ranges, t, a, b, group, bm, bn, packed=True)
-                    launch = [n for n in per_head for _ in range(hkv)]  # kv head fastest
-                    us, flops = price(row, MMAS[name] * 2 * bm * bn * d, launch)
-                else:
-                    counts, block_p = tiles_after(plan, a, b, bm, bn), pack_rows(b)
-                    launch = [n for n in reversed(counts) for _ in range(hq)]  # heads fastest, last tiles first
-                    packs = bm // block_p * MMAS[name] * 2 * block_p * block_p * d
-                    us, flops = price(row, MMAS[name] * 2 * bm * bn * d, launch, packs, row["other_mma"])
-                cand = dict(us=us, flops=flops, iterations=launch)
-            if best is None or cand["us"] < best[1]["us"]:
-                best = (row, cand)
-        if best:
-            out.append(result_row(name, *best))
-    return out
+    n_q = a * b
+    if name == "block pass":
+        bytes_moved = DTYPE_BYTES * n_q * d * (3 * hq + 4 * hkv) + 4 * n_q * hq * 2
+        us = bytes_moved / (COPY_TB_S * 1e6)
+        return dict(us=us, flops=4 * 2 * n_q * b * d * hq, iterations=[1] * (row["programs"] or 0))
+    cfg = config_of(row)
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    if name == "context dK/dV":
+        per_head = key_tile_iterations(ranges, t, a, b, hq // hkv, bm, bn, packed=True)
+        launch = [n for n in per_head for _ in range(hkv)]  # kv head fastest
+        us, flops = price(row, MMAS[name] * 2 * bm * bn * d, launch)
+    else:
+        counts, block_p = tiles_after(plan, a, b, bm, bn), pack_rows(b)
+        launch = [n for n in reversed(counts) for _ in range(hq)]  # heads fastest, last tiles first
+        packs = bm // block_p * MMAS[name] * 2 * block_p * block_p * d
+        us, flops = price(row, MMAS[name] * 2 * bm * bn * d, launch, packs, row["other_mma"])
+    return dict(us=us, flops=flops, iterations=launch)
 
 
-def model_before(rows: Dict[str, List[Dict]], plan, ranges, t: int) -> List[Dict]:
+def launch_before(name: str, row: Dict, plan, ranges, t: int) -> Dict:
+    """The same for the kernels before issue 18."""
     hq, hkv, d, b, a = (SHAPE[k] for k in ("Hq", "Hkv", "D", "B", "A"))
-    group, n_q, out = hq // hkv, a * b, []
-    for name, kernel in BEFORE.items():
-        best = None
-        for row in rows.get(kernel, []):
-            if name == "preprocess":
-                us = (DTYPE_BYTES * 2 * n_q * hq * d + 4 * n_q * hq) / (COPY_TB_S * 1e6)
-                cand = dict(us=us, flops=0.0, iterations=[1] * (row["programs"] or 0))
-            else:
-                cfg = config_of(row)
-                bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-                if name == "context dK/dV":
-                    per_head = key_tile_iterations(ranges, t, a, b, group, bm, bn, packed=False)
-                    launch = per_head * hkv  # key tiles fastest, then heads
-                elif name == "block dK/dV":
-                    launch = block_key_iterations(a, b, group, bm, bn, causal=False) * hkv
-                else:
-                    counts = tiles_before_query(plan, a, b, bm, bn, causal=False)
-                    launch = list(reversed(counts)) * hq  # query tiles fastest (reversed), then heads
-                us, flops = price(row, MMAS[name] * 2 * bm * bn * d, launch)
-                cand = dict(us=us, flops=flops, iterations=launch)
-            if best is None or cand["us"] < best[1]["us"]:
-                best = (row, cand)
-        if best:
-            out.append(result_row(name, *best))
+    n_q = a * b
+    if name == "preprocess":
+        us = (DTYPE_BYTES * 2 * n_q * hq * d + 4 * n_q * hq) / (COPY_TB_S * 1e6)
+        return dict(us=us, flops=0.0, iterations=[1] * (row["programs"] or 0))
+    cfg = config_of(row)
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    if name == "context dK/dV":
+        launch = key_tile_iterations(ranges, t, a, b, hq // hkv, bm, bn, packed=False) * hkv  # key tiles fastest
+    elif name == "block dK/dV":
+        launch = block_key_iterations(a, b, hq // hkv, bm, bn, causal=False) * hkv
+    else:
+        launch = list(reversed(tiles_before_query(plan, a, b, bm, bn, causal=False))) * hq  # tiles fastest
+    us, flops = price(row, MMAS[name] * 2 * bm * bn * d, launch)
+    return dict(us=us, flops=flops, iterations=launch)
+
+
+def model(passes: Dict[str, str], launch, rows: Dict[str, List[Dict]], plan, ranges, t: int) -> List[Dict]:
+    """One result row per pass: its config with the smallest modelled time (what the autotuner would pick)."""
+    out = []
+    for name, kernel in passes.items():
+        candidates = [(row, launch(name, row, plan, ranges, t)) for row in rows.get(kernel, [])]
+        if candidates:
+            out.append(result_row(name, *min(candidates, key=lambda c: c[1]["us"])))
     return out
 
 
@@ -345,6 +337,7 @@ def static_table(path: str, design: str) -> List[Dict]:
                 "ld_global": r["main_loop_sync_loads"],
                 "main_loop_mma": r["main_loop_mma"],
                 "widest_n": r["widest_mma_n"],
+                "narrowest_n": r.get("narrowest_mma_n"),
                 "per_sm": r["per_sm"],
                 "programs_3072": r["programs"],
                 "waves_3072": r["waves"],
@@ -371,18 +364,18 @@ def main(argv=None) -> int:
         help="writes attention_model_<triton>.{json,md} and attention_static_<triton>.{json,md}",
     )
     args = p.parse_args(argv)
-    designs = [("after", args.after, model_after)]
+    designs = [("after", args.after, AFTER, launch_after)]
     if args.before:
-        designs.insert(0, ("before", args.before, model_before))
+        designs.insert(0, ("before", args.before, BEFORE, launch_before))
     results = []
     for t in SEQ_LENS:
         for docs_name, lengths in (("1 document", [t]), ("random documents", None)):
             document_ids, anchors, valid = make_row(t, SHAPE["A"], doc_lengths=lengths)
             plan = visibility_plan(anchors, valid, document_ids, None)
             ranges = context_ranges(plan, t)
-            for design, folder, model in designs:
+            for design, folder, kernels, launch in designs:
                 rows = load_rows(os.path.join(folder, f"compile_check_{args.triton}.json"))
-                passes = model(rows, plan, ranges, t)
+                passes = model(kernels, launch, rows, plan, ranges, t)
                 total_floor = sum(r["floor_us"] for r in passes)
                 total_model = sum(r["model_us"] for r in passes)
                 for r in passes:
@@ -405,11 +398,11 @@ def main(argv=None) -> int:
         f"{PEAK / 1e12:.0f} TFLOP/s over {SMS} SMs, MMA efficiency of the main loop's shapes, "
         f"{LOAD_LATENCY_US} us per non-pipelined iteration, {COPY_TB_S} TB/s for the memory-bound passes",
         "shape": SHAPE,
-        "compile_check": {d: os.path.join(f, f"compile_check_{args.triton}.json") for d, f, _ in designs},
+        "compile_check": {d[0]: os.path.join(d[1], f"compile_check_{args.triton}.json") for d in designs},
     }
     md = write_results(f"attention_model_{args.triton}", results, args.out, meta=meta)
     static = [
-        row for d, f, _ in designs for row in static_table(os.path.join(f, f"compile_check_{args.triton}.json"), d)
+        row for d in designs for row in static_table(os.path.join(d[1], f"compile_check_{args.triton}.json"), d[0])
     ]
     meta_static = {"compile_check": meta["compile_check"], "rows": "bf16, causal in block off, every autotune config"}
     print(md + "\n" + write_results(f"attention_static_{args.triton}", static, args.out, meta=meta_static))
