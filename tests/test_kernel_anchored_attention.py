@@ -2,7 +2,8 @@
 
 On CPU the kernel runs under TRITON_INTERPRET=1 with 32x32 tiles, so the shapes
 below span several query and key tiles and end mid-tile. A tile packs whole blocks
-into 16-row packs (B = 3: five blocks and a padding row; B = 4: four; B = 16: one).
+into 16-row packs (B = 3: five blocks and a padding row; B = 4: four; B = 16: one; B = 20: one block
+in a 32-row pack).
 """
 import json
 import os
@@ -84,6 +85,7 @@ def assert_matches_eager(block_size, hq, hkv, d, dtype, window, causal, **case):
         (16, 2, 2, 64, torch.float16, None, False),
         (3, 4, 4, 16, torch.float32, 40, False),
         (16, 4, 2, 128, torch.float16, None, True),
+        (20, 2, 1, 16, torch.float32, 30, True),
     ],
     ids=[
         "B4-gqa4-fp32",
@@ -92,6 +94,7 @@ def assert_matches_eager(block_size, hq, hkv, d, dtype, window, causal, **case):
         "B16-D64-fp16",
         "B3-window-fp32",
         "B16-D128-gqa2-causal-fp16",
+        "B20-pack32-gqa2-window-causal-fp32",
     ],
 )
 def test_output_and_all_gradients_match_eager(block_size, hq, hkv, d, dtype, window, causal):
