@@ -137,6 +137,22 @@ def test_static_check_flags_unpipelined_narrow_and_spilling_kernels(attention_ro
         assert any(message in f for f in failures), (message, failures)
 
 
+
+@pytest.mark.parametrize("version", ["3.6.0", "3.9.0"])
+def test_static_check_flags_the_attention_kernels_before_issue_18(version):
+    """On the committed compile_check report of the kernels before issue 18 (real rows, no compile): their
+    forward and dQ loops have no asynchronous load, and every dK/dV config has an MMA below n64 or spills."""
+    path = os.path.join(REPO, "bench", "results", "compile_check_attention_before", f"compile_check_{version}.json")
+    with open(path) as f:
+        rows = [r for r in json.load(f)["rows"] if r["dtype"] == "bf16" and " reference causal=False" in r["case"]]
+    failures = static_check_failures(rows, HOT_KERNELS["anchored_attention"])
+    for kernel in ("_attn_fwd_kernel", "_attn_bwd_dq_kernel"):
+        assert any(f.startswith(kernel) and "no asynchronous load" in f for f in failures), (kernel, failures)
+    dkdv = [r for r in rows if r["kernel"] == "_attn_bwd_dkdv_kernel"]
+    narrow = [f for f in failures if f.startswith("_attn_bwd_dkdv_kernel") and "below n64" in f]
+    wide_but_spilling = [r for r in dkdv if r["narrowest_mma_n"] >= MIN_MMA_N and r["status"] == "spills"]
+    assert dkdv and len(narrow) + len(wide_but_spilling) == len(dkdv), failures
+
 # A PTX excerpt in the shape llc writes it: an outer loop (BB0_2) around an inner loop (BB0_4) that holds
 # the MMAs and the pipelined loads, a block reached by falling through that belongs to the inner loop,
 # and MMAs after the loops.
