@@ -97,7 +97,7 @@ SHAPES = {"reference": REFERENCE, "long": LONG, "ragged": RAGGED}
 OP_SIZES = {
     "fc_concat": ("T", "K", "H_t", "H"),
     "anchored_attention": ("Hq", "Hkv", "D", "B", "A", "T", "docs"),
-    "lm_head_loss": ("A", "B", "H", "V"),
+    "lm_head_loss": ("A", "B", "H", "V", "T"),  # T: the teacher rows the slots index
 }
 EPS = 1e-6
 TOPK = 8
