@@ -10,7 +10,7 @@ The three hot ops go through `dflash_fast.ops`; everything else is plain torch.
 import dataclasses
 import json
 import os
-from typing import Dict, List, NamedTuple, Optional
+from typing import Dict, List, NamedTuple, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -56,7 +56,7 @@ class DrafterConfig:
     block_size: int = 16
     layer_types: Optional[List[str]] = None  # per layer "full" | "sliding"; None = all full
     sliding_window: Optional[int] = None
-    causal_in_block: bool = False
+    causal_in_block: Union[bool, List[bool]] = False  # one flag for every layer, or one per layer (kept as a list)
     target_model_type: str = ""
 
     def __post_init__(self):
@@ -69,6 +69,14 @@ class DrafterConfig:
                 raise ValueError(f"drafter layer kind {kind!r} is not one of {LAYER_KINDS}")
         if "sliding" in self.layer_types and not self.sliding_window:
             raise ValueError("a 'sliding' drafter layer needs sliding_window > 0")
+        if isinstance(self.causal_in_block, bool):
+            self.causal_in_block = [self.causal_in_block] * self.num_layers
+        self.causal_in_block = list(self.causal_in_block)
+        if len(self.causal_in_block) != self.num_layers or not all(isinstance(c, bool) for c in self.causal_in_block):
+            raise ValueError(
+                f"causal_in_block={self.causal_in_block!r}: give true/false, or one true/false per drafter layer "
+                f"({self.num_layers})"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"{self.num_attention_heads} query heads are not a multiple of {self.num_key_value_heads} kv heads"
@@ -228,7 +236,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
         self.window = cfg.sliding_window if cfg.layer_types[index] == "sliding" else None
-        self.causal_in_block = cfg.causal_in_block
+        self.causal_in_block = cfg.causal_in_block[index]
 
     def forward(self, x, ctx, rope, blk_cos_sin, ctx_cos_sin, attn: Dict) -> torch.Tensor:
         attn = dict(attn, window=self.window, causal_in_block=self.causal_in_block)

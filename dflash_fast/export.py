@@ -20,7 +20,7 @@ HF_LAYER_TYPES = {"full": "full_attention", "sliding": "sliding_attention"}
 
 
 def speculators_config(cfg: DrafterConfig, verifier: str) -> Dict:
-    if cfg.causal_in_block and "full" in cfg.layer_types:
+    if any(cfg.causal_in_block) and "full" in cfg.layer_types:
         raise ValueError("the speculators format makes full-attention layers bidirectional in the block; "
                          "a drafter with causal_in_block and full layers cannot be exported to it")
     layer = {
@@ -51,7 +51,7 @@ def speculators_config(cfg: DrafterConfig, verifier: str) -> Dict:
         "mask_token_id": cfg.mask_token_id,
         "draft_vocab_size": cfg.vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
-        "sliding_window_non_causal": not cfg.causal_in_block,
+        "sliding_window_non_causal": not any(cfg.causal_in_block),
         "speculators_config": {
             "algorithm": "dflash",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.block_size - 1}],

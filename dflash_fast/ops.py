@@ -14,6 +14,7 @@ Full semantics in `dflash_fast/eager.py`. The backend is chosen per op:
 `kernels`, or the env var `DFLASH_KERNELS` (`auto`, or `fc_concat=triton,...`).
 `auto` picks Triton on CUDA and eager otherwise.
 """
+import contextlib
 import importlib
 import os
 from typing import Dict, Optional
@@ -53,6 +54,17 @@ def set_backend(default: Optional[str] = None, **per_op: str) -> None:
 
 if os.environ.get("DFLASH_KERNELS"):
     set_backend(os.environ["DFLASH_KERNELS"])
+
+
+@contextlib.contextmanager
+def backend(spec: str):
+    """Run a block with the backends of `spec` (as set_backend), then restore the previous choice."""
+    saved = dict(_choice)
+    set_backend(spec)
+    try:
+        yield
+    finally:
+        _choice.update(saved)
 
 
 def _triton_impl(op: str):

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM
 
-from dflash_fast import eager
+from dflash_fast import eager, ops
 from dflash_fast.drafter import (
     DFlashDrafter,
     DrafterConfig,
@@ -110,6 +110,25 @@ def test_causal_in_block_sees_only_earlier_slots():
     m = row_mask([3], [0] * 10, causal=True)
     blk = m[:, 10 : 10 + B]
     assert torch.equal(blk, torch.tril(torch.ones(B, B, dtype=torch.bool)))
+
+
+def test_causal_in_block_and_the_window_apply_per_layer(monkeypatch):
+    """Published z-lab drafters mix causal sliding layers with bidirectional full layers."""
+    seen = []
+    real = ops.anchored_attention
+
+    def record(*args, **kwargs):
+        seen.append((kwargs["window"], kwargs["causal_in_block"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "anchored_attention", record)
+    d = random_drafter(num_layers=3, layer_types=["sliding", "full", "sliding"], sliding_window=5,
+                       causal_in_block=[True, False, False])
+    d(random_batch(), "kl")
+    assert seen == [(5, True), (None, False), (5, False)]
+    assert small_config(causal_in_block=True).causal_in_block == [True, True], "one flag means every layer"
+    with pytest.raises(ValueError, match="one true/false per drafter layer"):
+        small_config(causal_in_block=[True])
 
 
 def test_invalid_anchor_sees_nothing():
