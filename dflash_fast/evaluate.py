@@ -244,8 +244,8 @@ def offline_tau(
 
 
 def load_drafter(path: str, target: str) -> DFlashDrafter:
-    """A speculators-format export directory, or a trainer checkpoint; frozen tensors from `target`."""
-    from dflash_fast.export import load_exported
+    """An export directory (speculators or z-lab layout), or a trainer checkpoint; frozen tensors from `target`."""
+    from dflash_fast.export import export_format, load_exported
 
     if not os.path.exists(path):
         raise FileNotFoundError(
@@ -254,7 +254,7 @@ def load_drafter(path: str, target: str) -> DFlashDrafter:
     config = os.path.join(path, "config.json")
     if os.path.isdir(path) and os.path.exists(config):
         with open(config) as f:
-            if json.load(f).get("speculators_model_type") == "dflash":
+            if export_format(json.load(f)) is not None:
                 return load_exported(path, target)
     from dflash_fast.checkpoint import load_drafter_for_export
 
@@ -428,7 +428,7 @@ def evaluate(
 ) -> Dict:
     """Speculative decoding of every prompt in `data` (regenerate's JSONL formats, or records) -> report dict.
 
-    `drafter`: a DFlashDrafter, a path (speculators export or trainer checkpoint), or a Proposer
+    `drafter`: a DFlashDrafter, a path (an export of either layout or a trainer checkpoint), or a Proposer
     callable (then `block_size` is required and `layer_ids` defaults to 5 spread ids).
     `baseline` times the target's plain greedy loop and counts prompts where the speculative
     output differs from it; `offline` adds tau_offline over that greedy output (drafters only).
@@ -485,7 +485,7 @@ def add_arguments(parser) -> None:
     p.add_argument(
         "--drafter",
         required=True,
-        help="speculators-format export directory (dflash-fast export) or trainer checkpoint",
+        help="export directory (dflash-fast export, speculators or zlab layout) or trainer checkpoint",
     )
     p.add_argument(
         "--data", required=True, help="prompts JSONL, as for regenerate: {conversations: [...]} or {text: ...}"

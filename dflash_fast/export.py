@@ -1,31 +1,99 @@
-"""Export a trained drafter in the vllm-project/speculators DFlash format, and load one back.
+"""Export a trained drafter for serving, prove that it serves as it trained, and load exported drafters back.
 
-    OUT/config.json         speculators config (`speculators_model_type: dflash`)
-    OUT/model.safetensors   trainable weights only, speculators names (frozen verifier tensors are not saved)
+    OUT/config.json         one of the two layouts below (written atomically)
+    OUT/model.safetensors   trainable weights only, under the names both layouts use: fc, hidden_norm,
+                            layers.{i}.{self_attn,mlp,...}, norm (embedding, lm_head and final norm are the target's)
 
-Layer ids: ours name HF `hidden_states[id + 1]`; speculators numbers the same tensors one higher,
-so `aux_hidden_state_layer_ids = ids + 1` (SPEC §1).
+    speculators  read by vLLM and vllm-project/speculators: {speculators_model_type: "dflash",
+                 transformer_layer_config: a Qwen3 config, aux_hidden_state_layer_ids = ids + 1, block_size, ...}
+    zlab         read by SGLang and vLLM, the layout of z-lab's published drafters: a flat Qwen3 config with
+                 architectures ["DFlashDraftModel"], block_size, num_target_layers,
+                 dflash_config {target_layer_ids = ids, mask_token_id, block_size}
+
+Layer ids: ours name HF `hidden_states[id + 1]` (SPEC §1), and so do z-lab's target_layer_ids; speculators numbers
+the same tensors one higher.
+
+The gate. An export is written into a temporary directory beside OUT and read back the way every engine that
+loads its format reads it: `served_architectures` builds transformers' Qwen3Config from the file, then applies
+that engine's own rules (which window, which in-block mask, which RoPE, which layer ids; each rule cites the
+engine's file and function). Every engine's architecture is compared field by field with the trained drafter's,
+a drafter rebuilt from the written files is compared with the trained one on a random batch (fp32 logits, eager
+ops, `GATE_TOLERANCE`), and only a passing export is renamed to OUT. `load_exported` reads an export through
+the same engine rules and refuses one the engines would read differently.
 """
+import argparse
+import glob
 import json
 import os
-from typing import Dict, Optional
+import shutil
+import tempfile
+from typing import Dict, List, Optional
 
 import torch
+import torch.nn.functional as F
 
+from dflash_fast import ops
 from dflash_fast.checkpoint import load_drafter_for_export
 from dflash_fast.drafter import DFlashDrafter, DrafterConfig, load_frozen_tensors
-from dflash_fast.store import torch_dtype
+from dflash_fast.store import default_layer_ids, torch_dtype, write_json_atomic
 
+FORMATS = ("speculators", "zlab")
+ENGINES = {"speculators": ("speculators", "vllm"), "zlab": ("sglang", "vllm")}
 HF_LAYER_TYPES = {"full": "full_attention", "sliding": "sliding_attention"}
+WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+# What a serving engine builds, per drafter layer where it is per layer; `architecture` and every engine view
+# return these keys.
+ARCHITECTURE = (
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
+    "target_hidden_size",
+    "layer_ids",
+    "mask_token_id",
+    "block_size",
+    "rms_norm_eps",
+    "rope_parameters",
+    "max_position_embeddings",
+    "num_layers",
+    "layer_windows",
+    "layer_causal",
+)
+# Tensors other tools save next to the drafter that come from the target here: speculators' DFlashDraftModel
+# saves embed_tokens / lm_head (src/speculators/models/dflash/core.py, _keys_to_ignore_on_load_missing).
+FROZEN_TENSORS = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight")
+# The gate's logits check: a drafter rebuilt from the export against the trained one with its weights rounded to
+# the export dtype, both in fp32 on the eager ops.
+GATE_TOLERANCE = dict(rtol=1e-5, atol=1e-5)
+# Why an engine reads a field differently, and the fix, for the mismatches that have a known cause.
+HINTS = {
+    "layer_causal": "speculators and vLLM serve full-attention layers bidirectional in the block and give all sliding "
+    "layers one rule; SGLang serves full layers bidirectional and sliding layers causal (set model.causal_in_block "
+    "to match, or export the other format)",
+    "rope_parameters": "SGLang's DFlash rotates all head_dim channels (get_rope(rotary_dim=head_dim)): export "
+    "a drafter with partial_rotary_factor 1 to the zlab format, or use the speculators format (vLLM applies it)",
+    "target_hidden_size": "speculators and SGLang size fc from the drafter's hidden_size: the drafter's hidden size "
+    "must equal the target's",
+}
 
 
-def speculators_config(cfg: DrafterConfig, verifier: str) -> Dict:
-    if any(cfg.causal_in_block) and "full" in cfg.layer_types:
-        raise ValueError("the speculators format makes full-attention layers bidirectional in the block; "
-                         "a drafter with causal_in_block and full layers cannot be exported to it")
+class ExportError(ValueError):
+    """An export cannot be written, or an export on disk cannot be read, as a serving engine would serve it; the
+    message names the field, the engine and the fix."""
+
+
+# ---------------------------------------------------------------- writing the two layouts
+
+
+def _qwen3_layer(cfg: DrafterConfig) -> Dict:
+    """The Qwen3 config both layouts carry (speculators: transformer_layer_config; zlab: the top level)."""
+    sliding = "sliding" in cfg.layer_types
+    rope = dict(cfg.rope_parameters)
     layer = {
         "model_type": "qwen3",
-        "architectures": ["Qwen3ForCausalLM"],
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
         "num_hidden_layers": cfg.num_layers,
@@ -35,138 +103,681 @@ def speculators_config(cfg: DrafterConfig, verifier: str) -> Dict:
         "vocab_size": cfg.vocab_size,
         "rms_norm_eps": cfg.rms_norm_eps,
         "max_position_embeddings": cfg.max_position_embeddings,
-        "rope_parameters": cfg.rope_parameters,
-        "rope_theta": cfg.rope_parameters.get("rope_theta", 10000.0),
-        "layer_types": [HF_LAYER_TYPES[k] for k in cfg.layer_types],
-        "sliding_window": cfg.sliding_window,
-        "attention_bias": False,
         "hidden_act": "silu",
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "rope_parameters": rope,
+        "rope_theta": rope["rope_theta"],  # transformers 4 readers and z-lab's MLX loader read these two
+        "layer_types": [HF_LAYER_TYPES[k] for k in cfg.layer_types],
+        # Qwen3Config sets sliding_window = None unless use_sliding_window is true: without it the sliding layers
+        # are served as full attention (issue 12).
+        "use_sliding_window": sliding,
+        "sliding_window": cfg.sliding_window if sliding else None,
     }
+    if rope.get("rope_type", "default") != "default":
+        layer["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    if not any(cfg.causal_in_block):
+        # vLLM makes sliding layers causal in the block unless the config says is_causal (qwen3_dflash.py,
+        # _dflash_layer_causal); our all-bidirectional drafters say so.
+        layer["is_causal"] = False
+    return layer
+
+
+def _metadata(cfg: DrafterConfig, verifier: str) -> Dict:
+    """What serving does not need but loading back does (the layouts have no field for them)."""
+    return {
+        "verifier": verifier,
+        "target_num_layers": cfg.target_num_layers,
+        "target_model_type": cfg.target_model_type,
+    }
+
+
+def speculators_config(cfg: DrafterConfig, verifier: str) -> Dict:
+    """config.json of the speculators layout."""
+    sliding_causal = {c for c, kind in zip(cfg.causal_in_block, cfg.layer_types) if kind == "sliding"}
     return {
         "speculators_model_type": "dflash",
         "architectures": ["DFlashDraftModel"],
-        "transformer_layer_config": layer,
+        "transformer_layer_config": _qwen3_layer(cfg),
         "aux_hidden_state_layer_ids": [i + 1 for i in cfg.layer_ids],
         "block_size": cfg.block_size,
         "mask_token_id": cfg.mask_token_id,
         "draft_vocab_size": cfg.vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
-        "sliding_window_non_causal": not any(cfg.causal_in_block),
+        "sliding_window_non_causal": sliding_causal == {False},
+        "sample_from_anchor": False,  # slot 0 is the given token, never drafted (SPEC §5)
         "speculators_config": {
             "algorithm": "dflash",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.block_size - 1}],
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": verifier, "architectures": []},
         },
-        "dflash_fast": {"target_num_layers": cfg.target_num_layers, "causal_in_block": cfg.causal_in_block,
-                        "target_model_type": cfg.target_model_type},
+        "dflash_fast": _metadata(cfg, verifier),
     }
 
 
-def trainable_state_dict(drafter: DFlashDrafter) -> Dict[str, torch.Tensor]:
-    """Module names already follow speculators' (`fc.weight`, `layers.{i}.self_attn.q_proj.weight`, ...)."""
-    return {name: p.detach().contiguous() for name, p in drafter.named_parameters()}
+def zlab_config(cfg: DrafterConfig, verifier: str) -> Dict:
+    """config.json of the z-lab layout (no auto_map: the z-lab Transformers backend's dflash.py is not shipped)."""
+    return {
+        **_qwen3_layer(cfg),
+        "architectures": ["DFlashDraftModel"],
+        "block_size": cfg.block_size,
+        "num_target_layers": cfg.target_num_layers,
+        "dflash_config": {
+            "target_layer_ids": list(cfg.layer_ids),
+            "mask_token_id": cfg.mask_token_id,
+            "block_size": cfg.block_size,
+        },
+        "dflash_fast": _metadata(cfg, verifier),
+    }
 
 
-def export_drafter(drafter: DFlashDrafter, out_dir: str, verifier: str, dtype: Optional[torch.dtype] = torch.bfloat16,
-                   state_dict: Optional[Dict[str, torch.Tensor]] = None) -> str:
-    """Write OUT/config.json and OUT/model.safetensors; `state_dict` overrides the module's own
-    (e.g. weights gathered from ZeRO-3). Returns out_dir."""
-    from safetensors.torch import save_file
-
-    os.makedirs(out_dir, exist_ok=True)
-    tensors = state_dict if state_dict is not None else trainable_state_dict(drafter)
-    tensors = {k: (v.to(dtype) if dtype is not None else v).cpu().contiguous() for k, v in tensors.items()}
-    tmp = os.path.join(out_dir, "model.safetensors.tmp")
-    save_file(tensors, tmp, metadata={"format": "pt"})
-    os.replace(tmp, os.path.join(out_dir, "model.safetensors"))
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(speculators_config(drafter.config, verifier), f, indent=2)
-    return out_dir
+def format_config(cfg: DrafterConfig, fmt: str, verifier: str) -> Dict:
+    if fmt not in FORMATS:
+        raise ExportError(f"unknown export format {fmt!r}: choose one of {FORMATS}")
+    return speculators_config(cfg, verifier) if fmt == "speculators" else zlab_config(cfg, verifier)
 
 
-def config_from_export(config: Dict, target_config=None) -> DrafterConfig:
-    """DrafterConfig from a speculators DFlash config.json (ours or another tool's)."""
-    if config.get("speculators_model_type") != "dflash":
-        raise ValueError(
-            f"not a speculators DFlash export: speculators_model_type = {config.get('speculators_model_type')!r}"
+def export_format(config: Dict) -> Optional[str]:
+    """'speculators', 'zlab', or None for a config.json that is neither."""
+    if config.get("speculators_model_type") == "dflash":
+        return "speculators"
+    if "DFlashDraftModel" in (config.get("architectures") or []) and isinstance(config.get("dflash_config"), dict):
+        return "zlab"
+    return None
+
+
+# ---------------------------------------------------------------- how each engine reads an export
+
+
+def architecture(cfg: DrafterConfig) -> Dict:
+    """The trained drafter in the terms of `ARCHITECTURE`."""
+    return {
+        "hidden_size": cfg.hidden_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.intermediate_size,
+        "vocab_size": cfg.vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "layer_ids": list(cfg.layer_ids),
+        "mask_token_id": cfg.mask_token_id,
+        "block_size": cfg.block_size,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_parameters": _rope(cfg.rope_parameters),
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "num_layers": cfg.num_layers,
+        "layer_windows": [cfg.sliding_window if k == "sliding" else None for k in cfg.layer_types],
+        "layer_causal": list(cfg.causal_in_block),
+    }
+
+
+def _rope(params: Dict) -> Dict:
+    """RoPE parameters as the drafter's Rope reads them: rope_type (not the legacy `type`), no factor-1 partial."""
+    rope = dict(params)
+    legacy = rope.pop("type", None)
+    rope.setdefault("rope_type", legacy or "default")
+    if rope.get("partial_rotary_factor", 1.0) == 1.0:
+        rope.pop("partial_rotary_factor", None)
+    return rope
+
+
+def _need(config: Dict, key: str, where: str):
+    if key not in config or config[key] is None:
+        raise ExportError(f"config.json has no {key!r} ({where} needs it)")
+    return config[key]
+
+
+def _hf_config(layer: Dict, where: str):
+    """transformers' config class for the layer config's model_type, built from it (Qwen3Config for ours)."""
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import AutoConfig
+
+    try:
+        # speculators: DFlashSpeculatorConfig.validate_transformer_config (config.py) does exactly this.
+        return AutoConfig.for_model(layer.get("model_type", "qwen3")).__class__(**layer)
+    except (TypeError, ValueError, StrictDataclassError) as e:
+        raise ExportError(f"{where}: transformers cannot build the drafter's config from it: {e}") from None
+
+
+def _common(hf, where: str, head_dim) -> Dict:
+    """Sizes every engine takes straight from the (transformers) layer config, checked for what we cannot build."""
+    if getattr(hf, "hidden_act", "silu") != "silu":
+        raise ExportError(f"{where}: hidden_act={hf.hidden_act!r}; dflash-fast drafters use silu (SwiGLU) MLPs")
+    if getattr(hf, "attention_bias", False):
+        raise ExportError(f"{where}: attention_bias=true; dflash-fast drafters have no attention biases")
+    return {
+        "hidden_size": hf.hidden_size,
+        "num_attention_heads": hf.num_attention_heads,
+        "num_key_value_heads": getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+        "head_dim": head_dim,
+        "intermediate_size": hf.intermediate_size,
+        "rms_norm_eps": hf.rms_norm_eps,
+        "max_position_embeddings": hf.max_position_embeddings,
+        "num_layers": hf.num_hidden_layers,
+    }
+
+
+def _check_vocab(draft_vocab: int, vocab: int, where: str) -> None:
+    if draft_vocab != vocab:
+        raise ExportError(
+            f"{where}: draft_vocab_size {draft_vocab} of a {vocab}-token vocabulary needs a draft-to-target token "
+            f"mapping; dflash-fast drafters draft the target's whole vocabulary"
         )
-    layer = config["transformer_layer_config"]
-    ours = config.get("dflash_fast", {})
-    kinds = {v: k for k, v in HF_LAYER_TYPES.items()}
-    num_layers = layer["num_hidden_layers"]
-    layer_types = [kinds[t] for t in layer.get("layer_types") or ["full_attention"] * num_layers]
-    rope = layer.get("rope_parameters") or {"rope_type": "default", "rope_theta": layer.get("rope_theta", 10000.0)}
-    causal = ours.get("causal_in_block", False)
-    if "dflash_fast" not in config and "sliding" in layer_types and not config.get("sliding_window_non_causal", False):
-        raise ValueError(
-            "this export has sliding layers that are causal in the block next to bidirectional full layers; "
-            "dflash-fast drafters use one in-block rule for every layer"
+
+
+def _layer_types(hf, where: str) -> List[str]:
+    types = list(getattr(hf, "layer_types", None) or ["full_attention"] * hf.num_hidden_layers)
+    if len(types) != hf.num_hidden_layers or set(types) - set(HF_LAYER_TYPES.values()):
+        raise ExportError(f"{where}: layer_types={types} is not one of {sorted(HF_LAYER_TYPES.values())} per layer")
+    return types
+
+
+def _speculators_view(config: Dict) -> Dict:
+    """vllm-project/speculators, src/speculators/models/dflash/: DFlashSpeculatorConfig builds Qwen3Config from
+    transformer_layer_config; DFlashDraftModel.__init__ takes sliding_window and layer_types from it, sizes fc as
+    len(aux_hidden_state_layer_ids) * hidden_size and reads hidden_states[id] for each aux id; attention.py
+    (create_anchor_block_mask_mod) keeps full layers bidirectional and makes sliding layers causal in the block
+    unless sliding_window_non_causal; rotary from Qwen3RotaryEmbedding of that config (utils.flatten_rope_parameters
+    picks the sliding variant of per-layer-type parameters, which our drafter cannot express)."""
+    where = "speculators (DFlashSpeculatorConfig / DFlashDraftModel)"
+    hf = _hf_config(_need(config, "transformer_layer_config", where), where)
+    aux = _need(config, "aux_hidden_state_layer_ids", where)
+    if config.get("sample_from_anchor", False):
+        raise ExportError(f"{where}: sample_from_anchor=true drafts slot 0 too; dflash-fast drafters never do")
+    rope = hf.rope_parameters
+    if "rope_type" not in rope and "sliding_attention" in rope:
+        raise ExportError(f"{where}: per-layer-type rope_parameters; dflash-fast drafters use one RoPE")
+    types = _layer_types(hf, where)
+    non_causal = bool(config.get("sliding_window_non_causal", False))
+    _check_vocab(config.get("draft_vocab_size", 32000), hf.vocab_size, where)  # DFlashSpeculatorConfig's default
+    return {
+        **_common(hf, where, hf.head_dim),
+        "vocab_size": hf.vocab_size,
+        "target_hidden_size": hf.hidden_size,
+        "layer_ids": [i - 1 for i in aux],
+        "mask_token_id": config.get("mask_token_id"),
+        "block_size": config.get("block_size", 8),  # DFlashSpeculatorConfig's default
+        "rope_parameters": _rope(rope),
+        "layer_windows": [hf.sliding_window if t == "sliding_attention" else None for t in types],
+        "layer_causal": [t == "sliding_attention" and not non_causal for t in types],
+    }
+
+
+def _vllm_layers(hf, types: List[str], where: str):
+    """vLLM, vllm/model_executor/models/qwen3_dflash.py: _resolve_layer_attention (window from
+    dflash_config.swa_window_size or sliding_window, an error when neither) and _dflash_layer_causal (is_causal,
+    else dflash_config.causal, else causal exactly on sliding layers)."""
+    dflash = getattr(hf, "dflash_config", None) or {}
+    windows = []
+    for t in types:
+        window = None
+        if t == "sliding_attention" or dflash.get("use_swa", False):
+            window = dflash.get("swa_window_size", getattr(hf, "sliding_window", None))
+            if window is None:
+                raise ExportError(f"{where}: a sliding layer has no window (vLLM raises: set sliding_window)")
+        windows.append(window)
+    override = getattr(hf, "is_causal", None)
+    if override is None:
+        override = dflash.get("causal")
+    causal = [bool(override) if override is not None else t == "sliding_attention" for t in types]
+    return windows, causal
+
+
+def _vllm_rope(hf) -> Dict:
+    """vLLM's DFlash layer calls get_rope(head_dim, rope_parameters=config.rope_parameters), which applies
+    partial_rotary_factor; set_default_rope_theta fills a missing rope_theta with 1e6."""
+    rope = dict(getattr(hf, "rope_parameters", None) or {})
+    if "rope_type" not in rope and getattr(hf, "rope_scaling", None):
+        rope.update(hf.rope_scaling)
+    rope.setdefault("rope_theta", getattr(hf, "rope_theta", None) or 1_000_000.0)
+    return _rope(rope)
+
+
+# Attributes vLLM's DFlash model reads from the draft config without a default (qwen3_dflash.py).
+VLLM_READS = (
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "num_hidden_layers",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "vocab_size",
+)
+
+
+def _vllm_speculators_view(config: Dict) -> Dict:
+    """vLLM reading the speculators layout: vllm/transformers_utils/configs/speculators/base.py
+    (extract_transformers_pre_trained_config: the attributes are transformer_layer_config's keys as written, no
+    Qwen3Config) and algos.py (update_dflash: dflash_config.target_layer_ids = aux ids - 1, mask_token_id,
+    draft_vocab_size, target_hidden_size); the block is the proposal method's speculative_tokens + 1."""
+    from types import SimpleNamespace
+
+    where = "vLLM (speculators config adapter, qwen3_dflash.py)"
+    layer = dict(_need(config, "transformer_layer_config", where))
+    for key in VLLM_READS:
+        _need(layer, key, where + ": transformer_layer_config")
+    aux = _need(config, "aux_hidden_state_layer_ids", where)
+    layer["dflash_config"] = {"mask_token_id": _need(config, "mask_token_id", where), "target_layer_ids": aux}
+    hf = SimpleNamespace(**layer)
+    methods = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
+    tokens = methods[0].get("speculative_tokens")
+    if tokens is None:
+        raise ExportError(f"config.json has no speculators_config.proposal_methods[0].speculative_tokens ({where})")
+    types = _layer_types(hf, where)
+    windows, causal = _vllm_layers(hf, types, where)
+    _check_vocab(config.get("draft_vocab_size") or hf.vocab_size, hf.vocab_size, where)
+    return {
+        **_common(hf, where, getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads),
+        "vocab_size": hf.vocab_size,
+        "target_hidden_size": config.get("target_hidden_size") or hf.hidden_size,
+        "layer_ids": [i - 1 for i in aux],
+        "mask_token_id": config["mask_token_id"],
+        "block_size": tokens + 1,
+        "rope_parameters": _vllm_rope(hf),
+        "layer_windows": windows,
+        "layer_causal": causal,
+    }
+
+
+def _zlab_ids(config: Dict, hf, where: str):
+    """z-lab's layer ids, mask token and block: dflash_config first, then the top level (SGLang,
+    python/sglang/srt/speculative/dflash_utils.py, parse_dflash_draft_config); layer ids default to z-lab's
+    build_target_layer_ids(num_target_layers, num_hidden_layers) (dflash/model.py)."""
+    dflash = config["dflash_config"]
+    ids = dflash.get("target_layer_ids", config.get("target_layer_ids"))
+    if ids is None:
+        num_target = dflash.get("num_target_layers", config.get("num_target_layers"))
+        if num_target is None:
+            raise ExportError(f"config.json has neither dflash_config.target_layer_ids nor num_target_layers ({where})")
+        try:
+            ids = default_layer_ids(num_target, hf.num_hidden_layers)
+        except ValueError as e:
+            raise ExportError(f"config.json has no dflash_config.target_layer_ids, and z-lab's default: {e}") from None
+    mask = dflash.get("mask_token_id", config.get("mask_token_id"))
+    if mask is None:
+        raise ExportError(f"config.json has no dflash_config.mask_token_id ({where} would look up a <|MASK|> token)")
+    return list(ids), mask, dflash.get("block_size", config.get("block_size"))
+
+
+def _sglang_view(config: Dict) -> Dict:
+    """SGLang, python/sglang/srt/models/dflash.py: AutoConfig (Qwen3Config) of config.json;
+    _get_dflash_layer_attention_params serves full layers ENCODER_ONLY (bidirectional) and sliding layers DECODER
+    (causal) with the window of get_dflash_attention_sliding_window_size (an error when sliding_window is None);
+    fc = len(target_layer_ids) * hidden_size; get_rope(head_dim, rotary_dim=head_dim, rope_parameters): no partial
+    rotary; block_size defaults to 16."""
+    where = "SGLang (DFlashDraftModel, parse_dflash_draft_config)"
+    hf = _hf_config(config, where)
+    ids, mask, block = _zlab_ids(config, hf, where)
+    types = _layer_types(hf, where)
+    if "sliding_attention" in types and hf.sliding_window is None:
+        raise ExportError(f"{where}: sliding layers and no sliding_window (SGLang raises; Qwen3Config drops the "
+                          f"window unless use_sliding_window is true)")
+    rope = _rope(hf.rope_parameters)
+    rope.pop("partial_rotary_factor", None)
+    return {
+        **_common(hf, where, hf.head_dim),
+        "vocab_size": hf.vocab_size,
+        "target_hidden_size": hf.hidden_size,
+        "layer_ids": ids,
+        "mask_token_id": mask,
+        "block_size": block if block is not None else 16,
+        "rope_parameters": rope,
+        "layer_windows": [hf.sliding_window if t == "sliding_attention" else None for t in types],
+        "layer_causal": [t == "sliding_attention" for t in types],
+    }
+
+
+def _vllm_zlab_view(config: Dict) -> Dict:
+    """vLLM reading the z-lab layout (`--speculative-config '{"method": "dflash", "model": DIR}'`): AutoConfig
+    (Qwen3Config) of config.json and qwen3_dflash.py's rules (see _vllm_layers, _vllm_rope); the block is the
+    command line's num_speculative_tokens + 1, which the README tells you to set to block_size - 1."""
+    where = "vLLM (qwen3_dflash.py)"
+    hf = _hf_config(config, where)
+    ids, mask, block = _zlab_ids(config, hf, where)
+    types = _layer_types(hf, where)
+    windows, causal = _vllm_layers(hf, types, where)
+    return {
+        **_common(hf, where, getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads),
+        "vocab_size": hf.vocab_size,
+        "target_hidden_size": getattr(hf, "target_hidden_size", None) or hf.hidden_size,
+        "layer_ids": ids,
+        "mask_token_id": mask,
+        "block_size": block,
+        "rope_parameters": _vllm_rope(hf),
+        "layer_windows": windows,
+        "layer_causal": causal,
+    }
+
+
+VIEWS = {
+    ("speculators", "speculators"): _speculators_view,
+    ("speculators", "vllm"): _vllm_speculators_view,
+    ("zlab", "sglang"): _sglang_view,
+    ("zlab", "vllm"): _vllm_zlab_view,
+}
+
+
+def served_architectures(config: Dict) -> Dict[str, Dict]:
+    """{engine: architecture as that engine builds it} for a config.json of either layout."""
+    fmt = export_format(config)
+    if fmt is None:
+        raise ExportError(
+            "config.json is not a DFlash drafter: it has neither speculators_model_type 'dflash' (speculators layout) "
+            "nor architectures ['DFlashDraftModel'] with a dflash_config (z-lab layout)"
         )
-    target_layers = ours.get("target_num_layers")
-    if target_layers is None and target_config is not None:
-        tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-        target_layers = tc.num_hidden_layers
+    return {engine: VIEWS[fmt, engine](config) for engine in ENGINES[fmt]}
+
+
+def mismatches(expected: Dict, served: Dict[str, Dict]) -> List[str]:
+    """One line per field where an engine's architecture differs from `expected`, with the known cause."""
+    lines = []
+    for engine, arch in served.items():
+        for field in ARCHITECTURE:
+            if arch[field] != expected[field]:
+                hint = f" ({HINTS[field]})" if field in HINTS else ""
+                lines.append(f"{field}: trained {expected[field]!r}, {engine} serves {arch[field]!r}{hint}")
+    return lines
+
+
+def check_servable(cfg: DrafterConfig, fmt: str) -> None:
+    """Refuse, before anything is written, a drafter that the engines of `fmt` would serve differently."""
+    problems = mismatches(architecture(cfg), served_architectures(format_config(cfg, fmt, verifier="")))
+    if problems:
+        raise ExportError(f"the {fmt} format cannot serve this drafter as it trained:\n  - " + "\n  - ".join(problems))
+
+
+def config_from_architecture(arch: Dict, target_num_layers: int, target_model_type: str = "") -> DrafterConfig:
+    windows = {w for w in arch["layer_windows"] if w is not None}
+    if len(windows) > 1:
+        raise ExportError(f"the layers use different sliding windows {sorted(windows)}; dflash-fast drafters use one")
+    kept = {k: arch[k] for k in ARCHITECTURE if k not in ("layer_windows", "layer_causal")}
     return DrafterConfig(
-        hidden_size=layer["hidden_size"],
-        num_attention_heads=layer["num_attention_heads"],
-        num_key_value_heads=layer.get("num_key_value_heads", layer["num_attention_heads"]),
-        head_dim=layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"],
-        intermediate_size=layer["intermediate_size"],
-        vocab_size=config.get("draft_vocab_size", layer["vocab_size"]),
-        layer_ids=[i - 1 for i in config["aux_hidden_state_layer_ids"]],
-        target_num_layers=target_layers if target_layers is not None else max(config["aux_hidden_state_layer_ids"]),
-        target_hidden_size=config.get("target_hidden_size") or layer["hidden_size"],
-        mask_token_id=config["mask_token_id"],
-        rms_norm_eps=layer.get("rms_norm_eps", 1e-6),
-        rope_parameters=rope,
-        max_position_embeddings=layer.get("max_position_embeddings", 32768),
-        num_layers=num_layers,
-        block_size=config["block_size"],
-        layer_types=layer_types,
-        sliding_window=layer.get("sliding_window"),
-        causal_in_block=causal,
-        target_model_type=ours.get("target_model_type", ""),
+        **kept,
+        layer_types=["sliding" if w is not None else "full" for w in arch["layer_windows"]],
+        sliding_window=windows.pop() if windows else None,
+        causal_in_block=arch["layer_causal"],
+        target_num_layers=target_num_layers,
+        target_model_type=target_model_type,
     )
 
 
-def load_exported(export_dir: str, target_path: Optional[str] = None) -> DFlashDrafter:
-    """Load an export back into a DFlashDrafter; with target_path, also load the frozen tensors."""
-    from safetensors.torch import load_file
+def config_from_export(config: Dict, target_config=None) -> DrafterConfig:
+    """The DrafterConfig of an export of either layout (ours or another tool's), as its engines serve it; refused
+    when they would serve it differently."""
+    served = served_architectures(config)
+    engines = list(served)
+    first = served[engines[0]]
+    problems = [line for line in mismatches(first, {e: served[e] for e in engines[1:]})]
+    if problems:
+        raise ExportError(
+            f"{engines[0]} and {' / '.join(engines[1:])} would serve this export differently (the values before "
+            f"'serves' are {engines[0]}'s):\n  - " + "\n  - ".join(problems)
+        )
+    ours = config.get("dflash_fast") or {}
+    target_layers = ours.get("target_num_layers") or config.get("num_target_layers")
+    model_type = ours.get("target_model_type", "")
+    if target_config is not None:
+        tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+        target_layers, model_type = target_layers or tc.num_hidden_layers, model_type or tc.model_type
+    try:
+        return config_from_architecture(first, target_layers or max(first["layer_ids"]) + 1, model_type)
+    except (TypeError, ValueError) as e:
+        raise ExportError(f"the export's drafter is not one dflash-fast can build: {e}") from None
 
-    with open(os.path.join(export_dir, "config.json")) as f:
-        config = json.load(f)
+
+# ---------------------------------------------------------------- weights
+
+
+def trainable_state_dict(drafter: DFlashDrafter) -> Dict[str, torch.Tensor]:
+    """Module names already follow both layouts' (`fc.weight`, `layers.{i}.self_attn.q_proj.weight`, ...)."""
+    return {name: p.detach().contiguous() for name, p in drafter.named_parameters()}
+
+
+def read_weights(export_dir: str) -> Dict[str, torch.Tensor]:
+    """Every tensor of model.safetensors, or of the shards model.safetensors.index.json lists (never unpickled)."""
+    from safetensors import SafetensorError, safe_open
+
+    index = os.path.join(export_dir, WEIGHTS_INDEX)
+    if os.path.exists(index):
+        files = sorted(set(_read_json(index).get("weight_map", {}).values()))
+        if not files:
+            raise ExportError(f"{index} has no weight_map")
+    elif os.path.exists(os.path.join(export_dir, WEIGHTS)):
+        files = [WEIGHTS]
+    else:
+        raise ExportError(f"{export_dir} has neither {WEIGHTS} nor {WEIGHTS_INDEX}")
+    weights = {}
+    for name in files:
+        path = os.path.join(export_dir, name)
+        try:
+            with safe_open(path, "pt") as f:
+                for key in f.keys():
+                    if key in weights:
+                        raise ExportError(f"{path}: tensor {key} is stored twice")
+                    weights[key] = f.get_tensor(key)
+        except (SafetensorError, OSError) as e:
+            raise ExportError(f"{path} is not a readable safetensors file: {e}") from None
+    return weights
+
+
+def load_weights(drafter: DFlashDrafter, weights: Dict[str, torch.Tensor], where: str) -> None:
+    """Copy `weights` into the drafter's trainable parameters after checking every name, shape and value."""
+    cfg = drafter.config
+    expected = dict(drafter.named_parameters())
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected) - set(FROZEN_TENSORS))
+    problems = []
+    if missing or unexpected:
+        problems.append(f"missing {missing[:6]}, unexpected {unexpected[:6]}")
+    fc = weights.get("fc.weight")
+    if fc is not None and fc.dim() == 2 and tuple(fc.shape) != tuple(expected["fc.weight"].shape):
+        problems.append(
+            f"fc.weight is {list(fc.shape)}: {fc.shape[1] / cfg.target_hidden_size:g} tapped layers of hidden size "
+            f"{cfg.target_hidden_size}, but the config lists {cfg.num_tapped} target layer ids {cfg.layer_ids} "
+            f"(expected {list(expected['fc.weight'].shape)}); a drafter is never sliced to fit"
+        )
+    for name, p in expected.items():
+        w = weights.get(name)
+        if w is None or name == "fc.weight":
+            continue
+        if tuple(w.shape) != tuple(p.shape):
+            problems.append(f"{name} is {list(w.shape)}, the config makes it {list(p.shape)}")
+        elif not w.is_floating_point():
+            problems.append(f"{name} has dtype {w.dtype}, not a floating-point weight")
+        elif not torch.isfinite(w).all():
+            problems.append(f"{name} holds non-finite values (an fp16 export of weights beyond 65504 overflows)")
+    if problems:
+        raise ExportError(f"{where}:\n  - " + "\n  - ".join(problems))
+    with torch.no_grad():
+        for name, p in expected.items():
+            p.copy_(weights[name].to(p.dtype))
+
+
+def _read_json(path: str) -> Dict:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise ExportError(f"{path} does not exist") from None
+    except json.JSONDecodeError as e:
+        raise ExportError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ExportError(f"{path} holds a {type(data).__name__}, not a JSON object")
+    return data
+
+
+def read_export_config(export_dir: str) -> Dict:
+    """config.json of an export directory, refused when it is neither layout."""
+    config = _read_json(os.path.join(export_dir, "config.json"))
+    if export_format(config) is None:
+        served_architectures(config)  # raises, naming both layouts
+    return config
+
+
+def load_exported(
+    export_dir: str,
+    target_path: Optional[str] = None,
+    norm_kind: Optional[str] = None,
+    frozen_dtype: torch.dtype = torch.float32,
+) -> DFlashDrafter:
+    """A drafter from an export of either layout (ours or a published one), as its engines serve it. With
+    target_path the frozen tensors are the target's (`norm_kind`, `frozen_dtype`: see load_frozen_tensors)."""
+    config = read_export_config(export_dir)
     target_config = None
     if target_path is not None:
         from transformers import AutoConfig
 
         target_config = AutoConfig.from_pretrained(target_path)
-    drafter = DFlashDrafter(config_from_export(config, target_config))
-    weights = load_file(os.path.join(export_dir, "model.safetensors"))
-    expected = dict(drafter.named_parameters())
-    missing, extra = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
-    if missing or extra:
-        raise ValueError(
-            f"{export_dir}/model.safetensors does not match the drafter: missing {missing[:5]}, unexpected {extra[:5]}"
-        )
-    with torch.no_grad():
-        for name, p in expected.items():
-            p.copy_(weights[name].to(p.dtype))
+    drafter = DFlashDrafter(config_from_export(config, target_config), frozen_dtype)
+    load_weights(drafter, read_weights(export_dir), f"{os.path.join(export_dir, WEIGHTS)} (against its config.json)")
     if target_path is not None:
-        drafter.set_frozen(**load_frozen_tensors(target_path))
+        drafter.set_frozen(**load_frozen_tensors(target_path, frozen_dtype, norm_kind=norm_kind))
     return drafter
+
+
+# ---------------------------------------------------------------- the gate and the crash-safe write
+
+
+def gate_batch(cfg: DrafterConfig, seed: int = 0) -> Dict[str, torch.Tensor]:
+    """One random row that reaches past a sliding window when the window is short (long windows are covered by
+    the field comparison): hidden [1, T, K, H_t], four anchors, one document."""
+    g = torch.Generator().manual_seed(seed)
+    window = min(cfg.sliding_window or 0, 128)
+    t = max(3 * cfg.block_size, window + 2 * cfg.block_size)
+    anchors = torch.linspace(1, t - 2, 4).long()[None]
+    return {
+        "hidden": torch.randn(1, t, cfg.num_tapped, cfg.target_hidden_size, generator=g),
+        "input_ids": torch.randint(0, cfg.vocab_size, (1, t), generator=g),
+        "position_ids": torch.arange(t)[None],
+        "document_ids": torch.zeros(1, t, dtype=torch.long),
+        "anchors": anchors,
+        "anchor_valid": torch.ones_like(anchors, dtype=torch.bool),
+    }
+
+
+def gate_logits(drafter: DFlashDrafter, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+    """fp32 logits of every block slot [1, A*B, V] on the eager ops (the SPEC's reference semantics)."""
+    anchors = batch["anchors"]
+    with torch.no_grad(), ops.backend("eager"):
+        ctx = drafter.context(batch["hidden"])
+        x = drafter.block_states(
+            ctx,
+            batch["position_ids"],
+            batch["input_ids"].gather(1, anchors),
+            batch["position_ids"].gather(1, anchors),
+            anchors,
+            batch["anchor_valid"],
+            batch["document_ids"],
+        )
+        return F.linear(drafter.norm(x), drafter.lm_head)
+
+
+def gate(export_dir: str, trained: DrafterConfig, tensors: Dict[str, torch.Tensor]) -> None:
+    """Read `export_dir` back as its engines do and compare with the trained drafter (`tensors`: its weights as
+    written); raises ExportError naming the first field, tensor or logit that differs."""
+    config = read_export_config(export_dir)
+    problems = mismatches(architecture(trained), served_architectures(config))
+    if problems:
+        raise ExportError("the written export would be served differently from the trained drafter:\n  - "
+                          + "\n  - ".join(problems))
+    g = torch.Generator().manual_seed(1)
+    frozen = dict(  # random but shared: both drafters see the same embedding and lm_head, held once
+        embed_tokens=torch.randn(trained.vocab_size, trained.hidden_size, generator=g),
+        lm_head=torch.randn(trained.vocab_size, trained.hidden_size, generator=g),
+        target_norm=1 + 0.1 * torch.randn(trained.hidden_size, generator=g),
+    )
+    reference = DFlashDrafter(trained, frozen_dtype=torch.bfloat16)
+    load_weights(reference, tensors, "the weights to export (in the export dtype)")
+    served = DFlashDrafter(config_from_export(config), frozen_dtype=torch.bfloat16)
+    load_weights(served, read_weights(export_dir), f"{os.path.join(export_dir, WEIGHTS)} (against its config.json)")
+    for drafter in (reference, served):
+        for name, value in frozen.items():
+            setattr(drafter, name, value)
+    batch = gate_batch(trained)
+    want, got = gate_logits(reference, batch), gate_logits(served, batch)
+    if not torch.isfinite(want).all() or not torch.allclose(got, want, **GATE_TOLERANCE):
+        worst = (got - want).abs().nan_to_num(float("inf")).max().item()
+        raise ExportError(
+            f"a drafter rebuilt from {export_dir} gives other logits than the trained one on a random batch "
+            f"(max |difference| {worst:.3g}, tolerance {GATE_TOLERANCE}; non-finite trained logits: "
+            f"{not torch.isfinite(want).all()})"
+        )
+
+
+def _is_replaceable(path: str) -> bool:
+    """An earlier export (or an empty directory) may be replaced; anything else is refused, never deleted."""
+    if not os.path.isdir(path):
+        return False
+    names = set(os.listdir(path))
+    return not names or ("config.json" in names and names <= {"config.json", WEIGHTS, WEIGHTS_INDEX})
+
+
+def export_drafter(
+    drafter: DFlashDrafter,
+    out_dir: str,
+    verifier: str,
+    dtype: Optional[torch.dtype] = torch.bfloat16,
+    state_dict: Optional[Dict[str, torch.Tensor]] = None,
+    fmt: str = "speculators",
+) -> str:
+    """Write OUT/config.json and OUT/model.safetensors in `fmt`, gated: written into a temporary directory beside
+    OUT, read back as the serving engines read it, and renamed to OUT only when it passes; nothing is left behind
+    on failure. `state_dict` overrides the module's own weights (e.g. gathered from ZeRO-3). Returns out_dir."""
+    from safetensors.torch import save_file
+
+    cfg = drafter.config
+    check_servable(cfg, fmt)
+    out_dir = os.path.abspath(out_dir)
+    if os.path.exists(out_dir) and not _is_replaceable(out_dir):
+        raise ExportError(f"{out_dir} exists and is not an export: choose another output directory")
+    tensors = state_dict if state_dict is not None else trainable_state_dict(drafter)
+    tensors = {k: (v.to(dtype) if dtype is not None else v).cpu().contiguous() for k, v in tensors.items()}
+    parent, name = os.path.split(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    for stale in glob.glob(os.path.join(parent, glob.escape(name) + ".tmp-*")):  # left by a killed export
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = tempfile.mkdtemp(prefix=name + ".tmp-", dir=parent)
+    try:
+        save_file(tensors, os.path.join(tmp, WEIGHTS), metadata={"format": "pt"})
+        with open(os.path.join(tmp, WEIGHTS), "rb") as f:
+            os.fsync(f.fileno())
+        write_json_atomic(os.path.join(tmp, "config.json"), format_config(cfg, fmt, verifier))
+        gate(tmp, cfg, tensors)
+        old = None
+        if os.path.exists(out_dir):
+            old = tempfile.mkdtemp(prefix=name + ".old-", dir=parent)
+            os.replace(out_dir, os.path.join(old, "export"))
+        os.replace(tmp, out_dir)
+        if old is not None:
+            shutil.rmtree(old)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+# ---------------------------------------------------------------- `dflash-fast export`
 
 
 def add_arguments(parser):
     parser.add_argument(
         "--checkpoint", required=True, help="a trainer run directory, its checkpoints/ directory or one checkpoint"
     )
-    parser.add_argument("--out", required=True, help="export directory")
+    parser.add_argument("--out", required=True, help="export directory (replaced if it holds an earlier export)")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    parser.add_argument(
+        "--format",
+        default="speculators",
+        choices=FORMATS,
+        help="speculators: vLLM and vllm-project/speculators; zlab: SGLang (and vLLM), z-lab's published layout",
+    )
 
 
-def run(args):
-    dtype = torch_dtype(args.dtype)
+def run(args: argparse.Namespace):
     drafter, verifier = load_drafter_for_export(args.checkpoint)
-    export_drafter(drafter, args.out, verifier, dtype)
-    print(f"exported {sum(p.numel() for p in drafter.parameters()):,} parameters to {args.out}")
+    export_drafter(drafter, args.out, verifier, torch_dtype(args.dtype), fmt=args.format)
+    print(
+        f"exported {sum(p.numel() for p in drafter.parameters()):,} parameters to {args.out} ({args.format} format; "
+        f"read back as {' and '.join(ENGINES[args.format])} read it: same architecture and logits)"
+    )

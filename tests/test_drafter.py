@@ -1,5 +1,4 @@
-"""The drafter, its anchored mask, targets at p-1, metrics and export (SPEC §3-6)."""
-import json
+"""The drafter, its anchored mask, targets at p-1 and metrics (SPEC §3-6); export is tests/test_export.py."""
 
 import pytest
 import torch
@@ -16,7 +15,6 @@ from dflash_fast.drafter import (
     resolve_mask_token_id,
     slot_metrics,
 )
-from dflash_fast.export import export_drafter, load_exported
 
 V, H, K, B = 96, 32, 3, 4
 
@@ -417,49 +415,6 @@ def test_tau_offline_counts_leading_matches_only():
     m = slot_metrics(DrafterOutput(torch.zeros(()), None, draft, teacher, mask))
     assert m["blocks"] == 2 and m["tau_sum"] == (1 + 1) + (1 + 3)
     assert m["acc_hits"].tolist() == [0, 2, 1, 2] and m["acc_count"].tolist() == [0, 2, 2, 2]
-
-
-# ---------------------------------------------------------------- export (speculators format)
-
-SPECULATORS_NAMES = ["fc.weight", "hidden_norm.weight", "norm.weight"] + [
-    f"layers.{i}.{n}"
-    for i in range(2)
-    for n in (
-        "self_attn.q_proj.weight",
-        "self_attn.k_proj.weight",
-        "self_attn.v_proj.weight",
-        "self_attn.o_proj.weight",
-        "self_attn.q_norm.weight",
-        "self_attn.k_norm.weight",
-        "mlp.gate_proj.weight",
-        "mlp.up_proj.weight",
-        "mlp.down_proj.weight",
-        "input_layernorm.weight",
-        "post_attention_layernorm.weight",
-    )
-]
-
-
-def test_export_round_trip_names_and_layer_ids(tmp_path):
-    from safetensors import safe_open
-
-    d = random_drafter(layer_types=["full", "sliding"], sliding_window=5)
-    export_drafter(d, str(tmp_path), verifier="tiny-target", dtype=torch.float32)
-    config = json.loads((tmp_path / "config.json").read_text())
-    assert config["speculators_model_type"] == "dflash" and config["architectures"] == ["DFlashDraftModel"]
-    assert config["aux_hidden_state_layer_ids"] == [1, 2, 3], "speculators numbers layers one higher"
-    assert config["block_size"] == B and config["mask_token_id"] == V - 1 and config["draft_vocab_size"] == V
-    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
-        assert sorted(f.keys()) == sorted(SPECULATORS_NAMES), "frozen verifier tensors must not be exported"
-        assert f.get_tensor("fc.weight").shape == (H, K * H)
-        assert f.get_tensor("layers.0.self_attn.k_proj.weight").shape == (2 * 8, H)
-    back = load_exported(str(tmp_path))
-    back.set_frozen(d.embed_tokens, d.lm_head, d.target_norm)
-    assert back.config == d.config
-    for (n1, p1), (n2, p2) in zip(d.named_parameters(), back.named_parameters()):
-        assert n1 == n2 and torch.equal(p1, p2)
-    batch = random_batch()
-    assert torch.equal(d(batch, "kl").loss, back(batch, "kl").loss)
 
 
 @pytest.mark.parametrize("window, causal", [(None, False), (4, True)])
