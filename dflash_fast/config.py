@@ -39,6 +39,9 @@ class ModelConfig:
     layer_types: Optional[List[str]] = None  # per drafter layer "full" | "sliding"; None = all full
     sliding_window: Optional[int] = None
     causal_in_block: bool = False
+    # An export directory (speculators or z-lab layout, ours or a published drafter) to continue training: it fixes
+    # the architecture above (a key set to other than its default must agree with it) and the starting weights.
+    init_from: Optional[str] = None
 
 
 @dataclasses.dataclass

@@ -304,24 +304,28 @@ def _speculators_view(config: Dict) -> Dict:
     }
 
 
-def _vllm_layers(hf, types: List[str], where: str):
-    """vLLM, vllm/model_executor/models/qwen3_dflash.py: _resolve_layer_attention (window from
-    dflash_config.swa_window_size or sliding_window, an error when neither) and _dflash_layer_causal (is_causal,
-    else dflash_config.causal, else causal exactly on sliding layers)."""
+def _vllm_layers(hf, where: str):
+    """vLLM, vllm/model_executor/models/qwen3_dflash.py: _resolve_layer_attention (sliding per layer_types, or
+    every layer with dflash_config.use_swa and no sliding layer; the window from dflash_config.swa_window_size or
+    sliding_window, an error when neither) and _dflash_layer_causal (is_causal, else dflash_config.causal, else
+    causal exactly on the layer_types' sliding layers)."""
     dflash = getattr(hf, "dflash_config", None) or {}
-    windows = []
-    for t in types:
-        window = None
-        if t == "sliding_attention" or dflash.get("use_swa", False):
-            window = dflash.get("swa_window_size", getattr(hf, "sliding_window", None))
-            if window is None:
-                raise ExportError(f"{where}: a sliding layer has no window (vLLM raises: set sliding_window)")
-        windows.append(window)
+    types = getattr(hf, "layer_types", None)
+    _layer_types(hf, where)
+    use_swa = dflash.get("use_swa", False)
+    if types is None or (use_swa and "sliding_attention" not in types):
+        sliding = [use_swa] * hf.num_hidden_layers
+    else:
+        sliding = [t == "sliding_attention" for t in types]
+    window = dflash.get("swa_window_size", getattr(hf, "sliding_window", None))
+    if any(sliding) and window is None:
+        raise ExportError(f"{where}: a sliding layer has no window (vLLM raises: set sliding_window)")
     override = getattr(hf, "is_causal", None)
     if override is None:
         override = dflash.get("causal")
-    causal = [bool(override) if override is not None else t == "sliding_attention" for t in types]
-    return windows, causal
+    default = [bool(types) and t == "sliding_attention" for t in types or [None] * hf.num_hidden_layers]
+    causal = [bool(override)] * hf.num_hidden_layers if override is not None else default
+    return [window if s else None for s in sliding], causal
 
 
 def _vllm_rope(hf) -> Dict:
@@ -365,8 +369,7 @@ def _vllm_speculators_view(config: Dict) -> Dict:
     tokens = methods[0].get("speculative_tokens")
     if tokens is None:
         raise ExportError(f"config.json has no speculators_config.proposal_methods[0].speculative_tokens ({where})")
-    types = _layer_types(hf, where)
-    windows, causal = _vllm_layers(hf, types, where)
+    windows, causal = _vllm_layers(hf, where)
     _check_vocab(config.get("draft_vocab_size") or hf.vocab_size, hf.vocab_size, where)
     return {
         **_common(hf, where, getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads),
@@ -436,8 +439,7 @@ def _vllm_zlab_view(config: Dict) -> Dict:
     where = "vLLM (qwen3_dflash.py)"
     hf = _hf_config(config, where)
     ids, mask, block = _zlab_ids(config, hf, where)
-    types = _layer_types(hf, where)
-    windows, causal = _vllm_layers(hf, types, where)
+    windows, causal = _vllm_layers(hf, where)
     return {
         **_common(hf, where, getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads),
         "vocab_size": hf.vocab_size,

@@ -57,11 +57,18 @@ from dflash_fast.checkpoint import (
     write_rng_state,
     write_weights,
 )
-from dflash_fast.config import ConfigError, TrainConfig, load_config
+from dflash_fast.config import ConfigError, ModelConfig, TrainConfig, load_config
 from dflash_fast.drafter import DFlashDrafter, DrafterConfig, DrafterOutput, build_drafter, slot_metrics, slot_targets
 from dflash_fast.eager import has_kl, needs_last
 from dflash_fast.errors import DEBUG_ENV, UserError, run_reporting_errors
-from dflash_fast.export import export_drafter
+from dflash_fast.export import (
+    ExportError,
+    check_servable,
+    config_from_export,
+    export_drafter,
+    load_exported,
+    read_export_config,
+)
 from dflash_fast.store import HiddenStateStore, torch_dtype
 from dflash_fast.target import check_target, config_sha256
 
@@ -473,27 +480,36 @@ class Trainer:
             self.precision = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
         self.dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
         torch.manual_seed(cfg.seed)
-        try:
-            check_target(self.target)
-            # The frozen embedding and lm_head are [V, H] each: loaded in the compute dtype, never as an fp32 copy.
-            drafter = build_drafter(
-                self.target,
-                m.layer_ids or manifest["layer_ids"],
-                m.mask_token_id,
-                norm_kind=manifest["final_norm"]["kind"],
-                frozen_dtype=self.dtype,
-                num_layers=m.num_layers,
-                block_size=m.block_size,
-                layer_types=m.layer_types,
-                sliding_window=m.sliding_window,
-                causal_in_block=m.causal_in_block,
-            )
-        except (OSError, ValueError, KeyError) as e:
-            raise ConfigError(
-                f"cannot build the drafter from target {self.target!r} (model.target, default: the store's "
-                f"target; model.mask_token_id sets the mask token): {e}"
-            ) from None
-        check_store_matches(cfg.data.store, manifest, drafter.config, self.target, self.loss_kind)
+        if m.init_from:
+            drafter = self._init_from(m.init_from, cfg.data.store, manifest)
+        else:
+            try:
+                check_target(self.target)
+                # The frozen embedding and lm_head are [V, H] each: loaded in the compute dtype, never as an fp32 copy.
+                drafter = build_drafter(
+                    self.target,
+                    m.layer_ids or manifest["layer_ids"],
+                    m.mask_token_id,
+                    norm_kind=manifest["final_norm"]["kind"],
+                    frozen_dtype=self.dtype,
+                    num_layers=m.num_layers,
+                    block_size=m.block_size,
+                    layer_types=m.layer_types,
+                    sliding_window=m.sliding_window,
+                    causal_in_block=m.causal_in_block,
+                )
+            except (OSError, ValueError, KeyError) as e:
+                raise ConfigError(
+                    f"cannot build the drafter from target {self.target!r} (model.target, default: the store's "
+                    f"target; model.mask_token_id sets the mask token): {e}"
+                ) from None
+            check_store_matches(cfg.data.store, manifest, drafter.config, self.target, self.loss_kind)
+        if cfg.export:
+            try:
+                check_servable(drafter.config, "speculators")
+            except ExportError as e:
+                raise ConfigError(f"{e}\nthis run ends with a speculators export: change the drafter, or set "
+                                  f"export=false") from None
         self.block_size = drafter.config.block_size
 
         ds = deepspeed_config(cfg.deepspeed, cfg, self.precision)
@@ -545,6 +561,49 @@ class Trainer:
             f"{self.stream.per_epoch} micro-batches per epoch per rank; {self.total_steps} steps"
         )
         self._prepare_output()
+
+    def _init_from(self, path: str, store_path: str, manifest: Dict) -> DFlashDrafter:
+        """The drafter of the export at `path` (model.init_from) with the target's frozen tensors. Refused, before
+        any tensor is read, when it does not match the store or a model.* key set to other than its default."""
+        from transformers import AutoConfig
+
+        m = self.cfg.model
+        try:
+            d = config_from_export(read_export_config(path), AutoConfig.from_pretrained(check_target(self.target)))
+        except (OSError, ValueError, KeyError) as e:
+            raise ConfigError(f"model.init_from={path}: {e}") from None
+        try:
+            check_store_matches(store_path, manifest, d, self.target, self.loss_kind)
+        except StoreMismatch as e:
+            raise StoreMismatch(
+                f"model.init_from={path}: the export's drafter was made for other layer ids or another target "
+                f"(extract a store with its layer ids, or start from a drafter made for this target): {e}"
+            ) from None
+        defaults = ModelConfig()
+        theirs = {
+            "layer_ids": d.layer_ids,
+            "num_layers": d.num_layers,
+            "block_size": d.block_size,
+            "mask_token_id": d.mask_token_id,
+            "layer_types": d.layer_types,
+            "sliding_window": d.sliding_window,
+            "causal_in_block": d.causal_in_block,
+        }
+        for key, value in theirs.items():
+            ours = getattr(m, key)
+            if ours == getattr(defaults, key):
+                continue
+            if (ours if key != "causal_in_block" else [ours] * d.num_layers) != value:
+                raise ConfigError(
+                    f"model.init_from={path} fixes the drafter: model.{key}={ours} but the export has {value}; "
+                    f"drop model.{key} (or give the export's value)"
+                )
+        try:
+            drafter = load_exported(path, self.target, manifest["final_norm"]["kind"], frozen_dtype=self.dtype)
+        except (OSError, ValueError, KeyError) as e:
+            raise ConfigError(f"model.init_from={path}: {e}") from None
+        self.log(f"drafter initialised from the export {path}")
+        return drafter
 
     # ---- output
 
@@ -841,7 +900,8 @@ class Trainer:
                 torch_dtype(self.cfg.export_dtype),
                 state_dict=state,
             )
-            self.log(f"exported the drafter to {path} (speculators format, {self.cfg.export_dtype})")
+            self.log(f"exported the drafter to {path} (speculators format, {self.cfg.export_dtype}; gated: read back "
+                     f"as speculators and vLLM read it, same architecture and logits)")
         dist.barrier()
         return path
 

@@ -12,6 +12,8 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_drafter import random_batch, small_config
+from test_trainer import TINY_YAML, settings, tiny  # noqa: F401 (tiny: the store fixture, shared with test_trainer)
 from transformers import AutoConfig, Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
@@ -33,23 +35,9 @@ V, H, B = 96, 32, 4
 
 
 def make_config(**kw) -> DrafterConfig:
-    args = dict(
-        hidden_size=H,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        intermediate_size=64,
-        vocab_size=V,
-        layer_ids=[0, 1, 2],
-        target_num_layers=5,
-        target_hidden_size=H,
-        mask_token_id=V - 1,
-        num_layers=2,
-        block_size=B,
-        max_position_embeddings=512,
-    )
-    args.update(kw)
-    return DrafterConfig(**args)
+    """test_drafter's small drafter (H = 32, V = 96, 3 tapped layers, 2 layers, block 4), long enough positions
+    for the RoPE scalings below."""
+    return small_config(**{"max_position_embeddings": 512, **kw})
 
 
 def make_drafter(seed=0, **kw) -> DFlashDrafter:
@@ -186,7 +174,6 @@ SPECULATORS_NAMES = ["fc.weight", "hidden_norm.weight", "norm.weight"] + [
 def test_export_round_trip_names_and_layer_ids(tmp_path):
     """Moved from test_drafter.py."""
     from safetensors import safe_open
-    from test_drafter import random_batch
 
     d = make_drafter(layer_types=["full", "sliding"], sliding_window=5)
     export_drafter(d, str(tmp_path), verifier="tiny-target", dtype=torch.float32)
@@ -598,3 +585,120 @@ def test_speculators_takes_head_dim_from_qwen3config_defaults():
     assert served["speculators"]["head_dim"] == 128 and served["vllm"]["head_dim"] == H // 4
     with pytest.raises(ExportError, match="head_dim: trained 128, vllm serves 8"):
         export.config_from_export(config)
+
+
+# ---------------------------------------------------------------- the trainer: its export, model.init_from
+
+TARGET_V = 384  # test_trainer's tiny target vocabulary; 383 is free for the mask token
+
+
+@pytest.fixture(scope="module")
+def trained(tiny):  # noqa: F811 (the fixture imported above)
+    """test_trainer's tiny target and store (layer ids 1, 2) and a 2-step run that ends with its export."""
+    from dflash_fast.config import load_config
+    from dflash_fast.trainer import train
+
+    run = str(tiny.root / "export_run")
+    tiny.run, tiny.result = run, train(load_config(TINY_YAML, settings(tiny, run, schedule__steps=2)))
+    return tiny
+
+
+def trainer_for(store, out, **extra):
+    from dflash_fast import trainer
+    from dflash_fast.config import load_config
+
+    return trainer.Trainer(load_config(TINY_YAML, settings(store, out, **extra)), *trainer.init_distributed())
+
+
+def zlab_like_drafter_for_the_tiny_target(directory, layer_ids=(1, 2), hidden=32, vocab=TARGET_V):
+    """A z-lab layout drafter (sliding layer causal, full layer bidirectional) sized for the tiny target."""
+    cfg = DrafterConfig(
+        hidden_size=hidden, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
+        vocab_size=vocab, layer_ids=list(layer_ids), target_num_layers=4, target_hidden_size=hidden,
+        mask_token_id=vocab - 1, num_layers=2, block_size=B, layer_types=["sliding", "full"], sliding_window=8,
+        causal_in_block=[True, False],
+    )
+    torch.manual_seed(5)
+    d = DFlashDrafter(cfg)
+    d.reset_parameters(std=0.1)
+    config = export.zlab_config(cfg, "somewhere/else")
+    config.pop("dflash_fast")  # a published drafter carries no dflash-fast metadata
+    os.makedirs(directory, exist_ok=True)
+    save_file({n: p.detach() for n, p in d.named_parameters()}, os.path.join(directory, "model.safetensors"))
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f)
+    return d
+
+
+def test_the_trainers_export_passes_the_gate_and_loads_back_with_the_checkpoints_weights(trained):
+    from dflash_fast.checkpoint import load_drafter_for_export
+
+    assert trained.result["export"] == os.path.join(trained.run, "export")
+    drafter, verifier = load_drafter_for_export(trained.run)
+    back = load_exported(trained.result["export"], trained.target)
+    assert back.config == drafter.config and verifier == trained.target
+    for (name, p), (_, q) in zip(drafter.named_parameters(), back.named_parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_dflash_fast_export_writes_the_zlab_layout_from_a_checkpoint(trained, capsys):
+    from dflash_fast.cli import main
+
+    out = os.path.join(trained.root, "zlab")
+    assert main(["export", "--checkpoint", trained.run, "--out", out, "--format", "zlab", "--dtype", "fp32"]) == 0
+    assert "zlab format; read back as sglang and vllm read it" in capsys.readouterr().out
+    config = written_config(out)
+    assert config["dflash_config"]["target_layer_ids"] == [1, 2] and config["num_target_layers"] == 4
+    assert load_exported(out, trained.target).config == load_exported(trained.result["export"], trained.target).config
+
+
+def test_init_from_starts_training_from_a_published_drafter(trained):
+    from dflash_fast.evaluate import load_drafter
+
+    published = zlab_like_drafter_for_the_tiny_target(os.path.join(trained.root, "published"))
+    # settings() sets model.num_layers=1, so the export's 2 is given (a value set in the config must agree)
+    t = trainer_for(trained, os.path.join(trained.root, "from_published"),
+                    model__init_from=os.path.join(trained.root, "published"), model__num_layers=2)
+    assert t.engine.module.config.causal_in_block == [True, False]
+    for (name, p), (_, q) in zip(published.named_parameters(), t.engine.module.named_parameters()):
+        assert torch.equal(p, q.detach().cpu()), name
+    result = t.run()
+    exported = load_exported(result["export"], trained.target)  # the fine-tuned drafter, gated, speculators layout
+    assert exported.config == t.engine.module.config
+    assert written_config(result["export"])["sliding_window_non_causal"] is False
+    evaluated = load_drafter(os.path.join(trained.root, "published"), trained.target)
+    assert architecture(evaluated.config) == architecture(published.config), "eval reads the z-lab layout too"
+
+
+def test_init_from_refuses_a_drafter_that_does_not_match_the_store(trained):
+    from dflash_fast.config import ConfigError
+    from dflash_fast.trainer import StoreMismatch
+
+    zlab_like_drafter_for_the_tiny_target(os.path.join(trained.root, "ids03"), layer_ids=(0, 3))
+    with pytest.raises(StoreMismatch, match=r"model.init_from=.*ids03: (.|\n)*layer ids: the store has \[1, 2\], "
+                                            r"the drafter has \[0, 3\]"):
+        trainer_for(trained, os.path.join(trained.root, "x1"), model__init_from=os.path.join(trained.root, "ids03"),
+                    model__num_layers=2)
+    zlab_like_drafter_for_the_tiny_target(os.path.join(trained.root, "wide"), hidden=48)
+    with pytest.raises(StoreMismatch, match=r"target hidden size: the store has 32, the drafter has 48"):
+        trainer_for(trained, os.path.join(trained.root, "x2"), model__init_from=os.path.join(trained.root, "wide"),
+                    model__num_layers=2)
+    zlab_like_drafter_for_the_tiny_target(os.path.join(trained.root, "small_vocab"), vocab=380)
+    with pytest.raises(StoreMismatch, match=r"vocabulary size: the store has 384, the drafter has 380"):
+        trainer_for(trained, os.path.join(trained.root, "x4"),
+                    model__init_from=os.path.join(trained.root, "small_vocab"), model__num_layers=2,
+                    model__mask_token_id=379)
+    zlab_like_drafter_for_the_tiny_target(os.path.join(trained.root, "two_layers"))
+    with pytest.raises(ConfigError, match=r"fixes the drafter: model.num_layers=1 but the export has 2"):
+        trainer_for(trained, os.path.join(trained.root, "x3"),
+                    model__init_from=os.path.join(trained.root, "two_layers"))
+
+
+def test_the_trainer_refuses_before_step_1_a_drafter_its_export_cannot_serve(trained):
+    from dflash_fast.config import ConfigError
+
+    refused = r"layer_causal: trained \[True\], speculators serves \[False\](.|\n)*export=false"
+    with pytest.raises(ConfigError, match=refused):
+        trainer_for(trained, os.path.join(trained.root, "causal"), model__causal_in_block=True)
+    t = trainer_for(trained, os.path.join(trained.root, "causal_no_export"), model__causal_in_block=True, export=False)
+    assert t.engine.module.config.causal_in_block == [True]
