@@ -3,7 +3,7 @@
     store ──make_loader──▶ micro-batches ──drafter (DeepSpeed engine)──▶ loss ──backward──▶ AdamW or Muon (ZeRO 0-3)
       every step:     metrics summed over micro-batches and ranks, then divided (SPEC §6)
       every N steps:  JSONL record, validation on the held-out split, checkpoint
-      at the end:     checkpoint, validation, export (speculators format) into OUT/export
+      at the end:     checkpoint, validation, export (speculators format, gated: dflash_fast/export.py) into OUT/export
 
 One optimizer step is `schedule.grad_accum` micro-batches of `data.batch_rows`
 rows on each rank. Its loss is the weighted mean over ALL valid slots of the
