@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from dflash_fast import ops
 from dflash_fast.checkpoint import load_drafter_for_export
 from dflash_fast.drafter import DFlashDrafter, DrafterConfig, load_frozen_tensors
-from dflash_fast.store import default_layer_ids, torch_dtype, write_json_atomic
+from dflash_fast.store import check_layer_ids, default_layer_ids, torch_dtype, write_json_atomic
 
 FORMATS = ("speculators", "zlab")
 ENGINES = {"speculators": ("speculators", "vllm"), "zlab": ("sglang", "vllm")}
@@ -228,6 +228,13 @@ def _need(config: Dict, key: str, where: str):
     return config[key]
 
 
+def _int_list(value, key: str) -> List[int]:
+    """A layer-id list read from config.json, refused naming the key when it is not a list of integers."""
+    if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        raise ExportError(f"config.json: {key}={value!r} is not a list of integer layer ids")
+    return value
+
+
 def _hf_config(layer: Dict, where: str):
     """transformers' config class for the layer config's model_type, built from it (Qwen3Config for ours)."""
     from huggingface_hub.errors import StrictDataclassError
@@ -282,7 +289,7 @@ def _speculators_view(config: Dict) -> Dict:
     picks the sliding variant of per-layer-type parameters, which our drafter cannot express)."""
     where = "speculators (DFlashSpeculatorConfig / DFlashDraftModel)"
     hf = _hf_config(_need(config, "transformer_layer_config", where), where)
-    aux = _need(config, "aux_hidden_state_layer_ids", where)
+    aux = _int_list(_need(config, "aux_hidden_state_layer_ids", where), "aux_hidden_state_layer_ids")
     if config.get("sample_from_anchor", False):
         raise ExportError(f"{where}: sample_from_anchor=true drafts slot 0 too; dflash-fast drafters never do")
     rope = hf.rope_parameters
@@ -362,7 +369,7 @@ def _vllm_speculators_view(config: Dict) -> Dict:
     layer = dict(_need(config, "transformer_layer_config", where))
     for key in VLLM_READS:
         _need(layer, key, where + ": transformer_layer_config")
-    aux = _need(config, "aux_hidden_state_layer_ids", where)
+    aux = _int_list(_need(config, "aux_hidden_state_layer_ids", where), "aux_hidden_state_layer_ids")
     layer["dflash_config"] = {"mask_token_id": _need(config, "mask_token_id", where), "target_layer_ids": aux}
     hf = SimpleNamespace(**layer)
     methods = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
@@ -390,7 +397,9 @@ def _zlab_ids(config: Dict, hf, where: str):
     build_target_layer_ids(num_target_layers, num_hidden_layers) (dflash/model.py)."""
     dflash = config["dflash_config"]
     ids = dflash.get("target_layer_ids", config.get("target_layer_ids"))
-    if ids is None:
+    if ids is not None:
+        _int_list(ids, "dflash_config.target_layer_ids")
+    else:
         num_target = dflash.get("num_target_layers", config.get("num_target_layers"))
         if num_target is None:
             raise ExportError(f"config.json has neither dflash_config.target_layer_ids nor num_target_layers ({where})")
@@ -469,7 +478,54 @@ def served_architectures(config: Dict) -> Dict[str, Dict]:
             "config.json is not a DFlash drafter: it has neither speculators_model_type 'dflash' (speculators layout) "
             "nor architectures ['DFlashDraftModel'] with a dflash_config (z-lab layout)"
         )
-    return {engine: VIEWS[fmt, engine](config) for engine in ENGINES[fmt]}
+    served = {}
+    for engine in ENGINES[fmt]:
+        try:
+            served[engine] = VIEWS[fmt, engine](config)
+        except (TypeError, AttributeError) as e:  # a hand-edited key of the wrong JSON type (a list for an object)
+            raise ExportError(f"config.json cannot be read as {engine} reads it, a key holds the wrong kind of "
+                              f"value: {e}") from None
+    return served
+
+
+# Fields of `ARCHITECTURE` that are counts or sizes, and the least value each may take.
+POSITIVE_FIELDS = dict(
+    hidden_size=1,
+    num_attention_heads=1,
+    num_key_value_heads=1,
+    head_dim=1,
+    intermediate_size=1,
+    vocab_size=1,
+    target_hidden_size=1,
+    max_position_embeddings=1,
+    num_layers=1,
+    block_size=2,
+    mask_token_id=0,
+)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_values(arch: Dict) -> None:
+    """Refuse an architecture read from a file whose fields hold the wrong kind of value (a hand-edited
+    `"block_size": "16"` would otherwise build a drafter that fails far from the cause)."""
+    problems = [
+        f"{field}={arch[field]!r} is not an integer >= {least}"
+        for field, least in POSITIVE_FIELDS.items()
+        if not _is_int(arch[field]) or arch[field] < least
+    ]
+    eps = arch["rms_norm_eps"]
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
+        problems.append(f"rms_norm_eps={eps!r} is not a number in (0, 1)")
+    if not isinstance(arch["rope_parameters"], dict):
+        problems.append(f"rope_parameters={arch['rope_parameters']!r} is not an object")
+    bad_windows = [w for w in arch["layer_windows"] if w is not None and (not _is_int(w) or w < 1)]
+    if bad_windows:
+        problems.append(f"sliding_window={bad_windows[0]!r} is not an integer >= 1")
+    if problems:
+        raise ExportError("config.json:\n  - " + "\n  - ".join(problems))
 
 
 def mismatches(expected: Dict, served: Dict[str, Dict]) -> List[str]:
@@ -517,16 +573,45 @@ def config_from_export(config: Dict, target_config=None) -> DrafterConfig:
             f"{engines[0]} and {' / '.join(engines[1:])} would serve this export differently (the values before "
             f"'serves' are {engines[0]}'s):\n  - " + "\n  - ".join(problems)
         )
+    _check_values(first)
     ours = config.get("dflash_fast") or {}
+    if not isinstance(ours, dict):
+        raise ExportError(f"config.json: dflash_fast={ours!r} is not an object")
     target_layers = ours.get("target_num_layers") or config.get("num_target_layers")
+    if target_layers is not None and (not _is_int(target_layers) or target_layers < 1):
+        raise ExportError(f"config.json: the target's layer count {target_layers!r} is not an integer >= 1")
     model_type = ours.get("target_model_type", "")
     if target_config is not None:
         tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
         target_layers, model_type = target_layers or tc.num_hidden_layers, model_type or tc.model_type
+    ids = first["layer_ids"]
+    target_layers = target_layers or 1 + max((i for i in ids if isinstance(i, int)), default=0)
     try:
-        return config_from_architecture(first, target_layers or max(first["layer_ids"]) + 1, model_type)
+        check_layer_ids(ids, target_layers)
+    except ValueError as e:
+        raise ExportError(f"the export's target layer ids {ids} (our convention): {e}") from None
+    try:
+        return config_from_architecture(first, target_layers, model_type)
     except (TypeError, ValueError) as e:
         raise ExportError(f"the export's drafter is not one dflash-fast can build: {e}") from None
+
+
+def check_made_for(cfg: DrafterConfig, target_config, where: str) -> None:
+    """Refuse a drafter made for another target than `target_config`'s, naming both values (before any tensor
+    is read: a mismatch would otherwise surface deep in a matmul or as a wrong hidden state)."""
+    tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    problems = [
+        f"{what}: the drafter was made for {theirs}, the target has {ours}"
+        for what, theirs, ours in (
+            ("vocabulary size", cfg.vocab_size, tc.vocab_size),
+            ("hidden size", cfg.target_hidden_size, tc.hidden_size),
+            ("decoder layers", cfg.target_num_layers, tc.num_hidden_layers),
+        )
+        if theirs != ours
+    ]
+    if problems:
+        raise ExportError(f"{where} does not fit this target (give the target it was trained on):\n  - "
+                          + "\n  - ".join(problems))
 
 
 # ---------------------------------------------------------------- weights
@@ -632,7 +717,10 @@ def load_exported(
         from transformers import AutoConfig
 
         target_config = AutoConfig.from_pretrained(target_path)
-    drafter = DFlashDrafter(config_from_export(config, target_config), frozen_dtype)
+    cfg = config_from_export(config, target_config)
+    if target_config is not None:
+        check_made_for(cfg, target_config, f"the drafter in {export_dir}")
+    drafter = DFlashDrafter(cfg, frozen_dtype)
     load_weights(drafter, read_weights(export_dir), f"{os.path.join(export_dir, WEIGHTS)} (against its config.json)")
     if target_path is not None:
         drafter.set_frozen(**load_frozen_tensors(target_path, frozen_dtype, norm_kind=norm_kind))

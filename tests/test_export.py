@@ -360,6 +360,19 @@ def test_a_zlab_drafter_without_layer_ids_gets_z_labs_default(tmp_path):
         load_exported(str(tmp_path / "shallow"))
 
 
+def test_a_zlab_drafter_of_the_nested_revision_loads(tmp_path):
+    """z-lab's later published configs (HF revision c69b185, June 2026) keep block_size only in dflash_config and
+    RoPE only in rope_parameters, and name no num_target_layers."""
+    published_zlab_drafter(tmp_path / "pub", dflash_config={"mask_token_id": V - 2, "target_layer_ids": [0, 2],
+                                                            "block_size": 6},
+                           rope_parameters={"rope_type": "default", "rope_theta": 1e7})
+    edit_config(tmp_path / "pub", lambda c: [c.pop(k) for k in ("block_size", "rope_theta", "rope_scaling",
+                                                                 "num_target_layers")])
+    cfg = load_exported(str(tmp_path / "pub")).config
+    assert cfg.block_size == 6 and cfg.rope_parameters == {"rope_type": "default", "rope_theta": 1e7}
+    assert cfg.layer_ids == [0, 2] and cfg.causal_in_block == [True, True, False]
+
+
 # ---------------------------------------------------------------- hostile or hand-edited exports
 
 
@@ -401,6 +414,47 @@ def test_a_layer_count_that_disagrees_with_layer_types_is_refused(spec_export):
     edit_config(spec_export, lambda c: c["transformer_layer_config"].update(num_hidden_layers=3))
     with pytest.raises(ExportError, match="must be equal to the number of `layer_types`"):
         load_exported(spec_export)
+
+
+@pytest.mark.parametrize(
+    "fmt, edit, error",
+    [
+        ("speculators", lambda c: c.update(aux_hidden_state_layer_ids=[0, 2, 3]), r"layer id -1 is negative"),
+        ("speculators", lambda c: c.update(aux_hidden_state_layer_ids=[2, 2, 3]), r"\[1, 1, 2\] contain duplicates"),
+        ("speculators", lambda c: c.update(aux_hidden_state_layer_ids=["1", 2, 3]),
+         r"aux_hidden_state_layer_ids=\['1', 2, 3\] is not a list of integer layer ids"),
+        ("zlab", lambda c: c["dflash_config"].update(target_layer_ids=[0, 1, 7]),
+         r"layer id 7 does not exist: the target has 4 decoder layers"),
+        ("zlab", lambda c: c["dflash_config"].update(target_layer_ids="0,1,2"),
+         r"dflash_config.target_layer_ids='0,1,2' is not a list"),
+    ],
+    ids=["negative", "duplicate", "not_int", "beyond_the_target", "a_string"],
+)
+def test_layer_ids_no_target_layer_has_are_refused(tmp_path, fmt, edit, error):
+    """The fc width matches (three ids, three tapped layers), so only the ids themselves can be wrong."""
+    out = export_drafter(make_drafter(), str(tmp_path / "export"), "tiny-target", torch.float32, fmt=fmt)
+    edit_config(out, edit)
+    with pytest.raises(ExportError, match=error):
+        load_exported(out)
+
+
+@pytest.mark.parametrize(
+    "fmt, edit, error",
+    [
+        ("zlab", lambda c: c["dflash_config"].update(block_size="4"), r"block_size='4' is not an integer >= 2"),
+        ("speculators", lambda c: c.update(mask_token_id=-1), r"mask_token_id=-1 is not an integer >= 0"),
+        ("zlab", lambda c: c.update(num_target_layers="4", dflash_fast={}), r"layer count '4' is not an integer"),
+        ("speculators", lambda c: c.update(transformer_layer_config=[1]),
+         r"cannot be read as speculators reads it, a key holds the wrong kind of value"),
+        ("speculators", lambda c: c.update(speculators_config="greedy"), r"cannot be read as vllm reads it"),
+    ],
+    ids=["block_size_string", "negative_mask_token", "target_layers_string", "layer_config_list", "proposal_string"],
+)
+def test_values_of_the_wrong_kind_are_refused_by_name(tmp_path, fmt, edit, error):
+    out = export_drafter(make_drafter(), str(tmp_path / "export"), "tiny-target", torch.float32, fmt=fmt)
+    edit_config(out, edit)
+    with pytest.raises(ExportError, match=error):
+        load_exported(out)
 
 
 @pytest.mark.parametrize("ids, tapped", [([1, 2, 3, 4], 4), ([1, 2], 2)], ids=["more_ids_than_fc", "fewer_ids_than_fc"])
@@ -692,6 +746,21 @@ def test_init_from_refuses_a_drafter_that_does_not_match_the_store(trained):
     with pytest.raises(ConfigError, match=r"fixes the drafter: model.num_layers=1 but the export has 2"):
         trainer_for(trained, os.path.join(trained.root, "x3"),
                     model__init_from=os.path.join(trained.root, "two_layers"))
+
+
+def test_load_exported_refuses_a_drafter_made_for_another_target(trained):
+    """evaluate.load_drafter(DIR, target) loads through here: a drafter for a deeper target would tap layers
+    the target does not have, or read the wrong ones."""
+    deeper = os.path.join(trained.root, "for_a_deeper_target")
+    zlab_like_drafter_for_the_tiny_target(deeper)
+    edit_config(deeper, lambda c: c.update(num_target_layers=6))
+    assert load_exported(deeper).config.target_num_layers == 6
+    with pytest.raises(ExportError, match=r"decoder layers: the drafter was made for 6, the target has 4"):
+        load_exported(deeper, trained.target)
+    other_vocab = os.path.join(trained.root, "for_another_vocabulary")
+    zlab_like_drafter_for_the_tiny_target(other_vocab, vocab=380)
+    with pytest.raises(ExportError, match=r"vocabulary size: the drafter was made for 380, the target has 384"):
+        load_exported(other_vocab, trained.target)
 
 
 def test_the_trainer_refuses_before_step_1_a_drafter_its_export_cannot_serve(trained):
