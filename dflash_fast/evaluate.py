@@ -245,17 +245,15 @@ def offline_tau(
 
 def load_drafter(path: str, target: str) -> DFlashDrafter:
     """An export directory (speculators or z-lab layout), or a trainer checkpoint; frozen tensors from `target`."""
-    from dflash_fast.export import export_format, load_exported
+    from dflash_fast.export import load_exported
 
     if not os.path.exists(path):
         raise FileNotFoundError(
             f"drafter {path} does not exist: pass a `dflash-fast export` directory or a trainer checkpoint"
         )
-    config = os.path.join(path, "config.json")
-    if os.path.isdir(path) and os.path.exists(config):
-        with open(config) as f:
-            if export_format(json.load(f)) is not None:
-                return load_exported(path, target)
+    if os.path.isdir(path) and os.path.exists(os.path.join(path, "config.json")):
+        # checkpoints hold no config.json: this is an export (load_exported names what is wrong with it)
+        return load_exported(path, target)
     from dflash_fast.checkpoint import load_drafter_for_export
 
     drafter, _ = load_drafter_for_export(path)

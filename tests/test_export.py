@@ -497,6 +497,16 @@ def test_unreadable_files_are_refused_by_name(spec_export):
             load_exported(spec_export)
 
 
+def test_eval_names_what_is_wrong_with_a_broken_export(spec_export):
+    """dflash-fast eval --drafter DIR: a directory with a config.json is an export (checkpoints have none)."""
+    from dflash_fast.evaluate import load_drafter
+
+    with open(os.path.join(spec_export, "config.json"), "w") as f:
+        f.write("{ not json")
+    with pytest.raises(ExportError, match="config.json is not valid JSON"):
+        load_drafter(spec_export, "never-read-target")
+
+
 def test_an_export_the_engines_would_read_differently_is_refused(spec_export):
     """Exports written before the fix have sliding layers without use_sliding_window: speculators reads no window,
     vLLM (raw attributes, no Qwen3Config) reads it; loading one would train a drafter neither engine serves."""
