@@ -627,10 +627,15 @@ def read_weights(export_dir: str) -> Dict[str, torch.Tensor]:
     from safetensors import SafetensorError, safe_open
 
     index = os.path.join(export_dir, WEIGHTS_INDEX)
+    weight_map = None
     if os.path.exists(index):
-        files = sorted(set(_read_json(index).get("weight_map", {}).values()))
-        if not files:
-            raise ExportError(f"{index} has no weight_map")
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ExportError(f"{index} has no weight_map object ({{tensor name: shard file}})")
+        files = sorted(set(weight_map.values()), key=str)
+        for name in files:
+            if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
+                raise ExportError(f"{index} lists the shard {name!r}: shards are file names inside {export_dir}")
     elif os.path.exists(os.path.join(export_dir, WEIGHTS)):
         files = [WEIGHTS]
     else:
@@ -646,6 +651,10 @@ def read_weights(export_dir: str) -> Dict[str, torch.Tensor]:
                     weights[key] = f.get_tensor(key)
         except (SafetensorError, OSError) as e:
             raise ExportError(f"{path} is not a readable safetensors file: {e}") from None
+    if weight_map is not None:
+        misplaced = sorted(k for k in set(weights) | set(weight_map) if k not in weights or k not in weight_map)
+        if misplaced:
+            raise ExportError(f"{index} and its shards disagree: {misplaced[:6]} are in one but not the other")
     return weights
 
 

@@ -507,6 +507,42 @@ def test_eval_names_what_is_wrong_with_a_broken_export(spec_export):
         load_drafter(spec_export, "never-read-target")
 
 
+def shard(export_dir, weight_map=None):
+    """Split model.safetensors into two shards and an index, as HF's save_pretrained does for large drafters."""
+    path = os.path.join(export_dir, "model.safetensors")
+    weights = load_file(path)
+    os.remove(path)
+    names = sorted(weights)
+    files = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+             "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for file, keys in files.items():
+        save_file({k: weights[k] for k in keys}, os.path.join(export_dir, file))
+    if weight_map is None:
+        weight_map = {k: file for file, keys in files.items() for k in keys}
+    with open(os.path.join(export_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    return weights
+
+
+def test_a_sharded_export_loads_and_a_bad_index_is_refused(spec_export):
+    whole = load_exported(spec_export)
+    shard(spec_export)
+    back = load_exported(spec_export)
+    for (name, p), (_, q) in zip(whole.named_parameters(), back.named_parameters()):
+        assert torch.equal(p, q), name
+    index = os.path.join(spec_export, "model.safetensors.index.json")
+    cases = [
+        ({"metadata": {}}, "has no weight_map object"),
+        ({"weight_map": {"fc.weight": "../model-00001-of-00002.safetensors"}}, "shards are file names inside"),
+        ({"weight_map": {"fc.weight": "model-00001-of-00002.safetensors"}}, "and its shards disagree"),
+    ]
+    for content, error in cases:
+        with open(index, "w") as f:
+            json.dump(content, f)
+        with pytest.raises(ExportError, match=error):
+            load_exported(spec_export)
+
+
 def test_an_export_the_engines_would_read_differently_is_refused(spec_export):
     """Exports written before the fix have sliding layers without use_sliding_window: speculators reads no window,
     vLLM (raw attributes, no Qwen3Config) reads it; loading one would train a drafter neither engine serves."""
