@@ -70,9 +70,10 @@ FROZEN_TENSORS = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.wei
 GATE_TOLERANCE = dict(rtol=1e-5, atol=1e-5)
 # Why an engine reads a field differently, and the fix, for the mismatches that have a known cause.
 HINTS = {
-    "layer_causal": "speculators and vLLM serve full-attention layers bidirectional in the block and give all sliding "
-    "layers one rule; SGLang serves full layers bidirectional and sliding layers causal (set model.causal_in_block "
-    "to match, or export the other format)",
+    "layer_causal": "speculators serves full-attention layers bidirectional in the block and all sliding layers "
+    "one rule, vLLM gives every layer of a speculators export one rule (sliding_window_non_causal), SGLang and vLLM "
+    "serve a zlab export's full layers bidirectional and sliding layers causal (set model.causal_in_block to match, "
+    "or export the other format)",
     "rope_parameters": "SGLang's DFlash rotates all head_dim channels (get_rope(rotary_dim=head_dim)): export "
     "a drafter with partial_rotary_factor 1 to the zlab format, or use the speculators format (vLLM applies it)",
     "target_hidden_size": "speculators and SGLang size fc from the drafter's hidden_size: the drafter's hidden size "
@@ -134,7 +135,9 @@ def _metadata(cfg: DrafterConfig, verifier: str) -> Dict:
 
 def speculators_config(cfg: DrafterConfig, verifier: str) -> Dict:
     """config.json of the speculators layout."""
-    sliding_causal = {c for c, kind in zip(cfg.causal_in_block, cfg.layer_types) if kind == "sliding"}
+    # vLLM turns this flag into one in-block rule for EVERY layer (update_dflash: dflash_config.causal = not
+    # sliding_window_non_causal): true unless a sliding layer is causal, so full-layer drafters stay bidirectional.
+    causal_sliding = any(c for c, kind in zip(cfg.causal_in_block, cfg.layer_types) if kind == "sliding")
     return {
         "speculators_model_type": "dflash",
         "architectures": ["DFlashDraftModel"],
@@ -144,7 +147,7 @@ def speculators_config(cfg: DrafterConfig, verifier: str) -> Dict:
         "mask_token_id": cfg.mask_token_id,
         "draft_vocab_size": cfg.vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
-        "sliding_window_non_causal": sliding_causal == {False},
+        "sliding_window_non_causal": not causal_sliding,
         "sample_from_anchor": False,  # slot 0 is the given token, never drafted (SPEC §5)
         "speculators_config": {
             "algorithm": "dflash",
@@ -361,8 +364,10 @@ VLLM_READS = (
 def _vllm_speculators_view(config: Dict) -> Dict:
     """vLLM reading the speculators layout: vllm/transformers_utils/configs/speculators/base.py
     (extract_transformers_pre_trained_config: the attributes are transformer_layer_config's keys as written, no
-    Qwen3Config) and algos.py (update_dflash: dflash_config.target_layer_ids = aux ids - 1, mask_token_id,
-    draft_vocab_size, target_hidden_size); the block is the proposal method's speculative_tokens + 1."""
+    Qwen3Config) and algos.py (update_dflash: dflash_config = {mask_token_id, target_layer_ids = aux ids - 1,
+    causal = not sliding_window_non_causal (default true)}, draft_vocab_size, target_hidden_size); causal is a
+    global override in qwen3_dflash.py (_dflash_layer_causal), so every layer gets one in-block rule. The block is
+    the proposal method's speculative_tokens + 1."""
     from types import SimpleNamespace
 
     where = "vLLM (speculators config adapter, qwen3_dflash.py)"
@@ -370,7 +375,11 @@ def _vllm_speculators_view(config: Dict) -> Dict:
     for key in VLLM_READS:
         _need(layer, key, where + ": transformer_layer_config")
     aux = _int_list(_need(config, "aux_hidden_state_layer_ids", where), "aux_hidden_state_layer_ids")
-    layer["dflash_config"] = {"mask_token_id": _need(config, "mask_token_id", where), "target_layer_ids": aux}
+    layer["dflash_config"] = {
+        "mask_token_id": _need(config, "mask_token_id", where),
+        "target_layer_ids": [i - 1 for i in aux],
+        "causal": not config.get("sliding_window_non_causal", True),
+    }
     hf = SimpleNamespace(**layer)
     methods = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
     tokens = methods[0].get("speculative_tokens")
@@ -544,6 +553,20 @@ def check_servable(cfg: DrafterConfig, fmt: str) -> None:
     problems = mismatches(architecture(cfg), served_architectures(format_config(cfg, fmt, verifier="")))
     if problems:
         raise ExportError(f"the {fmt} format cannot serve this drafter as it trained:\n  - " + "\n  - ".join(problems))
+
+
+def servable_format(cfg: DrafterConfig) -> str:
+    """The first of FORMATS whose engines serve `cfg` as it trained (speculators, then zlab: z-lab's pattern of
+    causal sliding and bidirectional full layers only serves from the zlab layout); refused naming each format's
+    problems when neither does."""
+    problems = []
+    for fmt in FORMATS:
+        try:
+            check_servable(cfg, fmt)
+            return fmt
+        except ExportError as e:
+            problems.append(str(e))
+    raise ExportError("\n".join(problems))
 
 
 def config_from_architecture(arch: Dict, target_num_layers: int, target_model_type: str = "") -> DrafterConfig:

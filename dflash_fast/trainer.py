@@ -3,7 +3,7 @@
     store ──make_loader──▶ micro-batches ──drafter (DeepSpeed engine)──▶ loss ──backward──▶ AdamW or Muon (ZeRO 0-3)
       every step:     metrics summed over micro-batches and ranks, then divided (SPEC §6)
       every N steps:  JSONL record, validation on the held-out split, checkpoint
-      at the end:     checkpoint, validation, export (speculators format, gated: dflash_fast/export.py) into OUT/export
+      at the end:     checkpoint, validation, export (gated, dflash_fast/export.py) into OUT/export
 
 One optimizer step is `schedule.grad_accum` micro-batches of `data.batch_rows`
 rows on each rank. Its loss is the weighted mean over ALL valid slots of the
@@ -18,7 +18,7 @@ Run directory `output_dir` (OUT):
     OUT/metrics.jsonl                one record per `logging.every` steps ("split": "train") and per validation ("val")
     OUT/checkpoints/stepNNNNNNNN/    DeepSpeed's files, drafter.safetensors, rng_rankNNNNN.json and the completion
                                      marker dflash_fast.json (client state, every file's sha256): checkpoint.py
-    OUT/export/                      the speculators-format drafter (config.json, model.safetensors)
+    OUT/export/                      the gated export (speculators layout, or zlab when only it serves the drafter)
     OUT/tensorboard/                 with logging.tensorboard=true
 
 Without a launcher (`python train.py ...`) the run is a world of one process;
@@ -62,12 +62,13 @@ from dflash_fast.drafter import DFlashDrafter, DrafterConfig, DrafterOutput, bui
 from dflash_fast.eager import has_kl, needs_last
 from dflash_fast.errors import DEBUG_ENV, UserError, run_reporting_errors
 from dflash_fast.export import (
+    ENGINES,
     ExportError,
-    check_servable,
     config_from_export,
     export_drafter,
     load_exported,
     read_export_config,
+    servable_format,
 )
 from dflash_fast.store import HiddenStateStore, torch_dtype
 from dflash_fast.target import check_target, config_sha256
@@ -504,12 +505,13 @@ class Trainer:
                     f"target; model.mask_token_id sets the mask token): {e}"
                 ) from None
             check_store_matches(cfg.data.store, manifest, drafter.config, self.target, self.loss_kind)
+        self.export_format = None
         if cfg.export:
             try:
-                check_servable(drafter.config, "speculators")
+                self.export_format = servable_format(drafter.config)
             except ExportError as e:
-                raise ConfigError(f"{e}\nthis run ends with a speculators export: change the drafter, or set "
-                                  f"export=false") from None
+                raise ConfigError(f"{e}\nthis run ends with an export that no serving engine would serve as it "
+                                  f"trained: change the drafter, or set export=false") from None
         self.block_size = drafter.config.block_size
 
         ds = deepspeed_config(cfg.deepspeed, cfg, self.precision)
@@ -899,9 +901,11 @@ class Trainer:
                 self.target,
                 torch_dtype(self.cfg.export_dtype),
                 state_dict=state,
+                fmt=self.export_format,
             )
-            self.log(f"exported the drafter to {path} (speculators format, {self.cfg.export_dtype}; gated: read back "
-                     f"as speculators and vLLM read it, same architecture and logits)")
+            engines = " and ".join(ENGINES[self.export_format])
+            self.log(f"exported the drafter to {path} ({self.export_format} format, {self.cfg.export_dtype}; gated: "
+                     f"read back as {engines} read it, same architecture and logits)")
         dist.barrier()
         return path
 

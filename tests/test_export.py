@@ -69,7 +69,7 @@ CASES = {
     "zlab_pattern_sliding_causal_full_bidirectional": (
         dict(num_layers=3, layer_types=["sliding", "sliding", "full"], sliding_window=5,
              causal_in_block=[True, True, False]),
-        {},
+        {"speculators": r"layer_causal: trained \[True, True, False\], vllm serves \[True, True, True\]"},
     ),
     "causal_full_layers": (
         dict(causal_in_block=True),
@@ -345,9 +345,11 @@ def test_a_published_zlab_drafter_loads_as_sglang_serves_it(tmp_path):
     assert cfg.target_num_layers == 5
     for name, p in d.named_parameters():
         assert torch.equal(p, weights[name].float()), name
-    # and it can be written again in either layout, gated
+    # and it can be written again in its layout, gated; vLLM would serve a speculators export of it all causal
     export_drafter(d, str(tmp_path / "again"), "t", torch.bfloat16, fmt="zlab")
-    export_drafter(d, str(tmp_path / "spec"), "t", torch.bfloat16, fmt="speculators")
+    with pytest.raises(ExportError, match=r"trained \[True, True, False\], vllm serves \[True, True, True\]"):
+        export_drafter(d, str(tmp_path / "spec"), "t", torch.bfloat16, fmt="speculators")
+    assert export.servable_format(cfg) == "zlab"
 
 
 def test_a_zlab_drafter_without_layer_ids_gets_z_labs_default(tmp_path):
@@ -660,14 +662,34 @@ def test_partial_rotary_rotates_the_first_channels_as_vllm_does():
 # ---------------------------------------------------------------- the engines' rules, pinned
 
 
-def test_vllm_serves_sliding_layers_causal_unless_is_causal_says_otherwise():
-    """qwen3_dflash.py, _dflash_layer_causal: is_causal, else dflash_config.causal, else causal on sliding layers."""
+def test_vllm_gives_every_layer_of_a_speculators_export_one_in_block_rule():
+    """qwen3_dflash.py, _dflash_layer_causal: is_causal, else dflash_config.causal, else causal on sliding layers;
+    for a speculators export algos.py's update_dflash always sets dflash_config.causal = not
+    sliding_window_non_causal (default true), a rule for every layer, full ones included."""
     cfg = make_config(layer_types=["full", "sliding"], sliding_window=5)
     config = export.speculators_config(cfg, "t")
-    assert config["transformer_layer_config"]["is_causal"] is False
+    assert config["transformer_layer_config"]["is_causal"] is False and config["sliding_window_non_causal"] is True
     assert served_architectures(config)["vllm"]["layer_causal"] == [False, False]
     config["transformer_layer_config"].pop("is_causal")
-    assert served_architectures(config)["vllm"]["layer_causal"] == [False, True]
+    assert served_architectures(config)["vllm"]["layer_causal"] == [False, False]
+    config["sliding_window_non_causal"] = False
+    assert served_architectures(config)["vllm"]["layer_causal"] == [True, True], "the full layer too"
+    config.pop("sliding_window_non_causal")
+    assert served_architectures(config)["vllm"]["layer_causal"] == [False, False], "vLLM's default: non-causal"
+    # the zlab layout is read natively (no update_dflash): sliding layers causal, full layers bidirectional
+    zlab = export.zlab_config(cfg, "t")
+    zlab.pop("is_causal")
+    assert served_architectures(zlab)["vllm"]["layer_causal"] == [False, True]
+
+
+def test_a_full_layer_drafter_is_exported_bidirectional_for_every_vllm_rule(tmp_path):
+    """The default drafter (full layers only) once said sliding_window_non_causal=false, which vLLM's
+    update_dflash turns into causal=true for every layer: without is_causal (vLLM before it read that key) the
+    whole drafter would have served causal."""
+    config = written_config(export_drafter(make_drafter(), str(tmp_path / "e"), "t", torch.float32))
+    assert config["sliding_window_non_causal"] is True
+    config["transformer_layer_config"].pop("is_causal")
+    assert served_architectures(config)["vllm"]["layer_causal"] == [False, False]
 
 
 def test_vllm_reads_the_block_from_the_proposal_method():
@@ -763,9 +785,10 @@ def test_init_from_starts_training_from_a_published_drafter(trained):
     for (name, p), (_, q) in zip(published.named_parameters(), t.engine.module.named_parameters()):
         assert torch.equal(p, q.detach().cpu()), name
     result = t.run()
-    exported = load_exported(result["export"], trained.target)  # the fine-tuned drafter, gated, speculators layout
+    # the fine-tuned drafter, gated: causal sliding + bidirectional full layers serve only from the zlab layout
+    exported = load_exported(result["export"], trained.target)
     assert exported.config == t.engine.module.config
-    assert written_config(result["export"])["sliding_window_non_causal"] is False
+    assert export.export_format(written_config(result["export"])) == "zlab"
     evaluated = load_drafter(os.path.join(trained.root, "published"), trained.target)
     assert architecture(evaluated.config) == architecture(published.config), "eval reads the z-lab layout too"
 
@@ -812,7 +835,8 @@ def test_load_exported_refuses_a_drafter_made_for_another_target(trained):
 def test_the_trainer_refuses_before_step_1_a_drafter_its_export_cannot_serve(trained):
     from dflash_fast.config import ConfigError
 
-    refused = r"layer_causal: trained \[True\], speculators serves \[False\](.|\n)*export=false"
+    refused = (r"layer_causal: trained \[True\], speculators serves \[False\](.|\n)*"
+               r"layer_causal: trained \[True\], sglang serves \[False\](.|\n)*export=false")
     with pytest.raises(ConfigError, match=refused):
         trainer_for(trained, os.path.join(trained.root, "causal"), model__causal_in_block=True)
     t = trainer_for(trained, os.path.join(trained.root, "causal_no_export"), model__causal_in_block=True, export=False)
