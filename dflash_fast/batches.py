@@ -11,8 +11,8 @@ per row, is the contract the drafter and the trainer consume:
     loss_mask           [R, T] bool           0 on padding
     document_ids        [R, T] int64          0, 1, ... per piece; the padding is one more document
     position_ids        [R, T] int64          restart at 0 in every document (and in the padding)
-    hidden              [R, T, K, H_t]        store dtype; 0 on padding
-    last                [R, T, H_t]           store dtype; only with `with_last=True`
+    hidden              [R, T, K, H_t]        store dtype (bf16 from an fp8 store: dequantised here); 0 on padding
+    last                [R, T, H_t]           like hidden; only with `with_last=True`
     teacher_topk_ids    [R, T, k] int64       \
     teacher_topk_logits [R, T, k] store dtype  > each only if the store has it; 0 on padding
     teacher_lse         [R, T]    store dtype /
@@ -50,6 +50,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
+
+from dflash_fast.store import FP8_READ_DTYPE, SCALE_FIELDS, dequantize_fp8
 
 Piece = Tuple[int, int, int]
 Row = List[Piece]
@@ -193,7 +195,8 @@ def row_fields(store, with_last: bool = False) -> Dict[str, Tuple[Tuple[int, ...
     """The store's per-token fields in a batch: name -> (trailing shape, batch dtype), from item 0's views.
 
     input_ids, loss_mask, hidden, then those of OPTIONAL_FIELDS the store has
-    (`last` only when with_last); ids become int64, loss_mask bool.
+    (`last` only when with_last); ids become int64, loss_mask bool, fp8 hidden states FP8_READ_DTYPE
+    (their scales are no batch field: collate_rows dequantises with them).
     """
     sample = store[0]
     if with_last and "last" not in sample:
@@ -208,7 +211,7 @@ def row_fields(store, with_last: bool = False) -> Dict[str, Tuple[Tuple[int, ...
     for key in keys:
         x = torch.as_tensor(sample[key])
         dtype = torch.int64 if key in _INT64_FIELDS else torch.bool if key == "loss_mask" else x.dtype
-        fields[key] = (tuple(x.shape[1:]), dtype)
+        fields[key] = (tuple(x.shape[1:]), FP8_READ_DTYPE if dtype == torch.float8_e4m3fn else dtype)
     return fields
 
 
@@ -245,7 +248,10 @@ def collate_rows(
                 )
             src = store[item]
             for key in fields:
-                batch[key][i, offset : offset + n] = torch.as_tensor(src[key][start:end])
+                part = torch.as_tensor(src[key][start:end])
+                if part.dtype == torch.float8_e4m3fn:
+                    part = dequantize_fp8(part, src[SCALE_FIELDS[key]][start:end], batch[key].dtype)
+                batch[key][i, offset : offset + n] = part
             batch["document_ids"][i, offset : offset + n] = doc
             batch["position_ids"][i, offset : offset + n] = positions[:n]
             offset += n

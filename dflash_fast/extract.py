@@ -11,7 +11,8 @@ Before anything is written, and again every `parity_every` batches, the
 extractor recomputes `lm_head(final_norm(last))` with the norm kind it will
 record in the manifest and checks it against the model's own logits: a hook on
 the wrong tensor or a mis-described norm aborts the run instead of producing a
-store that trains a drafter against the wrong teacher.
+store that trains a drafter against the wrong teacher. An fp8 store's `last` is
+checked once more as training will read it back (dequantised), at fp8's tolerance.
 
 Ranks launched by torchrun or the deepspeed launcher (RANK / WORLD_SIZE /
 LOCAL_RANK) take every WORLD_SIZE-th JSONL record, write their own shards,
@@ -35,17 +36,20 @@ import torch
 from dflash_fast.eager import rms_norm
 from dflash_fast.store import (
     DTYPES,
+    FP8,
     MANIFEST,
-    SCHEMA_VERSION,
+    SCALE_FIELDS,
     HiddenStateStore,
     Layout,
     StoreWriter,
     build_manifest,
     check_layer_ids,
     default_layer_ids,
+    dequantize_fp8,
     final_norm_weight,
     normalise_dtype,
     parse_layer_ids,
+    quantize_fp8,
     read_manifest,
     write_json_atomic,
 )
@@ -66,6 +70,10 @@ from dflash_fast.target import (
 RANKS_DIR = "ranks"
 # Parity tolerance on |lm_head(norm(last)) - logits|, relative to the largest |logit|.
 PARITY_RTOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 2e-2}
+# The same check on `last` as an fp8 store holds it (dequantised): e4m3 moves each element by up to 2^-4 of
+# itself, so the logits move by a few percent of their scale; 2^-3 is twice the per-element bound and still
+# far below what a wrong tensor gives (tests/test_extract.py measures both).
+PARITY_RTOL_FP8 = 0.125
 LOGIT_CHUNK = 2048  # tokens per fp32 top-k / lse chunk: bounds the fp32 copy of [n, V]
 
 
@@ -323,13 +331,15 @@ class TargetRunner:
             raise RuntimeError(f"the target returned {len(states)} hidden states, expected L+1 = {self.num_layers + 1}")
         return out.logits, torch.stack(tapped_layers(states, last, self.layer_ids), dim=2), last
 
-    def check_parity(self, logits, last, lengths) -> None:
+    def check_parity(self, logits, last, lengths, rtol=None, what="last") -> None:
         """lm_head(final_norm(last)) must reproduce the model's own logits, with the recorded norm kind.
 
-        logits [b, T, V], last [b, T, H]; row r is valid up to lengths[r].
+        logits [b, T, V], last [b, T, H]; row r is valid up to lengths[r]. rtol: relative to the largest
+        |logit|, default PARITY_RTOL of the logits' dtype.
         """
         scale = final_norm_weight(self.norm.weight, self.norm_kind)
-        rtol = PARITY_RTOL[logits.dtype]
+        rtol = PARITY_RTOL[logits.dtype] if rtol is None else rtol
+        last = last.to(logits.dtype)
         for r, n in enumerate(lengths):
             for a in range(0, n, LOGIT_CHUNK):
                 b = min(n, a + LOGIT_CHUNK)
@@ -339,20 +349,33 @@ class TargetRunner:
                 bound = rtol * max(want.abs().max().item(), 1.0)
                 if not err <= bound:
                     raise RuntimeError(
-                        f"parity check failed: lm_head({self.norm_name}(last)) differs from the model's logits by "
+                        f"parity check failed: lm_head({self.norm_name}({what})) differs from the model's logits by "
                         f"{err:.3g} (tolerance {bound:.3g}, norm kind {self.norm_kind}); `last` is not the input of "
                         f"the final norm or the norm is mis-described. Nothing was written for this batch."
                     )
 
+    def _as_stored(self, name: str, x: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """`hidden` or `last` in the store's dtype: {name: x} cast, or for fp8 {name: q, name_scale: scale}."""
+        if self.layout.dtype == FP8:
+            q, scale = quantize_fp8(x)
+            return {name: q, SCALE_FIELDS[name]: scale}
+        return {name: x.to(DTYPES[self.layout.dtype][1])}
+
     @torch.inference_mode()
     def __call__(self, examples: Sequence[Example]) -> List[Dict[str, np.ndarray]]:
         logits, hidden, last = self._forward(examples)
+        stored = self._as_stored("hidden", hidden)
+        if self.layout.has_last:
+            stored.update(self._as_stored("last", last))
         if self.batches_run % self.parity_every == 0:
-            self.check_parity(logits, last, [len(e.input_ids) for e in examples])
+            lengths = [len(e.input_ids) for e in examples]
+            self.check_parity(logits, last, lengths)
+            if self.layout.has_last and self.layout.dtype == FP8:
+                # What training will read back must still reproduce the teacher, at fp8's tolerance.
+                stored_last = dequantize_fp8(stored["last"], stored["last_scale"], logits.dtype)
+                self.check_parity(logits, stored_last, lengths, PARITY_RTOL_FP8, "last as stored in fp8")
         self.batches_run += 1
-        store_dtype = DTYPES[self.layout.dtype][1]
-        hidden = _to_numpy(hidden.to(store_dtype))
-        last = _to_numpy(last.to(store_dtype)) if self.layout.has_last else None
+        stored = {name: _to_numpy(x) for name, x in stored.items()}
         k = self.layout.topk
         out = []
         for r, e in enumerate(examples):
@@ -367,21 +390,21 @@ class TargetRunner:
             arrays = {
                 "input_ids": e.input_ids,
                 "loss_mask": e.loss_mask,
-                "hidden": hidden[r, :n],
+                **{name: x[r, :n] for name, x in stored.items()},
                 "teacher_topk_ids": torch.cat(top_i).to(torch.int32).cpu().numpy(),
                 "teacher_topk_logits": torch.cat(top_v).cpu().numpy(),
                 "teacher_lse": torch.cat(lse).cpu().numpy(),
             }
-            if self.layout.has_last:
-                arrays["last"] = last[r, :n]
             out.append(arrays)
         return out
 
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
-    """CPU numpy copy; bf16 keeps its bits as uint16 (numpy has no bf16)."""
+    """CPU numpy copy; bf16 and fp8 keep their bits as uint16 and uint8 (numpy has neither)."""
     if t.dtype == torch.bfloat16:
         t = t.view(torch.uint16)
+    elif t.dtype == torch.float8_e4m3fn:
+        t = t.view(torch.uint8)
     return t.cpu().numpy()
 
 
@@ -511,7 +534,7 @@ def plan_job(target: str, data: str, out: str, options: ExtractOptions, device=N
         data, ChatTokenizer(tokenizer, vocab_size), options.max_seq_len, options.skip_bad, rank, world_size
     )
     identity = {
-        "schema_version": SCHEMA_VERSION,
+        "schema_version": layout.schema_version,
         "target_config_sha256": config_sha256(target),
         "data_sha256": data_sha,
         "layer_ids": layer_ids,
@@ -753,7 +776,8 @@ def add_arguments(parser) -> None:
     p.add_argument("--num-tapped", type=int, default=5, help="K, when --layer-ids is not given (default 5)")
     p.add_argument("--max-seq-len", type=int, default=2048, help="longer sequences are truncated and counted")
     p.add_argument("--batch-tokens", type=int, default=16384, help="padded tokens per forward (default 16384)")
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="store dtype of hidden/last")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32", "fp8"], default="bf16",
+                   help="store dtype of hidden/last; fp8 = e4m3 with an fp32 scale per token and layer (half of bf16)")
     p.add_argument("--shard-tokens", type=int, default=None, help="tokens per shard (default: about 1 GiB)")
     p.add_argument("--topk", type=int, default=8, help="teacher top-k kept per token (default 8)")
     p.add_argument("--no-last", action="store_true", help="do not store `last` (stores for ce / top-k losses only)")

@@ -43,8 +43,9 @@ def train_command(config: str, overrides: List[str]) -> List[str]:
 
 
 def build_store(out: str, num_prompts: int = 300, max_new_tokens: int = 128, progress: bool = True,
-                stage=lambda _name: None) -> str:
-    """Stages 1-2 into `out`: the target answers the training prompts, extraction writes OUT/store -> its path."""
+                stage=lambda _name: None, dtype: str = "fp32") -> str:
+    """Stages 1-2 into `out`: the target answers the training prompts, extraction writes OUT/store -> its path.
+    dtype: the store's --dtype (fp32, bf16, fp16 or fp8)."""
     stage("1/5 regenerate: the target answers the training prompts")
     regen = os.path.join(out, "train.jsonl")
     regenerate(
@@ -59,7 +60,7 @@ def build_store(out: str, num_prompts: int = 300, max_new_tokens: int = 128, pro
 
     stage("2/5 extract: tapped hidden states and teacher summaries into the store")
     store = os.path.join(out, "store")
-    extract(TARGET, regen, store, dtype="fp32", max_seq_len=512, progress=progress)
+    extract(TARGET, regen, store, dtype=dtype, max_seq_len=512, progress=progress)
     return store
 
 
@@ -72,13 +73,15 @@ def quickstart(
     epochs: float = 0,
     extra_overrides: List[str] = (),
     progress: bool = True,
+    store_dtype: str = "fp32",
 ) -> Dict:
-    """Run every stage into `out`; returns the eval report (also written to OUT/eval.json)."""
+    """Run every stage into `out`; returns the eval report (also written to OUT/eval.json).
+    store_dtype: the store's --dtype (fp32, bf16, fp16 or fp8)."""
     os.makedirs(out, exist_ok=True)
     t0 = time.perf_counter()
     stage = lambda name: print(f"\n== {name} ({time.perf_counter() - t0:.0f}s)", flush=True)
 
-    store = build_store(out, num_prompts, max_new_tokens, progress, stage)
+    store = build_store(out, num_prompts, max_new_tokens, progress, stage, store_dtype)
 
     stage("3/5 train: deepspeed train.py --config configs/tiny.yaml")
     run_dir = os.path.join(out, "run")
@@ -126,6 +129,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128, help="response length when regenerating")
     parser.add_argument("--eval-max-new-tokens", type=int, default=96)
     parser.add_argument("--epochs", type=float, default=0, help="override configs/tiny.yaml's schedule.epochs")
+    parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16", "fp8"], default="fp32",
+                        help="the store's dtype of hidden/last (dflash-fast extract --dtype)")
     parser.add_argument("overrides", nargs="*", help="extra trainer overrides, key=value")
 
 
@@ -138,5 +143,6 @@ def run(args) -> int:
         args.eval_max_new_tokens,
         args.epochs,
         args.overrides,
+        store_dtype=args.dtype,
     )
     return 0

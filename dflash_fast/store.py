@@ -9,9 +9,17 @@ One store item is one document (a sequence of `n` tokens). Per token it holds:
     teacher_topk_ids     [n, k]     int32    the target's top-k next-token ids, logits descending
     teacher_topk_logits  [n, k]     float32  their logits
     teacher_lse          [n]        float32  full log-sum-exp of the target's logits
+    hidden_scale         [n, K]     float32  fp8 stores only: absmax / 448 of each token's layer
+    last_scale           [n]        float32  fp8 stores only, with `last`
 
-`dtype` is bfloat16 (stored as its uint16 bits: numpy has no bf16), float16 or
-float32. On disk a store is a directory:
+`dtype` is bfloat16 (stored as its uint16 bits: numpy has no bf16), float16,
+float32 or float8_e4m3fn (its uint8 bits). An fp8 value is `x / scale` rounded
+to e4m3 with one fp32 scale per token and layer, `scale = absmax(x) / 448`;
+`dequantize_fp8` gives back `q * scale` (the loader does this on read). Schema
+version 1 is every store without fp8; version 2 adds fp8 and its scale files, so
+a reader that knows only version 1 refuses an fp8 store by its version, and the
+bf16/fp16/fp32 stores written before fp8 existed stay readable unchanged.
+On disk a store is a directory:
 
     manifest.json                    written last: its presence means "complete"
     shards/rank00000-shard00000/     one directory a shard, renamed into place when complete
@@ -38,12 +46,12 @@ import os
 import shutil
 import sys
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSIONS = (1, 2)  # readable; the version of a store is Layout.schema_version
 MANIFEST = "manifest.json"
 INDEX = "index.json"
 SHARDS_DIR = "shards"
@@ -60,8 +68,15 @@ DTYPES = {
     "bfloat16": (np.uint16, torch.bfloat16),
     "float16": (np.float16, torch.float16),
     "float32": (np.float32, torch.float32),
+    "float8_e4m3fn": (np.uint8, torch.float8_e4m3fn),
 }
-DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "float8_e4m3fn"}
+FP8 = "float8_e4m3fn"
+FP8_MAX = 448.0  # largest finite e4m3fn value
+# fp8 stores hold each of these fields with a per-token fp32 scale (one per layer for `hidden`).
+SCALE_FIELDS = {"hidden": "hidden_scale", "last": "last_scale"}
+# What the loader dequantises fp8 to: the bytes a bf16 store would hand the trainer.
+FP8_READ_DTYPE = torch.bfloat16
 
 # What a reader needs from a manifest; extraction also records the target, L, V, norm and input counts.
 MANIFEST_KEYS = ("layer_ids", "hidden_size", "topk", "dtype", "has_last", "num_sequences", "num_tokens", "shards")
@@ -170,25 +185,56 @@ class Layout:
             "teacher_topk_logits": (np.float32, (self.topk,), torch.float32),
             "teacher_lse": (np.float32, (), torch.float32),
         }
+        if self.dtype == FP8:
+            out["hidden_scale"] = (np.float32, (self.num_tapped,), torch.float32)
+            out["last_scale"] = (np.float32, (), torch.float32)
         if not self.has_last:
             del out["last"]
+            out.pop("last_scale", None)
         return out
 
+    def field_bytes(self) -> Dict[str, int]:
+        """name -> bytes per token."""
+        return {name: np.dtype(d).itemsize * int(np.prod(s, dtype=np.int64)) for name, (d, s, _) in
+                self.fields().items()}
+
     def bytes_per_token(self) -> int:
-        return sum(np.dtype(d).itemsize * int(np.prod(s, dtype=np.int64)) for d, s, _ in self.fields().values())
+        return sum(self.field_bytes().values())
+
+    @property
+    def schema_version(self) -> int:
+        return 2 if self.dtype == FP8 else 1
 
 
 def normalise_dtype(name: str) -> str:
-    """'bf16' | 'bfloat16' | ... -> canonical store dtype name."""
+    """'bf16' | 'bfloat16' | 'fp8' | ... -> canonical store dtype name."""
     canon = DTYPE_ALIASES.get(name, name)
     if canon not in DTYPES:
-        raise ValueError(f"unknown store dtype {name!r}; choose bf16, fp16 or fp32")
+        raise ValueError(f"unknown store dtype {name!r}; choose bf16, fp16, fp32 or fp8")
     return canon
 
 
 def torch_dtype(name: str) -> torch.dtype:
     """'bf16' | 'bfloat16' | 'fp16' | ... -> the torch dtype (the one dtype-name map of the project)."""
     return DTYPES[normalise_dtype(name)][1]
+
+
+def quantize_fp8(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """x [..., H] -> (q [..., H] float8_e4m3fn, scale [...] float32): `scale = absmax / 448` over the last
+    dimension, `q = x / scale` rounded to nearest (an all-zero vector gets scale 0 and q 0)."""
+    x = x.float()
+    scale = x.abs().amax(dim=-1) / FP8_MAX
+    divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = (x / divisor[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = FP8_READ_DTYPE) -> torch.Tensor:
+    """q [..., H] float8_e4m3fn, scale [...] -> `q * scale` [..., H] in `dtype` (product in fp32, one rounding).
+
+    Error against the quantised x: at most 2^-4 |x| (e4m3's half ulp) + 2^-10 * scale (its subnormals),
+    plus the rounding to `dtype` (2^-8 relative for bf16)."""
+    return (q.float() * scale.float()[..., None]).to(dtype)
 
 
 def sha256_file(path: str) -> str:
@@ -292,7 +338,8 @@ class ShardWriter:
             }
         self.fds = {}
         index = {
-            "schema_version": SCHEMA_VERSION,
+            "schema_version": self.layout.schema_version,
+            "dtype": self.layout.dtype,
             **self.meta,
             "num_sequences": len(self.lengths),
             "num_tokens": int(self.starts[-1]),
@@ -383,7 +430,8 @@ class StoreWriter:
             # The index holds its files' sha256: the manifest's sum of the index closes the chain `verify` checks.
             shards.append({**entry, "index_sha256": sha256_file(os.path.join(shard, INDEX))})
         write_json_atomic(
-            os.path.join(self.path, MANIFEST), {"schema_version": SCHEMA_VERSION, **manifest, "shards": shards}
+            os.path.join(self.path, MANIFEST),
+            {"schema_version": self.layout.schema_version, **manifest, "shards": shards},
         )
         HiddenStateStore(self.path)
 
@@ -427,9 +475,16 @@ def _check_shard(shard: str, layout: Layout, index: dict, expect: Optional[dict]
     files: a store with thousands of shards opens without mapping any.
     """
     index_path = os.path.join(shard, INDEX)
-    if index.get("schema_version") != SCHEMA_VERSION:
+    dtype = index.get("dtype", layout.dtype)  # version-1 indices name no dtype: their files' dtypes are checked below
+    if dtype != layout.dtype:
         raise ValueError(
-            f"{index_path}: schema version {index.get('schema_version')!r}, this reader knows {SCHEMA_VERSION}"
+            f"{index_path}: this shard holds {dtype} hidden states, the store's manifest (and every other shard) "
+            f"{layout.dtype}: a store holds one dtype; re-run the same extraction to redo the shard"
+        )
+    if index.get("schema_version") != layout.schema_version:
+        raise ValueError(
+            f"{index_path}: schema version {index.get('schema_version')!r}, a {layout.dtype} store is version "
+            f"{layout.schema_version}; the store is inconsistent"
         )
     lengths = index.get("lengths", [])
     num_tokens = index.get("num_tokens")
@@ -483,16 +538,23 @@ class HiddenStateStore:
             )
         self.manifest = _read_json(manifest_path, "the store manifest")
         version = self.manifest.get("schema_version")
-        if version != SCHEMA_VERSION:
+        if version not in SCHEMA_VERSIONS:
             raise ValueError(
-                f"{manifest_path}: unknown schema version {version!r}; this reader understands version "
-                f"{SCHEMA_VERSION}: re-extract with this version of dflash-fast"
+                f"{manifest_path}: unknown schema version {version!r}; this reader understands versions "
+                f"{', '.join(map(str, SCHEMA_VERSIONS))}: re-extract with this version of dflash-fast"
             )
         m = self.manifest
         missing = [k for k in MANIFEST_KEYS if k not in m]
         if missing:
             raise ValueError(f"{manifest_path}: missing {missing}; the manifest is corrupted")
+        if m["dtype"] not in DTYPES:
+            raise ValueError(f"{manifest_path}: unknown dtype {m['dtype']!r}; the manifest is corrupted")
         self.layout = Layout(len(m["layer_ids"]), m["hidden_size"], m["topk"], m["dtype"], m["has_last"])
+        if version != self.layout.schema_version:
+            raise ValueError(
+                f"{manifest_path}: schema version {version} with dtype {m['dtype']} (a {m['dtype']} store is version "
+                f"{self.layout.schema_version}); the manifest is corrupted"
+            )
         self.hidden_dtype = DTYPES[m["dtype"]][1]
         self._specs = []
         lengths = []

@@ -17,9 +17,10 @@ from tiny_targets import make_tiny_target, make_tokenizer, sample_records, write
 from dflash_fast import cli
 from dflash_fast import extract as extract_module
 from dflash_fast import target as target_module
+from dflash_fast.batches import make_loader
 from dflash_fast.eager import rms_norm
 from dflash_fast.extract import ChatTokenizer, extract, read_examples
-from dflash_fast.store import MANIFEST, HiddenStateStore, ShardWriter, final_norm_weight
+from dflash_fast.store import MANIFEST, HiddenStateStore, ShardWriter, dequantize_fp8, final_norm_weight
 
 NUM_LAYERS = 6
 LAYER_IDS = [0, 2, 4, 5]  # includes the first and the last decoder layer
@@ -163,6 +164,64 @@ def test_default_dtype_is_bf16_bits_viewed_as_bf16(targets, data, tmp_path):
     assert bf16.hidden_dtype == torch.bfloat16 and bf16[0]["hidden"].dtype == torch.bfloat16
     assert torch.equal(bf16[0]["hidden"], fp32[0]["hidden"].to(torch.bfloat16))
     assert torch.equal(bf16[0]["teacher_lse"], fp32[0]["teacher_lse"])
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_fp8_store_is_the_fp32_one_within_the_e4m3_bound_and_passes_parity(targets, data, tmp_path, arch):
+    # parity_every=1: every batch checks lm_head(norm(last)) on the dequantised fp8 `last` too.
+    run_extract(targets[arch], data, tmp_path / "fp8", dtype="fp8", parity_every=1, batch_tokens=256)
+    run_extract(targets[arch], data, tmp_path / "fp32", batch_tokens=256)
+    fp8, fp32 = HiddenStateStore(tmp_path / "fp8"), HiddenStateStore(tmp_path / "fp32")
+    assert fp8.manifest["dtype"] == "float8_e4m3fn" and fp8.manifest["schema_version"] == 2
+    for i in range(len(fp8)):
+        a, b = fp8[i], fp32[i]
+        for name in ("hidden", "last"):
+            scale = a[f"{name}_scale"]
+            torch.testing.assert_close(scale, b[name].abs().amax(-1) / 448, rtol=1e-6, atol=0)
+            err = (dequantize_fp8(a[name], scale, torch.float32) - b[name]).abs()
+            assert (err <= 2**-4 * b[name].abs() + 2**-10 * scale[..., None]).all(), f"{name} of item {i}"
+        assert torch.equal(a["teacher_topk_ids"], b["teacher_topk_ids"]) and torch.equal(a["input_ids"], b["input_ids"])
+    states = ("hidden", "last", "hidden_scale", "last_scale")
+    disk = {
+        d: sum(os.path.getsize(f) for f in (tmp_path / d / "shards").glob("*/*.bin") if f.stem in states)
+        for d in ("fp8", "fp32")
+    }
+    # fp8 is a quarter of fp32 (half of bf16) plus 4 bytes of scale per token and layer.
+    tokens, k, h = fp8.manifest["num_tokens"], len(LAYER_IDS), 64
+    assert disk["fp8"] == tokens * ((k + 1) * h + 4 * (k + 1)) and disk["fp32"] == tokens * (k + 1) * h * 4
+
+
+def test_fp8_store_reads_back_as_bf16_batches_of_the_same_contract(targets, data, tmp_path):
+    run_extract(targets["qwen3"], data, tmp_path / "fp8", dtype="fp8")
+    run_extract(targets["qwen3"], data, tmp_path / "fp32")
+    kw = dict(seq_len=64, num_anchors=4, batch_rows=2, seed=1, with_last=True)
+    a = next(iter(make_loader(HiddenStateStore(tmp_path / "fp8"), **kw)))
+    b = next(iter(make_loader(HiddenStateStore(tmp_path / "fp32"), **kw)))
+    assert a.keys() == b.keys() and "hidden_scale" not in a
+    for key in a:
+        assert a[key].shape == b[key].shape, key
+        if key in ("hidden", "last"):
+            assert a[key].dtype == torch.bfloat16
+            # e4m3 (2^-4 relative, plus subnormals) then one bf16 rounding (2^-8)
+            scale_floor = 2**-10 * b[key].abs().amax(-1, keepdim=True) / 448
+            assert ((a[key].float() - b[key]).abs() <= 2**-3.9 * b[key].abs() + scale_floor).all(), key
+        else:
+            assert torch.equal(a[key], b[key]), key
+
+
+def test_fp8_parity_checks_last_as_the_store_holds_it(targets, data, tmp_path, monkeypatch):
+    # A quantiser that clips everything above absmax / 16 leaves the compute-dtype parity intact; the fp8 check
+    # catches it. (A wrong per-token scale alone would not matter to the teacher: RMSNorm removes it.)
+    real = extract_module.quantize_fp8
+
+    def clipping(x):
+        q, scale = real(x)
+        return q.float().clamp(-28, 28).to(q.dtype), scale
+
+    monkeypatch.setattr(extract_module, "quantize_fp8", clipping)
+    with pytest.raises(RuntimeError, match=r"parity check failed: lm_head\(model.norm\(last as stored in fp8\)\)"):
+        run_extract(targets["qwen3"], data, tmp_path, dtype="fp8")
+    assert not os.path.exists(tmp_path / MANIFEST)
 
 
 # ---------------------------------------------------------------- refusals

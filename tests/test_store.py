@@ -17,7 +17,9 @@ from dflash_fast.store import (
     StoreWriter,
     check_layer_ids,
     default_layer_ids,
+    dequantize_fp8,
     final_norm_weight,
+    quantize_fp8,
     verify_store,
 )
 
@@ -25,23 +27,33 @@ LAYOUT = Layout(num_tapped=3, hidden_size=16, topk=4, dtype="bfloat16", has_last
 LENGTHS = [[5, 3, 7], [4, 1]]  # two shards
 
 
+def _bits(t):
+    """numpy array of a tensor's on-disk form: bf16 and fp8 as their uint16 / uint8 bits."""
+    return t.view({torch.bfloat16: torch.uint16, torch.float8_e4m3fn: torch.uint8}.get(t.dtype, t.dtype)).numpy()
+
+
 def _random_sequence(layout, n, rng):
-    """Per-field arrays of one sequence in the on-disk dtypes; bf16 as its uint16 bits."""
+    """Per-field arrays of one sequence in the on-disk dtypes; bf16 and fp8 as their bits, fp8 with scales."""
     torch_dtype = DTYPES[layout.dtype][1]
-    hidden = torch.randn(n, layout.num_tapped, layout.hidden_size, generator=rng).to(torch_dtype)
-    last = torch.randn(n, layout.hidden_size, generator=rng).to(torch_dtype)
+    hidden = torch.randn(n, layout.num_tapped, layout.hidden_size, generator=rng)
+    last = torch.randn(n, layout.hidden_size, generator=rng)
     logits = torch.randn(n, layout.topk, generator=rng).sort(dim=-1, descending=True).values
     arrays = {
         "input_ids": torch.randint(0, 1000, (n,), generator=rng).to(torch.int32).numpy(),
         "loss_mask": (torch.rand(n, generator=rng) > 0.3).numpy(),
-        "hidden": hidden.numpy() if torch_dtype != torch.bfloat16 else hidden.view(torch.uint16).numpy(),
-        "last": last.numpy() if torch_dtype != torch.bfloat16 else last.view(torch.uint16).numpy(),
         "teacher_topk_ids": torch.randint(0, 1000, (n, layout.topk), generator=rng).to(torch.int32).numpy(),
         "teacher_topk_logits": logits.numpy(),
         "teacher_lse": torch.randn(n, generator=rng).numpy(),
     }
+    for name, x in (("hidden", hidden), ("last", last)):
+        if torch_dtype == torch.float8_e4m3fn:
+            q, scale = quantize_fp8(x)
+            arrays[name], arrays[f"{name}_scale"] = _bits(q), scale.numpy()
+        else:
+            arrays[name] = _bits(x.to(torch_dtype))
     if not layout.has_last:
         del arrays["last"]
+        arrays.pop("last_scale", None)
     return arrays
 
 
@@ -128,8 +140,7 @@ def test_reader_returns_exactly_what_the_writer_wrote(tmp_path):
         assert got["hidden"].dtype == torch.bfloat16 and got["hidden"].shape == (store.lengths[i], 3, 16)
         assert got["loss_mask"].dtype == torch.bool and got["input_ids"].dtype == torch.int32
         for name, a in want.items():
-            b = got[name].view(torch.uint16) if got[name].dtype == torch.bfloat16 else got[name]
-            assert np.array_equal(b.numpy(), a), name
+            assert np.array_equal(_bits(got[name]), a), name
     assert torch.equal(store[-1]["input_ids"], store[4]["input_ids"])
     with pytest.raises(IndexError):
         store[5]
@@ -262,3 +273,78 @@ def test_verify_checks_the_index_against_the_manifest(tmp_path):
     data["files"]["last"]["sha256"] = "0" * 64  # a hand-edited index would otherwise vouch for changed bytes
     index.write_text(json.dumps(data, indent=1))
     assert verify_store(tmp_path) == [f"{index}: its sha256 differs from the one the manifest records"]
+
+
+# ---------------------------------------------------------------- fp8
+
+
+def test_fp8_round_trip_error_is_within_the_e4m3_bound_and_the_bound_is_tight():
+    gen = torch.Generator().manual_seed(0)
+    # Rows of very different magnitudes, a row with a few large outliers, an all-zero row.
+    x = torch.randn(64, 5, 123, generator=gen) * torch.logspace(-6, 3, 64)[:, None, None]
+    x[3, 1, :4] = 1e4
+    x[7, 2] = 0
+    q, scale = quantize_fp8(x)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (64, 5) and scale.dtype == torch.float32
+    torch.testing.assert_close(scale, x.abs().amax(-1) / 448, rtol=0, atol=0)
+    back = dequantize_fp8(q, scale, torch.float32)
+    bound = 2**-4 * x.abs() + 2**-10 * scale[..., None]
+    err = (back - x).abs()
+    assert (err <= bound).all(), f"fp8 error exceeds 2^-4 |x| + 2^-10 scale by up to {(err - bound).max():.3g}"
+    assert (err / bound)[bound > 0].max() > 0.9, "the bound should be reached: else it tests nothing"
+    assert (back[7, 2] == 0).all() and scale[7, 2] == 0
+    bf16 = dequantize_fp8(q, scale)  # the loader's read dtype adds one bf16 rounding
+    assert bf16.dtype == torch.bfloat16
+    assert ((bf16.float() - back).abs() <= 2**-8 * back.abs()).all()
+
+
+def test_fp8_store_holds_half_the_bytes_of_bf16_at_the_qwen3_8b_shape():
+    per_dtype = {d: Layout(5, 4096, 8, d, True).field_bytes() for d in ("bfloat16", "float8_e4m3fn")}
+    assert per_dtype["float8_e4m3fn"]["hidden"] == 5 * 4096 and per_dtype["float8_e4m3fn"]["hidden_scale"] == 5 * 4
+    states = {d: sum(b[k] for k in b if k.startswith(("hidden", "last"))) for d, b in per_dtype.items()}
+    assert states["float8_e4m3fn"] / states["bfloat16"] == pytest.approx(0.5, abs=0.001)
+    total = {d: Layout(5, 4096, 8, d, True).bytes_per_token() for d in per_dtype}
+    assert total["float8_e4m3fn"] / total["bfloat16"] < 0.502
+
+
+def test_fp8_store_round_trips_bits_and_scales_and_is_schema_version_2(tmp_path):
+    layout = Layout(num_tapped=3, hidden_size=16, topk=4, dtype="float8_e4m3fn", has_last=True)
+    items = write_store(tmp_path, layout=layout)
+    store = HiddenStateStore(tmp_path)
+    assert store.manifest["schema_version"] == 2 and store.hidden_dtype == torch.float8_e4m3fn
+    for i, want in enumerate(items):
+        got = store[i]
+        assert set(got) == set(want) and {"hidden_scale", "last_scale"} <= set(got)
+        assert got["hidden"].dtype == torch.float8_e4m3fn and got["hidden_scale"].shape == (store.lengths[i], 3)
+        for name, a in want.items():
+            assert np.array_equal(_bits(got[name]), a), name
+    no_last = Layout(num_tapped=3, hidden_size=16, topk=4, dtype="float8_e4m3fn", has_last=False)
+    assert "last_scale" not in no_last.fields() and "hidden_scale" in no_last.fields()
+
+
+def test_stores_written_before_fp8_stay_readable(tmp_path):
+    """Version 1 (no fp8) is what every store before fp8 is: no dtype in the shard indices."""
+    items = write_store(tmp_path)
+    for shard in (tmp_path / "shards").iterdir():
+        index = json.loads((shard / INDEX).read_text())
+        assert index.pop("dtype") == "bfloat16" and index["schema_version"] == 1
+        (shard / INDEX).write_text(json.dumps(index))
+    store = HiddenStateStore(tmp_path)
+    assert store.manifest["schema_version"] == 1
+    assert np.array_equal(_bits(store[2]["hidden"]), items[2]["hidden"])
+
+
+def test_store_refuses_shards_of_mixed_dtypes(tmp_path):
+    fp8 = Layout(num_tapped=3, hidden_size=16, topk=4, dtype="float8_e4m3fn", has_last=True)
+    write_store(tmp_path, layout=fp8)
+    # Shard 1 redone by an extraction of another --dtype: bf16 files under an fp8 manifest.
+    other = tmp_path / "other"
+    write_store(other, layout=LAYOUT)
+    shard = tmp_path / "shards" / "rank00000-shard00001"
+    for f in shard.iterdir():
+        f.unlink()
+    for f in (other / "shards" / "rank00000-shard00001").iterdir():
+        (shard / f.name).write_bytes(f.read_bytes())
+    holds = r"shard00001/index.json: this shard holds bfloat16 hidden states, the store's manifest \(and every"
+    with pytest.raises(ValueError, match=holds + r" other shard\) float8_e4m3fn: a store holds one dtype"):
+        HiddenStateStore(tmp_path)
