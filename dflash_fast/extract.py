@@ -27,7 +27,7 @@ import shutil
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
@@ -39,6 +39,7 @@ from dflash_fast.store import (
     FP8,
     MANIFEST,
     SCALE_FIELDS,
+    SHARDS_DIR,
     HiddenStateStore,
     Layout,
     StoreWriter,
@@ -575,6 +576,101 @@ def job_manifest(job: Job, runner: "TargetRunner") -> dict:
     )
 
 
+# ---------------------------------------------------------------- disk
+
+
+class NotEnoughDisk(RuntimeError):
+    """The store would not fit on the filesystem of --out."""
+
+
+def free_bytes(path: str) -> int:
+    """Free bytes for an unprivileged writer on the filesystem that holds `path` (or its nearest existing parent)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return shutil.disk_usage(path).free
+
+
+def estimate_disk(job: Job) -> dict:
+    """What the store of `job` takes on disk, before anything is written.
+
+    Returns tokens (this rank's), `fields` (name -> dtype, per-token shape, bytes per token, bytes), `total`,
+    `per_dtype` (the same store in every store dtype), `remaining` (bytes of this rank's shards not yet complete
+    in --out), `needed` (remaining x world_size: ranks take every world_size-th record, so their shares are
+    near equal, and they all write to --out's filesystem), `free`.
+    """
+    lengths = [len(e.input_ids) for e in job.examples]
+    tokens = sum(lengths)
+    nbytes = job.layout.field_bytes()
+    fields = {
+        name: {"dtype": str(dtype).replace("torch.", ""), "shape": list(shape), "bytes_per_token": nbytes[name],
+               "bytes": nbytes[name] * tokens}
+        for name, (_, shape, dtype) in job.layout.fields().items()
+    }
+    shards_dir = os.path.join(job.out, SHARDS_DIR)
+    remaining = sum(
+        sum(lengths[i] for i in seqs)
+        for s, seqs in enumerate(plan_shards(lengths, job.shard_tokens))
+        if not os.path.isdir(os.path.join(shards_dir, StoreWriter.shard_name(job.rank, s)))  # a committed shard
+    ) * job.layout.bytes_per_token()
+    return {
+        "tokens": tokens,
+        "fields": fields,
+        "total": job.layout.bytes_per_token() * tokens,
+        "per_dtype": {d: replace(job.layout, dtype=d).bytes_per_token() * tokens for d in DTYPES},
+        "remaining": remaining,
+        "needed": remaining * job.world_size,
+        "free": free_bytes(job.out),
+    }
+
+
+def check_disk(job: Job, disk: dict) -> None:
+    """Refuse to start when --out's filesystem has less free space than the shards still to write."""
+    if disk["needed"] > disk["free"]:
+        ranks = f" ({job.world_size} ranks x {_size(disk['remaining'])} each)" if job.world_size > 1 else ""
+        raise NotEnoughDisk(
+            f"{job.out}: the store needs {disk['needed']:,} bytes ({_size(disk['needed'])}){ranks} but its filesystem "
+            f"has {disk['free']:,} bytes ({_size(disk['free'])}) free; free space, choose another --out, or a smaller "
+            f"--dtype (fp8 is half of bf16); `dflash-fast extract --estimate ...` prints the breakdown"
+        )
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes} B"
+
+
+def format_estimate(job: Job, disk: dict) -> str:
+    """The --estimate report: tokens x bytes per token per field, the total per dtype, free space."""
+    lines = [
+        f"{job.data}: {job.stats.sequences} sequences, {disk['tokens']:,} tokens "
+        f"({job.stats.truncated} truncated to {job.options.max_seq_len}, skipped: {dict(job.stats.skipped) or 'none'})"
+        + (f"; rank {job.rank} of {job.world_size}" if job.world_size > 1 else ""),
+        f"{'field':<20} {'dtype':<14} {'shape':<12} {'bytes/token':>11} {'total':>12}",
+    ]
+    for name, f in disk["fields"].items():
+        lines.append(f"{name:<20} {f['dtype']:<14} {str(f['shape']):<12} {f['bytes_per_token']:>11,} "
+                     f"{_size(f['bytes']):>12}")
+    lines.append(f"{'total':<48} {job.layout.bytes_per_token():>11,} {_size(disk['total']):>12}")
+    lines.append("in another --dtype: " + ", ".join(
+        f"{d} {_size(n)}" for d, n in disk["per_dtype"].items() if d != job.layout.dtype))
+    verdict = "enough" if disk["needed"] <= disk["free"] else "NOT ENOUGH: extraction would refuse to start"
+    lines.append(f"{job.out}: {_size(disk['needed'])} still to write, {_size(disk['free'])} free ({verdict})")
+    return "\n".join(lines)
+
+
+def estimate(target, data, out, device=None, rank: Optional[int] = None, world_size: Optional[int] = None,
+             **options) -> dict:
+    """`dflash-fast extract --estimate`: plan the job (tokenize, no model, nothing written), print and return
+    the disk it needs (estimate_disk)."""
+    job = plan_job(str(target), str(data), str(out), ExtractOptions(**options), device, rank, world_size)
+    disk = estimate_disk(job)
+    print(format_estimate(job, disk))
+    return disk
+
+
 def extract(target, data, out, device=None, rank: Optional[int] = None, world_size: Optional[int] = None,
             progress: bool = True, **options) -> dict:
     """Extract a store from `target` over `data` (JSONL) into `out`; resume when `out` holds a partial run.
@@ -587,6 +683,7 @@ def extract(target, data, out, device=None, rank: Optional[int] = None, world_si
     if _complete_store(job.out, job.id, job.rank):
         run = {"tokens_run": 0, "bytes_written": 0, "seconds": 0.0, "skipped_shards": None}
         return _summarise(job.out, job.rank, job.stats, run, progress)
+    check_disk(job, estimate_disk(job))
     model = load_target(job.target, job.device, job.compute_dtype, job.options.trust_remote_code)
     pad_id = job.tokenizer.pad_token_id if job.tokenizer.pad_token_id is not None else 0
     runner = TargetRunner(model, job.layer_ids, job.layout, pad_id, job.options.parity_every)
@@ -785,10 +882,13 @@ def add_arguments(parser) -> None:
     p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modelling code to run")
     p.add_argument("--parity-every", type=int, default=50,
                    help="check lm_head(norm(last)) == logits on the first batch and every N batches (default 50)")
+    p.add_argument("--estimate", action="store_true",
+                   help="print the disk the store needs (tokens x bytes per token per field and dtype) and the free "
+                        "space, then exit without loading the model or writing anything")
 
 
 def run(args) -> int:
-    extract(
+    (estimate if args.estimate else extract)(
         args.target, args.data, args.out,
         layer_ids=args.layer_ids, num_tapped=args.num_tapped, max_seq_len=args.max_seq_len,
         batch_tokens=args.batch_tokens, dtype=args.dtype, shard_tokens=args.shard_tokens, topk=args.topk,

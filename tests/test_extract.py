@@ -504,6 +504,47 @@ def test_cli_extract_writes_a_store(targets, data, tmp_path, capsys):
     assert json.loads((tmp_path / MANIFEST).read_text())["num_sequences"] == 10
 
 
+# ---------------------------------------------------------------- disk
+
+
+def test_estimate_prints_the_exact_bytes_per_field_and_writes_nothing(targets, data, tmp_path, capsys):
+    out = tmp_path / "store"
+    args = ["extract", "--target", targets["qwen3"], "--data", str(data), "--out", str(out), "--layer-ids", "0,2,4",
+            "--dtype", "fp8", "--shard-tokens", "500"]
+    assert cli.main(args + ["--estimate"]) == 0
+    report = capsys.readouterr().out
+    assert not os.path.exists(out), "--estimate writes nothing"
+    disk = extract_module.estimate(targets["qwen3"], data, out, layer_ids=[0, 2, 4], dtype="fp8", shard_tokens=500)
+    tokens = disk["tokens"]
+    assert disk["fields"]["hidden"] == {"dtype": "float8_e4m3fn", "shape": [3, 64], "bytes_per_token": 192,
+                                        "bytes": 192 * tokens}
+    assert disk["fields"]["hidden_scale"]["bytes_per_token"] == 12 and disk["fields"]["last_scale"]["shape"] == []
+    for name, f in disk["fields"].items():
+        assert f"{name:<20} {f['dtype']:<14} {str(f['shape']):<12} {f['bytes_per_token']:>11,}" in report, name
+    assert "in another --dtype: bfloat16" in report and "(enough)" in report
+    assert disk["per_dtype"]["bfloat16"] > disk["total"] == disk["remaining"] == disk["needed"]
+    assert cli.main(args) == 0
+    written = sum(os.path.getsize(f) for f in (out / "shards").glob("*/*.bin"))
+    assert written == disk["total"], "the estimate is the bytes extraction writes"
+    assert extract_module.estimate(targets["qwen3"], data, out, layer_ids=[0, 2, 4], dtype="fp8",
+                                   shard_tokens=500)["remaining"] == 0, "complete shards need no more space"
+
+
+def test_extraction_refuses_to_start_without_the_free_space_naming_both_numbers(targets, data, tmp_path, monkeypatch):
+    out = tmp_path / "store"
+    needed = extract_module.estimate(targets["qwen3"], data, out, layer_ids=LAYER_IDS, dtype="fp32")["needed"]
+    monkeypatch.setattr(extract_module, "free_bytes", lambda _path: needed - 1)
+    monkeypatch.setattr(extract_module, "load_target", lambda *_a, **_k: pytest.fail("the model must not load"))
+    with pytest.raises(extract_module.NotEnoughDisk,
+                       match=rf"store needs {needed:,} bytes .* has {needed - 1:,} bytes .* free"):
+        run_extract(targets["qwen3"], data, out)
+    assert not os.path.exists(out), "nothing is written before the refusal"
+    monkeypatch.undo()
+    monkeypatch.setattr(extract_module, "free_bytes", lambda _path: needed)
+    run_extract(targets["qwen3"], data, out)
+    assert HiddenStateStore(out).manifest["num_tokens"] > 0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
 def test_gpu_bf16_extraction_passes_parity_and_tracks_fp32(tmp_path, data, arch):
