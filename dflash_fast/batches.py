@@ -294,11 +294,21 @@ class RowBatches(Dataset):
     def __len__(self) -> int:
         return len(self.schedule)
 
-    def __getitem__(self, step: int) -> Dict[str, torch.Tensor]:
+    def documents(self, step: int) -> List[int]:
+        """The store items (documents) the rows of `step` read, sorted."""
+        return sorted({item for i in self.schedule[step].tolist() if i >= 0 for item, _, _ in self.rows[i]})
+
+    def collate(self, step: int, store=None) -> Dict[str, torch.Tensor]:
+        """The batch dict of `step`, its documents read from `store` (default: the dataset's; any mapping
+        item -> per-token fields that holds `documents(step)` will do)."""
         ids = self.schedule[step].tolist()
         rows = [self.rows[i] if i >= 0 else None for i in ids]
         seeds = [derive_seed(*self.anchor_seed_prefix, i) if i >= 0 else 0 for i in ids]
-        return collate_rows(self.store, rows, seeds, self.seq_len, self.num_anchors, self.fields, self.pad_id)
+        store = self.store if store is None else store
+        return collate_rows(store, rows, seeds, self.seq_len, self.num_anchors, self.fields, self.pad_id)
+
+    def __getitem__(self, step: int) -> Dict[str, torch.Tensor]:
+        return self.collate(step)
 
 
 def _check(
@@ -347,6 +357,37 @@ def leave_signals_to_the_main_process(_worker_id: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+def row_batches(
+    store,
+    seq_len: int,
+    num_anchors: int,
+    batch_rows: int,
+    seed: int,
+    rank: int = 0,
+    world_size: int = 1,
+    epoch: int = 0,
+    split: str = "train",
+    start_step: int = 0,
+    val_fraction: float = 0.0,
+    split_seed: int = 0,
+    with_last: bool = False,
+    pad_id: int = 0,
+) -> RowBatches:
+    """This rank's steps of one epoch from `start_step` on, as a RowBatches dataset (see make_loader)."""
+    _check(seq_len, num_anchors, batch_rows, seed, rank, world_size, epoch, split)
+    rows = split_rows(store.lengths, seq_len, seed, split, val_fraction, split_seed)
+    schedule = epoch_schedule(len(rows), batch_rows, seed, epoch, rank, world_size, split)
+    if len(schedule) == 0:
+        raise ValueError(
+            f"the {split} split packs into {len(rows)} rows of {seq_len} tokens, fewer than "
+            f"world_size * batch_rows = {world_size * batch_rows}: lower batch_rows or seq_len, or add data"
+        )
+    if not 0 <= start_step <= len(schedule):
+        raise ValueError(f"start_step={start_step} is outside the epoch's {len(schedule)} steps")
+    prefix = (seed, _TAG_ANCHORS, epoch) if split == "train" else (split_seed, _TAG_VAL_ANCHORS)
+    return RowBatches(store, rows, schedule[start_step:], seq_len, num_anchors, prefix, with_last, pad_id)
+
+
 def make_loader(
     store,
     seq_len: int,
@@ -375,18 +416,10 @@ def make_loader(
     With num_workers > 0 the store is shared with the workers (fork) or pickled
     (spawn/forkserver): the store must pickle without copying its files.
     """
-    _check(seq_len, num_anchors, batch_rows, seed, rank, world_size, epoch, split)
-    rows = split_rows(store.lengths, seq_len, seed, split, val_fraction, split_seed)
-    schedule = epoch_schedule(len(rows), batch_rows, seed, epoch, rank, world_size, split)
-    if len(schedule) == 0:
-        raise ValueError(
-            f"the {split} split packs into {len(rows)} rows of {seq_len} tokens, fewer than "
-            f"world_size * batch_rows = {world_size * batch_rows}: lower batch_rows or seq_len, or add data"
-        )
-    if not 0 <= start_step <= len(schedule):
-        raise ValueError(f"start_step={start_step} is outside the epoch's {len(schedule)} steps")
-    prefix = (seed, _TAG_ANCHORS, epoch) if split == "train" else (split_seed, _TAG_VAL_ANCHORS)
-    dataset = RowBatches(store, rows, schedule[start_step:], seq_len, num_anchors, prefix, with_last, pad_id)
+    dataset = row_batches(
+        store, seq_len, num_anchors, batch_rows, seed, rank, world_size, epoch, split, start_step, val_fraction,
+        split_seed, with_last, pad_id,
+    )
     return DataLoader(
         dataset,
         batch_size=None,

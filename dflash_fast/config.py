@@ -21,6 +21,8 @@ SCHEDULES = ("cosine", "constant")
 PRECISIONS = ("auto", "bf16", "fp32")
 EXPORT_DTYPES = ("bf16", "fp16", "fp32")
 OPTIMIZERS = ("adamw", "muon")
+DATA_SOURCES = ("store", "online")
+ONLINE_DTYPES = ("bf16", "fp16", "fp32", "fp8")
 
 
 class ConfigError(ValueError):
@@ -45,16 +47,33 @@ class ModelConfig:
 
 
 @dataclasses.dataclass
-class DataConfig:
-    """The store and how it is cut into batches (dflash_fast.batches)."""
+class OnlineConfig:
+    """`data.source: online`: the target forward inside the training job, with the `dflash-fast extract`
+    settings of the same names (the batches are those a store extracted with them would give)."""
 
-    store: str = ""
+    max_seq_len: int = 2048  # longer documents are truncated, as extract --max-seq-len
+    batch_tokens: int = 16384  # padded tokens per target forward
+    dtype: str = "bf16"  # hidden and `last` rounded as a store of this dtype holds them: bf16, fp16, fp32, fp8
+    topk: int = 8  # teacher top-k kept per token
+    parity_every: int = 50  # check lm_head(norm(last)) == logits on the first forward and every N
+    skip_bad: bool = False  # skip and count malformed JSONL lines instead of failing
+    prefetch: bool = True  # run the next micro-batch's target forward on a side thread during this step
+
+
+@dataclasses.dataclass
+class DataConfig:
+    """Where the hidden states come from and how they are cut into batches (dflash_fast.batches)."""
+
+    source: str = "store"  # store: a directory written by `dflash-fast extract`; online: the target runs in the job
+    store: str = ""  # source=store
+    jsonl: str = ""  # source=online: the JSONL `dflash-fast extract --data` reads (same formats and loss masks)
+    online: OnlineConfig = dataclasses.field(default_factory=OnlineConfig)
     seq_len: int = 3072  # T: tokens per packed row
     num_anchors: int = 512  # A: blocks per row
     batch_rows: int = 1  # R: rows per micro-batch on each rank
     val_fraction: float = 0.0  # documents held out for validation
     split_seed: int = 0
-    num_workers: int = 2
+    num_workers: int = 2  # loader processes (source=store; online batches are built in the training process)
     noise_std: float = 0.0  # uniform noise on the hidden states (training only)
 
 
@@ -296,7 +315,19 @@ def validate(cfg: TrainConfig) -> None:
     for key, value in _numbers(cfg):
         _check(math.isfinite(value), f"{key}={value} is not a finite number")
     m, d, o, s = cfg.model, cfg.data, cfg.optimizer, cfg.schedule
-    _check(bool(d.store), "data.store is not set: pass data.store=PATH (a directory written by `dflash-fast extract`)")
+    _check(d.source in DATA_SOURCES, f"data.source={d.source!r} is not one of {DATA_SOURCES}")
+    if d.source == "store":
+        _check(bool(d.store),
+               "data.store is not set: pass data.store=PATH (a directory written by `dflash-fast extract`), "
+               "or data.source=online with data.jsonl=FILE")
+    else:
+        n = d.online
+        _check(bool(d.jsonl), "data.source=online needs data.jsonl=FILE (the JSONL `dflash-fast extract` reads)")
+        _check(bool(m.target), "data.source=online needs model.target (the target to run: a directory or hub id)")
+        _check(n.dtype in ONLINE_DTYPES, f"data.online.dtype={n.dtype!r} is not one of {ONLINE_DTYPES}")
+        _check(n.max_seq_len >= 2, f"data.online.max_seq_len={n.max_seq_len} must be >= 2")
+        _check(n.batch_tokens >= 1 and n.topk >= 1 and n.parity_every >= 1,
+               "data.online.batch_tokens, data.online.topk and data.online.parity_every must be >= 1")
     _check(m.num_layers >= 1, f"model.num_layers={m.num_layers} must be >= 1")
     _check(m.block_size >= 2, f"model.block_size={m.block_size} must be >= 2 (slot 0 is the given token)")
     _check(

@@ -493,7 +493,7 @@ class Job:
 
     target: str
     data: str
-    out: str
+    out: Optional[str]
     options: ExtractOptions
     rank: int
     world_size: int
@@ -510,9 +510,11 @@ class Job:
     id: str  # sha256 of `identity`
 
 
-def plan_job(target: str, data: str, out: str, options: ExtractOptions, device=None, rank=None, world_size=None) -> Job:
+def plan_job(target: str, data: str, out: Optional[str], options: ExtractOptions, device=None, rank=None,
+             world_size=None) -> Job:
     """Check the layer ids against the target's config and tokenize this rank's JSONL records -> Job.
-    `rank` / `world_size` default to the launcher's RANK / WORLD_SIZE."""
+    `rank` / `world_size` default to the launcher's RANK / WORLD_SIZE; `out` is None when nothing is written
+    (online training)."""
     from transformers import AutoConfig, AutoTokenizer
 
     rank, world_size = _launcher_env(rank, world_size)
@@ -550,6 +552,13 @@ def plan_job(target: str, data: str, out: str, options: ExtractOptions, device=N
     job_id = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
     return Job(target, data, out, options, rank, world_size, device, compute_dtype, config, layer_ids, layout,
                shard_tokens, tokenizer, examples, stats, identity, job_id)
+
+
+def make_runner(job: Job) -> TargetRunner:
+    """Load the job's target (frozen, in its compute dtype, on its device) and wrap it in a TargetRunner."""
+    model = load_target(job.target, job.device, job.compute_dtype, job.options.trust_remote_code)
+    pad_id = job.tokenizer.pad_token_id if job.tokenizer.pad_token_id is not None else 0
+    return TargetRunner(model, job.layer_ids, job.layout, pad_id, job.options.parity_every)
 
 
 def job_manifest(job: Job, runner: "TargetRunner") -> dict:
@@ -684,9 +693,7 @@ def extract(target, data, out, device=None, rank: Optional[int] = None, world_si
         run = {"tokens_run": 0, "bytes_written": 0, "seconds": 0.0, "skipped_shards": None}
         return _summarise(job.out, job.rank, job.stats, run, progress)
     check_disk(job, estimate_disk(job))
-    model = load_target(job.target, job.device, job.compute_dtype, job.options.trust_remote_code)
-    pad_id = job.tokenizer.pad_token_id if job.tokenizer.pad_token_id is not None else 0
-    runner = TargetRunner(model, job.layer_ids, job.layout, pad_id, job.options.parity_every)
+    runner = make_runner(job)
     manifest = job_manifest(job, runner)
     writer = StoreWriter(job.out, job.layout)
     writer.remove_torn(job.rank)

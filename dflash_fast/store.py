@@ -193,6 +193,16 @@ class Layout:
             out.pop("last_scale", None)
         return out
 
+    def tensors(self, arrays: Dict[str, np.ndarray]) -> Dict[str, torch.Tensor]:
+        """Arrays in the on-disk dtypes (as the writer takes them, or mapped from the files) -> torch views in the
+        fields' dtypes (bf16 and fp8 from their bits), no copy."""
+        fields = self.fields()
+        out = {}
+        for name, arr in arrays.items():
+            t = torch.from_numpy(arr)
+            out[name] = t.view(fields[name][2]) if t.dtype != fields[name][2] else t
+        return out
+
     def field_bytes(self) -> Dict[str, int]:
         """name -> bytes per token."""
         return {name: np.dtype(d).itemsize * int(np.prod(s, dtype=np.int64)) for name, (d, s, _) in
@@ -602,12 +612,7 @@ class HiddenStateStore:
         s = bisect.bisect_right(self._first_item, i) - 1
         j = i - self._first_item[s]
         a, b = int(self._token_starts[s][j]), int(self._token_starts[s][j + 1])
-        fields = self.layout.fields()
-        out = {}
-        for field, arr in self._shard_maps(s).items():
-            t = torch.from_numpy(arr[a:b])
-            out[field] = t.view(fields[field][2]) if t.dtype != fields[field][2] else t
-        return out
+        return self.layout.tensors({field: arr[a:b] for field, arr in self._shard_maps(s).items()})
 
     def __getstate__(self):
         # Mapped arrays would be pickled by value; DataLoader workers re-map lazily instead.

@@ -1,6 +1,7 @@
 """The DeepSpeed training loop: `deepspeed train.py --config configs/<name>.yaml [key=value ...]`.
 
     store ──make_loader──▶ micro-batches ──drafter (DeepSpeed engine)──▶ loss ──backward──▶ AdamW or Muon (ZeRO 0-3)
+    (data.source=online: JSONL ──the target's forward in this process, one micro-batch ahead──▶ micro-batches)
       every step:     metrics summed over micro-batches and ranks, then divided (SPEC §6)
       every N steps:  JSONL record, validation on the held-out split, checkpoint
       at the end:     checkpoint, validation, export (gated, dflash_fast/export.py) into OUT/export
@@ -43,7 +44,7 @@ import torch.distributed as dist
 import yaml
 
 from dflash_fast import ops
-from dflash_fast.batches import derive_seed, make_loader, steps_per_epoch
+from dflash_fast.batches import derive_seed, make_loader, row_batches, steps_per_epoch
 from dflash_fast.checkpoint import (
     CheckpointError,
     Sharing,
@@ -70,6 +71,8 @@ from dflash_fast.export import (
     read_export_config,
     servable_format,
 )
+from dflash_fast.extract import ExtractOptions
+from dflash_fast.online import OnlineBatches, OnlineSource
 from dflash_fast.store import HiddenStateStore, torch_dtype
 from dflash_fast.target import check_target, config_sha256
 
@@ -301,8 +304,46 @@ def _quiet_deepspeed() -> None:
 # ---------------------------------------------------------------- data and sums
 
 
+def open_source(cfg: TrainConfig):
+    """The hidden states: the store at data.store, or with data.source=online the target run over data.jsonl
+    in this process (an OnlineSource, read like a store)."""
+    d = cfg.data
+    if d.source == "store":
+        return HiddenStateStore(d.store)
+    n = d.online
+    options = ExtractOptions(
+        layer_ids=cfg.model.layer_ids,
+        max_seq_len=n.max_seq_len,
+        batch_tokens=n.batch_tokens,
+        dtype=n.dtype,
+        topk=n.topk,
+        no_last=cfg.loss.kind not in ("auto", "kl"),  # only kl reads `last`
+        skip_bad=n.skip_bad,
+        parity_every=n.parity_every,
+    )
+    try:
+        return OnlineSource(cfg.model.target, d.jsonl, options)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"data.source=online over data.jsonl={d.jsonl} with model.target={cfg.model.target}: {e}") \
+            from None
+
+
+def open_batches(store, cfg: TrainConfig, rank: int, world_size: int, split: str, with_last: bool, epoch: int = 0,
+                 start_step: int = 0):
+    """This rank's batch dicts of one epoch of `split` from `start_step` on: a DataLoader over the store, or
+    online an OnlineBatches (the target forward one micro-batch ahead; close() it)."""
+    d = cfg.data
+    args = (store, d.seq_len, d.num_anchors, d.batch_rows, cfg.seed, rank, world_size, epoch, split)
+    kwargs = dict(start_step=start_step, val_fraction=d.val_fraction, split_seed=d.split_seed, with_last=with_last)
+    if d.source == "online":
+        return OnlineBatches(store, row_batches(*args, **kwargs), d.online.prefetch)
+    return iter(make_loader(*args, num_workers=d.num_workers, **kwargs))
+
+
 class TrainStream:
-    """This rank's training micro-batches, epoch after epoch. `position` = (epoch, next micro-batch index)."""
+    """This rank's training micro-batches, epoch after epoch. `position` = (epoch, next micro-batch index).
+    Online, `take_target_seconds()` is the target-forward time of the micro-batches handed out since the last call
+    (None from a store)."""
 
     def __init__(
         self, store, cfg: TrainConfig, rank: int, world_size: int, with_last: bool, epoch: int = 0, index: int = 0
@@ -314,41 +355,34 @@ class TrainStream:
         )
         self.epoch, self.index = epoch, index
         self._it = None
-
-    def _open(self):
-        d = self.cfg.data
-        self._it = iter(
-            make_loader(
-                self.store,
-                d.seq_len,
-                d.num_anchors,
-                d.batch_rows,
-                self.cfg.seed,
-                self.rank,
-                self.world_size,
-                self.epoch,
-                "train",
-                d.num_workers,
-                start_step=self.index,
-                val_fraction=d.val_fraction,
-                split_seed=d.split_seed,
-                with_last=self.with_last,
-            )
-        )
+        self._target_seconds = None if cfg.data.source == "store" else 0.0
 
     def __next__(self) -> Dict[str, torch.Tensor]:
         if self.index >= self.per_epoch:
-            self.epoch, self.index, self._it = self.epoch + 1, 0, None
+            self.close()
+            self.epoch, self.index = self.epoch + 1, 0
         if self._it is None:
-            self._open()
+            self._it = open_batches(self.store, self.cfg, self.rank, self.world_size, "train", self.with_last,
+                                    self.epoch, self.index)
         self.index += 1
-        return next(self._it)
+        batch = next(self._it)
+        if isinstance(self._it, OnlineBatches):
+            self._target_seconds += self._it.take_target_seconds()
+        return batch
+
+    def take_target_seconds(self) -> Optional[float]:
+        seconds = self._target_seconds
+        if seconds is not None:
+            self._target_seconds = 0.0
+        return seconds
 
     @property
     def position(self) -> Tuple[int, int]:
         return self.epoch, self.index
 
     def close(self):
+        if isinstance(self._it, OnlineBatches):
+            self._it.close()
         self._it = None
 
 
@@ -455,7 +489,7 @@ class Trainer:
         self.stop_signal: Optional[str] = None
         ops.set_backend(cfg.kernels)
 
-        self.store = HiddenStateStore(cfg.data.store)
+        self.store = open_source(cfg)  # online: an OnlineSource, read like a store
         manifest = self.store.manifest
         d, s = cfg.data, cfg.schedule
         self.data_identity = {
@@ -482,7 +516,7 @@ class Trainer:
         self.dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
         torch.manual_seed(cfg.seed)
         if m.init_from:
-            drafter = self._init_from(m.init_from, cfg.data.store, manifest)
+            drafter = self._init_from(m.init_from, self.store.path, manifest)
         else:
             try:
                 check_target(self.target)
@@ -504,7 +538,7 @@ class Trainer:
                     f"cannot build the drafter from target {self.target!r} (model.target, default: the store's "
                     f"target; model.mask_token_id sets the mask token): {e}"
                 ) from None
-            check_store_matches(cfg.data.store, manifest, drafter.config, self.target, self.loss_kind)
+            check_store_matches(self.store.path, manifest, drafter.config, self.target, self.loss_kind)
         self.export_format = None
         if cfg.export:
             try:
@@ -816,6 +850,9 @@ class Trainer:
         dist.all_reduce(total)
         total = max(float(total), 1.0)
         times["fetch"] += time.perf_counter() - t
+        target_seconds = self.stream.take_target_seconds()
+        if target_seconds is not None:
+            times["target_forward"] = target_seconds  # online; on the side thread, hidden by the steps before
         sums = Sums(self.block_size, self.device)
         for i, (batch, count) in enumerate(zip(micro, counts)):
             t = time.perf_counter()
@@ -838,6 +875,7 @@ class Trainer:
         if self.muon_unchecked:
             check_muon_stepped(self.engine)
             self.muon_unchecked = False
+        times["drafter"] = times["forward"] + times["backward"] + times["optimizer"]
         grad_norm = self.engine.get_global_grad_norm()
         grad_norm = None if grad_norm is None else float(grad_norm)
         if grad_norm is not None and not math.isfinite(grad_norm):
@@ -847,29 +885,19 @@ class Trainer:
 
     @torch.no_grad()
     def validate(self) -> Dict:
-        d = self.cfg.data
-        loader = make_loader(
-            self.store,
-            d.seq_len,
-            d.num_anchors,
-            d.batch_rows,
-            self.cfg.seed,
-            self.rank,
-            self.world_size,
-            split="val",
-            num_workers=d.num_workers,
-            val_fraction=d.val_fraction,
-            split_seed=d.split_seed,
-            with_last=self.with_last,
-        )
+        loader = open_batches(self.store, self.cfg, self.rank, self.world_size, "val", self.with_last)
         sums = Sums(self.block_size, self.device)
         batches = 0
-        for batch in loader:
-            if self.cfg.validation.max_batches and batches >= self.cfg.validation.max_batches:
-                break
-            batch = self._to_device(batch)
-            sums.add_output(self._forward(batch, 0.0, 0), batch)
-            batches += 1
+        try:
+            for batch in loader:
+                if self.cfg.validation.max_batches and batches >= self.cfg.validation.max_batches:
+                    break
+                batch = self._to_device(batch)
+                sums.add_output(self._forward(batch, 0.0, 0), batch)
+                batches += 1
+        finally:
+            if isinstance(loader, OnlineBatches):
+                loader.close()
         sums.all_reduce()
         entry = {
             "split": "val",
