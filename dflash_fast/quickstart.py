@@ -1,6 +1,7 @@
 """`dflash-fast quickstart`: the whole pipeline on the embedded target, on a CPU, in minutes.
 
     embedded target ─regenerate─▶ responses ─extract─▶ store ─deepspeed train.py─▶ run/export ─eval─▶ tau
+                                           (--online: ───────── deepspeed train.py, the target in the job ─▶ ...)
 
 Every stage is the real one (the same functions and the same `deepspeed train.py` a user runs);
 only the sizes are small. Stages resume: re-running skips what is already complete.
@@ -23,6 +24,7 @@ PACKAGE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(PACKAGE)
 ASSETS = os.path.join(PACKAGE, "assets")
 TARGET = os.path.join(ASSETS, "target")
+MAX_SEQ_LEN = 512  # tokens per document kept (extract --max-seq-len); tiny.yaml packs rows of 512
 
 
 def _free_port() -> int:
@@ -42,10 +44,9 @@ def train_command(config: str, overrides: List[str]) -> List[str]:
     return [launcher, "--num_gpus", "1", "--master_port", str(_free_port()), script, "--config", config, *overrides]
 
 
-def build_store(out: str, num_prompts: int = 300, max_new_tokens: int = 128, progress: bool = True,
-                stage=lambda _name: None, dtype: str = "fp32") -> str:
-    """Stages 1-2 into `out`: the target answers the training prompts, extraction writes OUT/store -> its path.
-    dtype: the store's --dtype (fp32, bf16, fp16 or fp8)."""
+def regenerate_data(out: str, num_prompts: int = 300, max_new_tokens: int = 128, progress: bool = True,
+                    stage=lambda _name: None) -> str:
+    """Stage 1 into `out`: the target answers the training prompts -> the path of OUT/train.jsonl."""
     stage("1/5 regenerate: the target answers the training prompts")
     regen = os.path.join(out, "train.jsonl")
     regenerate(
@@ -57,10 +58,17 @@ def build_store(out: str, num_prompts: int = 300, max_new_tokens: int = 128, pro
         num_prompts=num_prompts,
         progress=progress,
     )
+    return regen
 
+
+def build_store(out: str, num_prompts: int = 300, max_new_tokens: int = 128, progress: bool = True,
+                stage=lambda _name: None, dtype: str = "fp32") -> str:
+    """Stages 1-2 into `out`: the target answers the training prompts, extraction writes OUT/store -> its path.
+    dtype: the store's --dtype (fp32, bf16, fp16 or fp8)."""
+    regen = regenerate_data(out, num_prompts, max_new_tokens, progress, stage)
     stage("2/5 extract: tapped hidden states and teacher summaries into the store")
     store = os.path.join(out, "store")
-    extract(TARGET, regen, store, dtype=dtype, max_seq_len=512, progress=progress)
+    extract(TARGET, regen, store, dtype=dtype, max_seq_len=MAX_SEQ_LEN, progress=progress)
     return store
 
 
@@ -74,18 +82,27 @@ def quickstart(
     extra_overrides: List[str] = (),
     progress: bool = True,
     store_dtype: str = "fp32",
+    online: bool = False,
 ) -> Dict:
     """Run every stage into `out`; returns the eval report (also written to OUT/eval.json).
-    store_dtype: the store's --dtype (fp32, bf16, fp16 or fp8)."""
+    store_dtype: the store's --dtype (fp32, bf16, fp16 or fp8). online: no store; the trainer runs the target
+    over the regenerated JSONL itself (data.source=online), rounding the hidden states as `store_dtype` would."""
     os.makedirs(out, exist_ok=True)
     t0 = time.perf_counter()
     stage = lambda name: print(f"\n== {name} ({time.perf_counter() - t0:.0f}s)", flush=True)
 
-    store = build_store(out, num_prompts, max_new_tokens, progress, stage, store_dtype)
+    run_dir = os.path.join(out, "run")
+    overrides = [f"output_dir={run_dir}", f"model.target={TARGET}"]
+    if online:
+        regen = regenerate_data(out, num_prompts, max_new_tokens, progress, stage)
+        stage("2/5 extract: skipped (--online: the trainer runs the target over the JSONL itself)")
+        overrides += ["data.source=online", f"data.jsonl={regen}", f"data.online.max_seq_len={MAX_SEQ_LEN}",
+                      f"data.online.dtype={store_dtype}"]
+    else:
+        store = build_store(out, num_prompts, max_new_tokens, progress, stage, store_dtype)
+        overrides.append(f"data.store={store}")
 
     stage("3/5 train: deepspeed train.py --config configs/tiny.yaml")
-    run_dir = os.path.join(out, "run")
-    overrides = [f"data.store={store}", f"output_dir={run_dir}", f"model.target={TARGET}"]
     if epochs:
         overrides.append(f"schedule.epochs={epochs}")
     if checkpoint_tags(os.path.join(run_dir, "checkpoints")):
@@ -131,6 +148,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--epochs", type=float, default=0, help="override configs/tiny.yaml's schedule.epochs")
     parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16", "fp8"], default="fp32",
                         help="the store's dtype of hidden/last (dflash-fast extract --dtype)")
+    parser.add_argument("--online", action="store_true",
+                        help="no store: the trainer runs the target over the regenerated data (data.source=online)")
     parser.add_argument("overrides", nargs="*", help="extra trainer overrides, key=value")
 
 
@@ -144,5 +163,6 @@ def run(args) -> int:
         args.epochs,
         args.overrides,
         store_dtype=args.dtype,
+        online=args.online,
     )
     return 0

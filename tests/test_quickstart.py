@@ -1,5 +1,6 @@
 """The README's first command on a reduced budget: every stage of the real pipeline runs and hands
-its output to the next (regenerate -> extract -> deepspeed train.py -> export -> eval)."""
+its output to the next (regenerate -> extract -> deepspeed train.py -> export -> eval), and with --online without
+the extract stage."""
 import json
 import os
 
@@ -15,17 +16,14 @@ SMALL = [
 ]
 
 
+def small_quickstart(out, **options):
+    return quickstart(str(out), num_prompts=12, eval_prompts=2, max_new_tokens=24, eval_max_new_tokens=16,
+                      extra_overrides=SMALL, progress=False, **options)
+
+
 def test_quickstart_pipeline_runs_end_to_end_on_a_small_budget(tmp_path):
     out = tmp_path / "qs"
-    report = quickstart(
-        str(out),
-        num_prompts=12,
-        eval_prompts=2,
-        max_new_tokens=24,
-        eval_max_new_tokens=16,
-        extra_overrides=SMALL,
-        progress=False,
-    )
+    report = small_quickstart(out)
     assert report["prompts"] == 2 and report["greedy_mismatches"] == 0
     assert report["tau"] >= 1.0 and report["tau_offline"] >= 1.0
     assert json.loads((out / "eval.json").read_text())["tau"] == report["tau"]
@@ -39,15 +37,17 @@ def test_quickstart_pipeline_runs_end_to_end_on_a_small_budget(tmp_path):
     ]
     assert max(steps) == 3
     # a second run resumes every stage instead of redoing it
-    again = quickstart(
-        str(out),
-        num_prompts=12,
-        eval_prompts=2,
-        max_new_tokens=24,
-        eval_max_new_tokens=16,
-        extra_overrides=SMALL,
-        progress=False,
-    )
+    again = small_quickstart(out)
     assert again["tau"] == report["tau"]
     assert len((out / "train.jsonl").read_text().splitlines()) == 12
     assert os.path.isdir(out / "run" / "checkpoints")
+
+
+def test_quickstart_online_trains_without_a_store(tmp_path):
+    out = tmp_path / "qs"
+    report = small_quickstart(out, online=True)
+    assert not os.path.exists(out / "store"), "online: nothing hidden is written"
+    assert report["greedy_mismatches"] == 0 and report["tau"] >= 1.0
+    records = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert max(r["step"] for r in records) == 3
+    assert all(r["time_target_forward_ms"] > 0 for r in records if r["split"] == "train")
