@@ -88,6 +88,20 @@ def test_extract_smoke_reports_throughput_and_bytes_written(tmp_path):
     assert write["bytes_written"] == write["bytes_per_token"] * 2 * 64
 
 
+def test_online_smoke_times_store_and_online_steps_side_by_side(tmp_path):
+    name, result = run_smoke("bench_online.py", tmp_path)
+    assert name == "online_smoke.json" and "never a performance claim" in result["meta"]["note"]
+    rows = {r["path"]: r for r in result["rows"]}
+    assert list(rows) == ["store", "online (in line)", "online (prefetch)"]
+    for row in rows.values():
+        positive_finite(row, ("step_ms", "drafter_ms", "tokens_per_s", "ratio_vs_store"))
+    assert rows["store"]["target_forward_ms"] is None and rows["store"]["ratio_vs_store"] == 1.0
+    for path in ("online (in line)", "online (prefetch)"):
+        positive_finite(rows[path], ("target_forward_ms",))
+    # In line, the step waits for the whole target forward; with prefetch it waits for at most that.
+    assert rows["online (in line)"]["wait_ms"] >= rows["online (in line)"]["target_forward_ms"]
+
+
 def test_visible_pairs_is_the_eager_mask_count_per_head():
     batch = make_batch(SMOKE, torch.float32, "cpu", seed=3)
     mask = anchored_attention_mask(batch["anchors"], batch["anchor_valid"], batch["document_ids"], SMOKE["B"])
