@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from dflash_fast.eager import rms_norm
+from dflash_fast.errors import UserError
 from dflash_fast.store import (
     DTYPES,
     FP8,
@@ -588,7 +589,7 @@ def job_manifest(job: Job, runner: "TargetRunner") -> dict:
 # ---------------------------------------------------------------- disk
 
 
-class NotEnoughDisk(RuntimeError):
+class NotEnoughDisk(UserError):
     """The store would not fit on the filesystem of --out."""
 
 

@@ -323,8 +323,8 @@ def open_source(cfg: TrainConfig):
     )
     try:
         return OnlineSource(cfg.model.target, d.jsonl, options)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"data.source=online over data.jsonl={d.jsonl} with model.target={cfg.model.target}: {e}") \
+    except (OSError, ValueError) as e:  # bad data or a missing file: exit 1, with the keys that named them
+        raise ValueError(f"data.source=online over data.jsonl={d.jsonl} with model.target={cfg.model.target}: {e}") \
             from None
 
 

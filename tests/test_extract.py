@@ -530,7 +530,8 @@ def test_estimate_prints_the_exact_bytes_per_field_and_writes_nothing(targets, d
                                    shard_tokens=500)["remaining"] == 0, "complete shards need no more space"
 
 
-def test_extraction_refuses_to_start_without_the_free_space_naming_both_numbers(targets, data, tmp_path, monkeypatch):
+def test_extraction_refuses_to_start_without_the_free_space_naming_both_numbers(targets, data, tmp_path, monkeypatch,
+                                                                                capsys):
     out = tmp_path / "store"
     needed = extract_module.estimate(targets["qwen3"], data, out, layer_ids=LAYER_IDS, dtype="fp32")["needed"]
     monkeypatch.setattr(extract_module, "free_bytes", lambda _path: needed - 1)
@@ -538,6 +539,10 @@ def test_extraction_refuses_to_start_without_the_free_space_naming_both_numbers(
     with pytest.raises(extract_module.NotEnoughDisk,
                        match=rf"store needs {needed:,} bytes .* has {needed - 1:,} bytes .* free"):
         run_extract(targets["qwen3"], data, out)
+    args = ["extract", "--target", targets["qwen3"], "--data", str(data), "--out", str(out), "--layer-ids",
+            ",".join(map(str, LAYER_IDS)), "--dtype", "fp32"]
+    assert cli.main(args) == 1
+    assert capsys.readouterr().err.startswith(f"error: {out}: the store needs {needed:,} bytes"), "one line, no trace"
     assert not os.path.exists(out), "nothing is written before the refusal"
     monkeypatch.undo()
     monkeypatch.setattr(extract_module, "free_bytes", lambda _path: needed)

@@ -263,5 +263,5 @@ def test_online_config_is_validated_naming_the_key(overrides, match):
 
 
 def test_online_with_a_missing_jsonl_names_it(tiny, tmp_path):
-    with pytest.raises(ConfigError, match=r"data.source=online over data.jsonl=.*nope.jsonl"):
+    with pytest.raises(ValueError, match=r"data.source=online over data.jsonl=.*nope.jsonl"):
         trainer.open_source(config(tiny, str(tmp_path), "online", data__jsonl=str(tmp_path / "nope.jsonl")))
