@@ -176,6 +176,22 @@ def test_online_batches_follow_the_store_through_epochs_and_validation(tiny, tmp
         b.close()
 
 
+def test_online_fp8_batches_equal_an_fp8_store_s(tiny, tmp_path):
+    store_dir = str(tmp_path / "fp8")
+    extract(tiny.target, tiny.data, store_dir, layer_ids=LAYER_IDS, dtype="fp8", max_seq_len=MAX_SEQ_LEN,
+            progress=False)
+    store_cfg = config(tiny, str(tmp_path), "store", data__store=store_dir)
+    online_cfg = config(tiny, str(tmp_path), "online", data__online__dtype="fp8")
+    store, online = trainer.open_source(store_cfg), trainer.open_source(online_cfg)
+    assert online.manifest["dtype"] == store.manifest["dtype"] == "float8_e4m3fn"
+    a = trainer.open_batches(store, store_cfg, 0, 1, "train", True)
+    b = trainer.open_batches(online, online_cfg, 0, 1, "train", True)
+    for x, y in zip(a, b, strict=True):
+        assert x["hidden"].dtype == torch.bfloat16  # dequantised by the loader on both paths
+        assert_same_batch(x, y)
+    b.close()
+
+
 def test_online_training_matches_the_store_and_reports_target_and_drafter_time(tiny, tmp_path):
     store_out, online_out = str(tmp_path / "store"), str(tmp_path / "online")
     train(config(tiny, store_out, "store"))
