@@ -8,6 +8,7 @@ from dflash_fast.batches import (
     epoch_schedule,
     make_loader,
     pack_rows,
+    row_batches,
     row_fields,
     rows_per_epoch,
     sample_anchors,
@@ -310,6 +311,19 @@ def test_loader_reads_only_the_documents_of_its_rows():
     store.accessed.clear()
     first = next(iter(loader))
     assert set(store.accessed) == _items_of([first])
+
+
+def test_a_step_names_the_documents_it_reads_and_collates_from_any_mapping_of_them():
+    """What online mode relies on: documents(step) are exactly the items the step reads, and collate(step, docs)
+    over a mapping holding only those equals the dataset's own batch."""
+    store = FakeStore(lengths_for(num_docs=80))
+    dataset = row_batches(store, seq_len=32, num_anchors=6, batch_rows=2, seed=3, epoch=1)
+    for step in (0, len(dataset) - 1):
+        store.accessed.clear()
+        batch = dataset[step]
+        assert dataset.documents(step) == sorted(set(store.accessed))
+        docs = {i: store.items[i] for i in dataset.documents(step)}
+        assert_same_batches([batch], [dataset.collate(step, docs)])
 
 
 # ---------------------------------------------------------------- validation split
