@@ -90,7 +90,7 @@ for part in "${PARTS[@]}"; do
     lm_head_loss) run_part "bench_lm_head_loss" 90 "$PY" bench/bench_lm_head_loss.py --out "$RESULTS" ;;
     fc_concat) run_part "bench_fc_concat" 70 "$PY" bench/bench_fc_concat.py --out "$RESULTS" ;;
     step_topk) run_part "bench_step kl_topk" 80 "$PY" bench/bench_step.py --loss kl_topk --impls triton,eager --out "$RESULTS" ;;
-    online) run_part "bench_online 1.7b" 150 "$PY" bench/bench_online.py --model 1.7b --tmp /tmp --out "$RESULTS" ;;
+    online) run_part "bench_online 1.7b" 300 "$PY" bench/bench_online.py --model 1.7b --tmp /tmp --out "$RESULTS" ;;
     *) echo "unknown part $part (parts: tests step lm_head_loss attention fc_concat extract step_topk online)"; STATUS+=("| $part | unknown part | 0 |") ;;
   esac
 done
