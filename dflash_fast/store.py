@@ -23,7 +23,7 @@ On disk a store is a directory:
 
     manifest.json                    written last: its presence means "complete"
     shards/rank00000-shard00000/     one directory a shard, renamed into place when complete
-        index.json                   per-sequence lengths, file shapes and sha256 sums, the inputs' hash
+        index.json                   its dtype, per-sequence lengths, file shapes and sha256 sums, the inputs' hash
         input_ids.bin ... last.bin   raw little-endian arrays, one per field
 
 Each `.bin` is a flat C-order array memory-mapped with `np.memmap`: reading
