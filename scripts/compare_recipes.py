@@ -90,12 +90,14 @@ def main(argv=None):
     p.add_argument("--eval-prompts", type=int, default=40, help="held-out prompts for eval (of 40)")
     p.add_argument("--eval-max-new-tokens", type=int, default=96)
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of: {', '.join(ARMS)}")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16", "fp8"],
+                   help="the store's dtype (extract --dtype): compare stores with one --out per dtype")
     args = p.parse_args(argv)
     arms = [a.strip() for a in args.arms.split(",")]
     skipped = [a for a in arms if not available(ARMS[a])]
     if skipped:
         print(f"skipping {', '.join(skipped)}: this checkout has no loss.weighting (D-PACE)", file=sys.stderr)
-    store = build_store(args.out, args.num_prompts, args.max_new_tokens)
+    store = build_store(args.out, args.num_prompts, args.max_new_tokens, dtype=args.dtype)
     results = {arm: {} for arm in arms if arm not in skipped}
     for seed in (int(s) for s in args.seeds.split(",")):  # seed-major: every arm has a result early on
         for arm in results:
