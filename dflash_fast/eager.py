@@ -314,7 +314,8 @@ def lm_head_loss(
         ids = teacher.topk_ids.long()
         teacher_argmax = ids[:, 0]
         p = torch.exp(teacher.topk_logits.float() - teacher.topk_lse.float()[:, None])  # [N, k]
-        p_rest = (1 - p.sum(-1)).clamp(min=0)
+        # With k = V no token is left outside the ids: what 1 - sum p_i leaves is rounding, not mass.
+        p_rest = (1 - p.sum(-1)).clamp(min=0) if ids.shape[1] < logits.shape[1] else torch.zeros_like(p[:, 0])
         logq_top = logq.gather(1, ids)
         rest_logits = logits.scatter(1, ids, float("-inf"))
         logq_rest = torch.logsumexp(rest_logits, dim=-1) - torch.logsumexp(logits, dim=-1)

@@ -1,0 +1,227 @@
+"""SPEC.md written out a second time, by hand, for the tests: plain loops over slots and keys.
+
+Nothing here imports dflash_fast. An oracle that calls the code it checks (`slot_targets`,
+`gather_rows`, `context_visibility`, `block_visibility`, `tapped_layers`, ...) repeats that code's
+bugs instead of catching them, so every rule below is spelled out again from the SPEC section it
+cites, in the most literal form a reader can check line by line. Arithmetic runs in float64.
+"""
+import math
+from typing import Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+
+def _ints(x) -> List[int]:
+    return [int(v) for v in (x.tolist() if isinstance(x, torch.Tensor) else x)]
+
+
+# ---------------------------------------------------------------- SPEC §4: who sees what
+
+
+def visible_keys(
+    anchors: Sequence[int],
+    anchor_valid: Sequence[bool],
+    document_ids: Sequence[int],
+    block_size: int,
+    window: Optional[int] = None,
+    causal_in_block: bool = False,
+) -> torch.Tensor:
+    """One row -> [A*B, T + A*B] bool: query (block i, slot j) against context keys 0..T-1, then
+    the block keys of every block (slot j' of block i' at column T + i'*B + j')."""
+    anchors, valid, doc = _ints(anchors), [bool(v) for v in anchor_valid], _ints(document_ids)
+    t, a_count, b = len(doc), len(anchors), block_size
+    mask = torch.zeros(a_count * b, t + a_count * b, dtype=torch.bool)
+    for i, a in enumerate(anchors):
+        if not valid[i]:
+            continue  # an invalid anchor's queries see nothing
+        for j in range(b):
+            query = i * b + j
+            for p in range(t):
+                same_document = doc[p] == doc[a]
+                before_anchor = p < a  # strictly: the target has not produced the anchor's hidden state yet
+                in_window = window is None or p >= a - window
+                mask[query, p] = same_document and before_anchor and in_window
+            for j_key in range(b):  # only the query's own block
+                mask[query, t + i * b + j_key] = (not causal_in_block) or j_key <= j
+    return mask
+
+
+def attention(q, k_ctx, v_ctx, k_blk, v_blk, masks: Sequence[torch.Tensor], scale: float) -> torch.Tensor:
+    """Softmax attention one query at a time over the keys `masks[r][query]` allows.
+
+    q: [R, A*B, Hq, D]; k_ctx, v_ctx: [R, T, Hkv, D]; k_blk, v_blk: [R, A*B, Hkv, D]; masks: R of
+    [A*B, T + A*B] -> [R, A*B, Hq, D] float64; a query that sees nothing gets zeros. Query head h
+    reads kv head h // (Hq / Hkv) (GQA)."""
+    r_count, n_q, hq, d = q.shape
+    group = hq // k_ctx.shape[2]
+    out = torch.zeros(r_count, n_q, hq, d, dtype=torch.float64)
+    for r in range(r_count):
+        keys = torch.cat([k_ctx[r], k_blk[r]]).double()
+        values = torch.cat([v_ctx[r], v_blk[r]]).double()
+        for query in range(n_q):
+            seen = masks[r][query].nonzero().flatten()
+            if len(seen) == 0:
+                continue
+            for h in range(hq):
+                scores = keys[seen, h // group] @ q[r, query, h].double() * scale
+                out[r, query, h] = torch.softmax(scores, 0) @ values[seen, h // group]
+    return out
+
+
+# ---------------------------------------------------------------- SPEC §5: which slots train, on what
+
+
+def trained_slots(batch, block_size: int) -> Iterator[Tuple[int, int, int, int]]:
+    """Every trained slot of a collated batch as (row r, block i, slot j, position p = a_i + j).
+
+    Slot 0 never trains; nor does an invalid anchor's block, a position past the row, in another
+    document than the anchor's, or with loss_mask 0."""
+    for r in range(batch["anchors"].shape[0]):
+        doc, loss_mask = _ints(batch["document_ids"][r]), _ints(batch["loss_mask"][r])
+        t = len(doc)
+        for i, (a, valid) in enumerate(zip(_ints(batch["anchors"][r]), _ints(batch["anchor_valid"][r]))):
+            if not valid:
+                continue
+            for j in range(1, block_size):
+                p = a + j
+                if p < t and doc[p] == doc[a] and loss_mask[p]:
+                    yield r, i, j, p
+
+
+def slot_mask(batch, block_size: int) -> torch.Tensor:
+    """[R, A, B] bool, True exactly on `trained_slots`."""
+    r_count, a_count = batch["anchors"].shape
+    mask = torch.zeros(r_count, a_count, block_size, dtype=torch.bool)
+    for r, i, j, _ in trained_slots(batch, block_size):
+        mask[r, i, j] = True
+    return mask
+
+
+def position_weight(j: int, gamma: float) -> float:
+    """w_0 = 0, w_j = exp(-(j - 1) / gamma)."""
+    return 0.0 if j == 0 else math.exp(-(j - 1) / gamma)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.double()
+    return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * weight.double()
+
+
+def teacher_logits(last_row: torch.Tensor, final_norm_weight, lm_head, eps: float) -> torch.Tensor:
+    """lm_head(final_norm(last)) of one position: [H] -> [V] (the norm applied exactly once)."""
+    return lm_head.double() @ rms_norm(last_row, final_norm_weight, eps)
+
+
+def soft_cross_entropy(teacher: torch.Tensor, drafter: torch.Tensor) -> torch.Tensor:
+    """-sum_v p_v log q_v with p = softmax(teacher logits), q = softmax(drafter logits); [V], [V] -> scalar."""
+    return -(torch.softmax(teacher.double(), 0) * torch.log_softmax(drafter.double(), 0)).sum()
+
+
+def entropy(teacher: torch.Tensor) -> torch.Tensor:
+    p = torch.softmax(teacher.double(), 0)
+    return -(p * torch.log(p)).sum()
+
+
+def hard_cross_entropy(label: int, drafter: torch.Tensor) -> torch.Tensor:
+    return -torch.log_softmax(drafter.double(), 0)[int(label)]
+
+
+def topk_cross_entropy(ids, logits, lse, drafter: torch.Tensor) -> torch.Tensor:
+    """kl_topk of one slot: p_i = exp(z_i - lse) on the k stored ids, the rest mass 1 - sum_i p_i on
+    "every other token", whose drafter probability is 1 - sum_i q_i:
+    -(sum_i p_i log q_i + (1 - sum_i p_i) log(1 - sum_i q_i))."""
+    q = torch.softmax(drafter.double(), 0)
+    p = [math.exp(float(z) - float(lse)) for z in logits]
+    ce = -sum(p_i * torch.log(q[int(v)]) for p_i, v in zip(p, ids))
+    p_rest = 1 - sum(p)
+    q_rest = 1 - sum(q[int(v)] for v in ids)
+    return ce - p_rest * torch.log(q_rest) if p_rest > 0 else ce
+
+
+def topk_self_entropy(logits, lse) -> float:
+    """sum_i p_i log p_i + p_rest log p_rest of the stored top-k teacher (minus its entropy)."""
+    p = [math.exp(float(z) - float(lse)) for z in logits]
+    p_rest = 1 - sum(p)
+    return sum(p_i * math.log(p_i) for p_i in p) + (p_rest * math.log(p_rest) if p_rest > 0 else 0.0)
+
+
+def slot_loss(kind: str, batch, r: int, p: int, logits: torch.Tensor, final_norm_weight, lm_head, eps: float):
+    """SPEC §5 loss of the slot at position p of row r, whose drafter logits are `logits` [V]. Its
+    teacher is the target's next-token distribution at p - 1; ce_data's label is the token at p."""
+    t = p - 1
+    if kind == "kl":
+        return soft_cross_entropy(teacher_logits(batch["last"][r, t], final_norm_weight, lm_head, eps), logits)
+    if kind == "ce":  # the stored argmax, else the argmax of the teacher computed from `last`
+        if "teacher_topk_ids" in batch:
+            return hard_cross_entropy(batch["teacher_topk_ids"][r, t, 0], logits)
+        return hard_cross_entropy(teacher_logits(batch["last"][r, t], final_norm_weight, lm_head, eps).argmax(), logits)
+    if kind == "ce_data":
+        return hard_cross_entropy(batch["input_ids"][r, p], logits)
+    if kind == "kl_topk":
+        stored = batch["teacher_topk_ids"][r, t], batch["teacher_topk_logits"][r, t], batch["teacher_lse"][r, t]
+        return topk_cross_entropy(*stored, logits)
+    raise ValueError(f"unknown loss kind {kind!r}")
+
+
+def slot_kl(kind: str, batch, r: int, p: int, logits: torch.Tensor, final_norm_weight, lm_head, eps: float):
+    """The KL(p||q) metric of one slot (kl, kl_topk): its soft cross-entropy minus the teacher's entropy."""
+    t = p - 1
+    if kind == "kl":
+        teacher = teacher_logits(batch["last"][r, t], final_norm_weight, lm_head, eps)
+        return soft_cross_entropy(teacher, logits) - entropy(teacher)
+    stored = batch["teacher_topk_ids"][r, t], batch["teacher_topk_logits"][r, t], batch["teacher_lse"][r, t]
+    return topk_cross_entropy(*stored, logits) + topk_self_entropy(*stored[1:])
+
+
+def drafter_logits(drafter, batch, eps: float) -> torch.Tensor:
+    """[R, A*B, V] float64: the drafter's own block states through its norm and the frozen lm_head.
+
+    What the loss scores, computed without the loss op: the oracles above decide what it is scored against."""
+    anchors = batch["anchors"]
+    x = drafter.block_states(
+        drafter.context(batch["hidden"]),
+        batch["position_ids"],
+        batch["input_ids"].gather(1, anchors),
+        batch["position_ids"].gather(1, anchors),
+        anchors,
+        batch["anchor_valid"],
+        batch["document_ids"],
+    )
+    return rms_norm(x, drafter.norm.weight, eps) @ drafter.lm_head.double().T
+
+
+def batch_loss(kind: str, batch, logits: torch.Tensor, block_size: int, gamma: float, final_norm_weight=None,
+               lm_head=None, eps: float = 1e-6):
+    """SPEC §5 loss = sum(l * w * mask) / sum(mask) of a batch, and the KL metric likewise (None for the ce kinds).
+
+    logits: [R, A*B, V] the drafter's logits of every slot."""
+    slots = list(trained_slots(batch, block_size))
+    loss = kl = 0.0
+    for r, i, j, p in slots:
+        slot = (batch, r, p, logits[r, i * block_size + j], final_norm_weight, lm_head, eps)
+        loss = loss + position_weight(j, gamma) * slot_loss(kind, *slot)
+        if kind in ("kl", "kl_topk"):
+            kl = kl + position_weight(j, gamma) * slot_kl(kind, *slot)
+    count = max(len(slots), 1)
+    return loss / count, (kl / count if kind in ("kl", "kl_topk") else None)
+
+
+# ---------------------------------------------------------------- SPEC §1: layer ids
+
+
+def hf_taps(model, input_ids: Sequence[int], layer_ids: Sequence[int]):
+    """The target's layer outputs for `layer_ids`, straight from one HF forward -> (taps [n, K, H], last [n, H]).
+
+    Layer id l is HF hidden_states[l + 1] (hidden_states[0] is the embedding output); the last
+    layer's output is read as the final norm's input (HF's hidden_states[L] is after the norm)."""
+    captured = []
+    handle = model.model.norm.register_forward_pre_hook(lambda _module, args: captured.append(args[0][0].clone()))
+    try:
+        with torch.no_grad():
+            states = model(torch.tensor([list(input_ids)]), output_hidden_states=True, use_cache=False).hidden_states
+    finally:
+        handle.remove()
+    (last,) = captured
+    num_layers = len(states) - 1
+    taps = [last if layer == num_layers - 1 else states[layer + 1][0] for layer in layer_ids]
+    return torch.stack(taps, dim=1), last

@@ -1,0 +1,224 @@
+"""The eager twins, and the kernels that must equal them, against SPEC written out by hand (tests/oracles.py).
+
+The kernel tests compare each kernel with its eager twin; these tests compare the eager twin (and, on
+small shapes, the kernel too) with loops over keys, slots and vocabulary ids that a reader can check
+against SPEC.md line by line, so that a bug shared by twin and kernel cannot pass.
+"""
+import math
+
+import pytest
+import torch
+from dflash_fast.kernels.anchored_attention import anchored_attention as attention_kernel
+from dflash_fast.kernels.lm_head_loss import lm_head_loss as loss_kernel
+from oracles import (
+    attention,
+    entropy,
+    position_weight,
+    rms_norm,
+    slot_mask,
+    soft_cross_entropy,
+    teacher_logits,
+    topk_cross_entropy,
+    topk_self_entropy,
+    visible_keys,
+)
+
+from dflash_fast import eager
+from dflash_fast.batches import sample_anchors
+from dflash_fast.drafter import position_weights, slot_targets
+
+BACKENDS = {"eager": (eager.anchored_attention, eager.lm_head_loss), "triton": (attention_kernel, loss_kernel)}
+EPS = 1e-6
+
+# ---------------------------------------------------------------- SPEC §4: the anchored attention pattern
+
+# Two rows of T = 23. Row 0: documents [0, 9) [9, 23); an anchor at a document start (no context), one
+# right after it, one invalid (repeating the last valid anchor). Row 1: one document; anchors close
+# together so that windows overlap.
+T, B = 23, 3
+DOCS = ([0] * 9 + [1] * 14, [0] * 23)
+ANCHORS = ([0, 9, 10, 17, 17], [2, 6, 7, 15, 21])
+VALID = ([1, 1, 1, 1, 0], [1, 1, 1, 1, 1])
+PATTERNS = [(None, False), (4, False), (None, True), (2, True)]
+PATTERN_IDS = ["full", "window4", "causal", "window2-causal"]
+
+
+def spec_masks(window, causal):
+    return [visible_keys(a, v, d, B, window, causal) for a, v, d in zip(ANCHORS, VALID, DOCS)]
+
+
+def test_visibility_loops_see_what_spec_says():
+    """The oracle itself, on cases read straight off SPEC §4."""
+    mask = visible_keys([5, 5], [1, 0], [0] * 2 + [1] * 8, 4, window=2, causal_in_block=True)
+    t = 10
+    assert mask[0, :t].nonzero().flatten().tolist() == [3, 4], "own document, p < a, p >= a - W"
+    assert mask[3, t : t + 4].tolist() == [True] * 4 and mask[0, t : t + 4].tolist() == [True, False, False, False]
+    assert not mask[:4, t + 4 :].any(), "another block is invisible"
+    assert not mask[4:].any(), "an invalid anchor sees nothing"
+
+
+@pytest.mark.parametrize("window, causal", PATTERNS, ids=PATTERN_IDS)
+def test_dense_mask_is_the_per_key_visibility_of_spec(window, causal):
+    mask = eager.anchored_attention_mask(
+        torch.tensor(ANCHORS), torch.tensor(VALID, dtype=torch.bool), torch.tensor(DOCS), B, window, causal
+    )
+    for r, want in enumerate(spec_masks(window, causal)):
+        assert torch.equal(mask[r], want), f"row {r}"
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("window, causal", PATTERNS, ids=PATTERN_IDS)
+def test_attention_is_a_softmax_over_the_keys_spec_makes_visible(backend, window, causal):
+    gen = torch.Generator().manual_seed(0)
+    r, a, hq, hkv, d = len(ANCHORS), len(ANCHORS[0]), 4, 2, 16
+    q = torch.randn(r, a * B, hq, d, generator=gen)
+    k_ctx, v_ctx = torch.randn(r, T, hkv, d, generator=gen), torch.randn(r, T, hkv, d, generator=gen)
+    k_blk, v_blk = torch.randn(r, a * B, hkv, d, generator=gen), torch.randn(r, a * B, hkv, d, generator=gen)
+    fn = BACKENDS[backend][0]
+    args = (torch.tensor(ANCHORS), torch.tensor(VALID, dtype=torch.bool), torch.tensor(DOCS), B, window, causal)
+    out = fn(q, k_ctx, v_ctx, k_blk, v_blk, *args, scale=0.3)
+    want = attention(q, k_ctx, v_ctx, k_blk, v_blk, spec_masks(window, causal), scale=0.3)
+    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- SPEC §5: slots and weights
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_slot_mask_is_the_hand_built_mask(seed):
+    """Random documents, loss masks and anchors (drawn as batches.py draws them, plus invalid padding)."""
+    gen = torch.Generator().manual_seed(seed)
+    r_count, t, a_count, b = 3, 41, 9, 5
+    document_ids = torch.stack([torch.randint(0, 4, (t,), generator=gen).sort().values for _ in range(r_count)])
+    loss_mask = torch.rand(r_count, t, generator=gen) > 0.3
+    drawn = [sample_anchors(loss_mask[r], document_ids[r], a_count, gen) for r in range(r_count)]
+    batch = dict(
+        input_ids=torch.zeros(r_count, t, dtype=torch.long),
+        loss_mask=loss_mask,
+        document_ids=document_ids,
+        anchors=torch.stack([anchors for anchors, _ in drawn]),
+        anchor_valid=torch.stack([valid for _, valid in drawn]),
+    )
+    batch["anchor_valid"][0, -2:] = False  # padding slots repeating the previous anchors
+    want = slot_mask(batch, b)
+    assert want.any() and not want.all()
+    assert torch.equal(slot_targets(batch, b).slot_mask, want)
+
+
+@pytest.mark.parametrize("block_size, gamma", [(16, 7.0), (5, 2.5)])
+def test_position_weights_are_spec_values(block_size, gamma):
+    want = torch.tensor([position_weight(j, gamma) for j in range(block_size)], dtype=torch.float32)
+    torch.testing.assert_close(position_weights(block_size, gamma), want, rtol=1e-6, atol=0)
+
+
+# ---------------------------------------------------------------- SPEC §5: the loss kinds
+
+N, HIDDEN, VOCAB = 31, 16, 47
+
+
+def loss_inputs(seed=0, topk=5):
+    gen = torch.Generator().manual_seed(seed)
+    weights = torch.rand(N, generator=gen) + 0.5
+    weights[::3] = 0  # masked slots
+    inputs = dict(
+        h=torch.randn(N, HIDDEN, generator=gen).requires_grad_(),
+        norm_weight=1 + 0.1 * torch.randn(HIDDEN, generator=gen),
+        lm_head_weight=0.5 * torch.randn(VOCAB, HIDDEN, generator=gen),
+        weights=weights,
+        last=torch.randn(N, HIDDEN, generator=gen),
+        final_norm_weight=1 + 0.1 * torch.randn(HIDDEN, generator=gen),
+    )
+    teacher = [teacher_logits(x, inputs["final_norm_weight"], inputs["lm_head_weight"], EPS) for x in inputs["last"]]
+    t = torch.stack(teacher).float()
+    top = t.topk(topk, dim=-1)
+    inputs.update(topk_ids=top.indices, topk_logits=top.values, topk_lse=t.logsumexp(-1))
+    return inputs
+
+
+def call(fn, inputs, kind, normalizer=20.0):
+    """The loss op on `inputs` -> (LossOutput, d loss / d h)."""
+    inputs["h"].grad = None
+    keys = {"kl": ("last", "final_norm_weight"), "kl_topk": ("topk_ids", "topk_logits", "topk_lse")}[kind]
+    out = fn(
+        inputs["h"],
+        inputs["norm_weight"],
+        inputs["lm_head_weight"],
+        inputs["weights"],
+        kind,
+        normalizer,
+        EPS,
+        **{k: inputs[k] for k in keys},
+    )
+    out.loss.backward()
+    return out, inputs["h"].grad.clone()
+
+
+def drafter_logits(inputs):
+    return rms_norm(inputs["h"], inputs["norm_weight"], EPS) @ inputs["lm_head_weight"].double().T
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_kl_topk_with_k_equal_to_the_vocabulary_is_kl(backend):
+    """SPEC §5: the stored top-k teacher is exact in the limit k = V (no rest mass is left)."""
+    fn = BACKENDS[backend][1]
+    inputs = loss_inputs(topk=VOCAB)
+    full, d_full = call(fn, inputs, "kl")
+    topk, d_topk = call(fn, inputs, "kl_topk")
+    assert torch.isfinite(topk.loss) and torch.isfinite(topk.kl)
+    torch.testing.assert_close(topk.loss, full.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(topk.kl, full.kl, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(d_topk, d_full, rtol=1e-4, atol=1e-6)
+    assert torch.equal(topk.teacher_argmax, full.teacher_argmax)
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_kl_loss_and_metric_are_soft_cross_entropy_and_it_minus_the_teacher_entropy(backend):
+    fn = BACKENDS[backend][1]
+    inputs = loss_inputs()
+    out, _ = call(fn, inputs, "kl", normalizer=20.0)
+    logits = drafter_logits(inputs)
+    loss = kl = 0.0
+    for n in range(N):
+        teacher = teacher_logits(inputs["last"][n], inputs["final_norm_weight"], inputs["lm_head_weight"], EPS)
+        loss += inputs["weights"][n] * soft_cross_entropy(teacher, logits[n])
+        kl += inputs["weights"][n] * (soft_cross_entropy(teacher, logits[n]) - entropy(teacher))
+    torch.testing.assert_close(out.loss.double(), loss / 20.0, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.kl.double(), kl / 20.0, rtol=1e-4, atol=1e-6)
+    assert out.kl > 0.1 and out.loss > out.kl, "KL(p||q) >= 0, and the soft CE adds the teacher's entropy"
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_kl_of_a_drafter_equal_to_its_teacher_is_zero(backend):
+    fn = BACKENDS[backend][1]
+    inputs = loss_inputs()
+    inputs["h"] = inputs["last"].clone().requires_grad_()
+    inputs["norm_weight"] = inputs["final_norm_weight"]
+    out, grad = call(fn, inputs, "kl", normalizer=20.0)
+    entropies = sum(
+        w * entropy(teacher_logits(x, inputs["final_norm_weight"], inputs["lm_head_weight"], EPS))
+        for w, x in zip(inputs["weights"], inputs["last"])
+    )
+    assert abs(out.kl.item()) < 1e-5
+    torch.testing.assert_close(out.loss.double(), entropies / 20.0, rtol=1e-5, atol=1e-6)
+    assert grad.abs().max() < 1e-5, "q = p: the soft CE is at its minimum"
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_kl_topk_is_the_hand_written_rest_mass_formula(backend):
+    fn = BACKENDS[backend][1]
+    inputs = loss_inputs(topk=5)
+    out, grad = call(fn, inputs, "kl_topk", normalizer=20.0)
+    h = inputs["h"].detach().double().requires_grad_()
+    logits = rms_norm(h, inputs["norm_weight"], EPS) @ inputs["lm_head_weight"].double().T
+    loss = kl = 0.0
+    for n in range(N):
+        stored = inputs["topk_ids"][n], inputs["topk_logits"][n], inputs["topk_lse"][n]
+        rest = 1 - sum(math.exp(float(z - stored[2])) for z in stored[1])
+        assert rest > 0.05, "the check needs rest mass"
+        loss = loss + inputs["weights"][n] * topk_cross_entropy(*stored, logits[n])
+        kl = kl + inputs["weights"][n] * (topk_cross_entropy(*stored, logits[n]) + topk_self_entropy(*stored[1:]))
+    (loss / 20.0).backward()
+    torch.testing.assert_close(out.loss.double(), loss.detach() / 20.0, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.kl.double(), kl.detach() / 20.0, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(grad.double(), h.grad, rtol=1e-4, atol=1e-6)
+    assert torch.equal(out.teacher_argmax, inputs["topk_ids"][:, 0])
