@@ -1,13 +1,12 @@
 """Real block speculative decoding (SPEC §6) on tiny dense and hybrid targets, and the plot command."""
 import json
 
-import numpy as np
 import pytest
 import torch
+from oracles import hf_taps
 from tiny_targets import make_tiny_target, write_jsonl
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dflash_fast import extract
 from dflash_fast.cli import main
 from dflash_fast.drafter import build_drafter
 from dflash_fast.evaluate import (
@@ -24,7 +23,6 @@ from dflash_fast.evaluate import (
 )
 from dflash_fast.export import export_drafter
 from dflash_fast.plot import plot_run
-from dflash_fast.store import Layout
 
 B = 4
 LAYER_IDS = [1, 3, 5]  # 5 = L-1 of the 6-layer tiny targets: tapped before the final norm
@@ -86,20 +84,17 @@ def test_speculative_greedy_equals_hf_generate(targets, arch):
         assert greedy_generate(runner, ids, 20, eos)[0] == want
 
 
-def test_taps_through_the_cache_match_what_extraction_stores(targets):
-    model, tok = load(targets("qwen3_5"))
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_taps_through_the_cache_are_hf_hidden_states_at_id_plus_one(targets, arch):
+    """Against one plain HF forward (tests/oracles.py), not against extraction: both share the tap rule."""
+    model, tok = load(targets(arch))
     ids = tok(PROMPTS[2]).input_ids
-    ex = extract.Example(np.array(ids, dtype=np.int32), np.ones(len(ids), dtype=bool))
-    stored = extract.TargetRunner(model, LAYER_IDS, Layout(len(LAYER_IDS), 64, 1, "float32", True), 0, 1)([ex])[0]
+    want_hidden, want_last = hf_taps(model, ids, LAYER_IDS)
     runner = TargetRunner(model, LAYER_IDS)
     head = runner.forward(ids[:5])
     tail = runner.forward(ids[5:], head.cache)
-    torch.testing.assert_close(
-        torch.cat([head.hidden, tail.hidden]), torch.from_numpy(stored["hidden"]), atol=1e-5, rtol=1e-4
-    )
-    torch.testing.assert_close(
-        torch.cat([head.last, tail.last]), torch.from_numpy(stored["last"]), atol=1e-5, rtol=1e-4
-    )
+    torch.testing.assert_close(torch.cat([head.hidden, tail.hidden]), want_hidden, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(torch.cat([head.last, tail.last]), want_last, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
@@ -242,9 +237,34 @@ def test_eval_cli_loads_an_export_and_writes_the_report(targets, tmp_path):
     report = json.loads(out.read_text())
     assert report["prompts"] == 2 and report["block_size"] == B and report["layer_ids"] == LAYER_IDS
     assert report["greedy_mismatches"] == 0
-    assert sum(report["acceptance_histogram"]) == report["verify_forwards"] > 0
-    assert 1 <= report["tau"] <= B and 1 <= report["tau_offline"] <= B
-    assert report["tokens_per_s"] > 0 and report["target_tokens_per_s"] > 0
+    histogram = report["acceptance_histogram"]
+    assert sum(histogram) == report["verify_forwards"] > 0
+    assert report["tau"] == sum((n + 1) * c for n, c in enumerate(histogram)) / sum(histogram)
+    assert report["new_tokens"] == 2 * 12
+    blocks, tau_offline = offline_tau_by_hand(path, random_drafter(path), [PROMPTS[0], PROMPTS[1]], 12)
+    assert report["offline_blocks"] == blocks and report["tau_offline"] == pytest.approx(tau_offline)
+    assert report["speedup"] == pytest.approx(report["tokens_per_s"] / report["target_tokens_per_s"])
+
+
+def offline_tau_by_hand(path, drafter, prompts, max_new_tokens):
+    """SPEC §6 tau_offline of the target's greedy replies, one anchor at a time through `propose`: per
+    anchor a of the reply (a + 1 in it), 1 + the leading guesses equal to the reply's next tokens."""
+    model, tok = load(path)
+    runner = TargetRunner(model, LAYER_IDS)
+    total, blocks = 0, 0
+    for text in prompts:
+        chat = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+        ids = tok(chat, add_special_tokens=False).input_ids
+        full = ids + greedy_generate(runner, ids, max_new_tokens)[0]
+        hidden = runner.forward(full).hidden
+        for a in range(len(ids), len(full) - 1):
+            leading = 0
+            for j, guess in enumerate(drafter.propose(hidden[:a], full[a]).tolist(), start=1):
+                if a + j >= len(full) or guess != full[a + j]:
+                    break
+                leading += 1
+            total, blocks = total + 1 + leading, blocks + 1
+    return blocks, total / blocks
 
 
 def test_plot_writes_loss_tau_and_per_slot_accuracy(tmp_path):
