@@ -18,13 +18,14 @@ from oracles import (
     teacher_logits,
     trained_slots,
 )
+from test_drafter import B, H, K, V, small_config
 
-from dflash_fast.drafter import DFlashDrafter, DrafterConfig, slot_metrics
+from dflash_fast.drafter import DFlashDrafter, slot_metrics
 
-V, H, K, B, T, TOPK = 96, 32, 3, 4, 30, 5
+T, TOPK = 30, 5
 EPS = 1e-6
 GAMMA = 3.0  # not the default 7: the weights must come from the gamma passed in
-MASK_TOKEN = V - 1
+MASK_TOKEN = V - 1  # small_config's
 
 # Two rows of T = 30 tokens: (document lengths, positions with loss_mask 0, anchors, anchor_valid).
 # The anchors reach a document's end (slots in the next document), a masked position, the row's end
@@ -46,22 +47,9 @@ def data_token(r: int, t: int) -> int:
 
 
 def make_drafter() -> DFlashDrafter:
+    """The drafter tests' small drafter (V = 96, H = 32, K = 3, B = 4, 2 layers) with a recognisable lm_head."""
     torch.manual_seed(0)
-    cfg = DrafterConfig(
-        hidden_size=H,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        intermediate_size=64,
-        vocab_size=V,
-        layer_ids=[0, 1, 2],
-        target_num_layers=4,
-        target_hidden_size=H,
-        mask_token_id=MASK_TOKEN,
-        num_layers=2,
-        block_size=B,
-    )
-    d = DFlashDrafter(cfg)
+    d = DFlashDrafter(small_config())
     d.reset_parameters(std=0.2)
     lm_head = torch.randn(V, H)
     lm_head = 1.5 * lm_head / lm_head.norm(dim=1, keepdim=True)  # equal row norms: last[t] below picks its argmax
