@@ -116,7 +116,8 @@ def test_anchors_never_cross_documents():
 
 def test_anchor_needs_loss_mask_on_itself_and_next_token():
     loss_mask = torch.tensor([1, 1, 0, 1, 1, 1, 0, 0, 1, 1])
-    anchors, valid = sample_anchors(loss_mask, torch.zeros(10, dtype=torch.int64), 4, torch.Generator().manual_seed(0))
+    # More anchor slots than eligible positions: every eligible one is drawn, so a draw cannot hide an extra one.
+    anchors, valid = sample_anchors(loss_mask, torch.zeros(10, dtype=torch.int64), 8, torch.Generator().manual_seed(0))
     assert anchors[valid].tolist() == [0, 3, 4, 8]
 
 
