@@ -139,7 +139,7 @@ def topk_cross_entropy(ids, logits, lse, drafter: torch.Tensor) -> torch.Tensor:
 
 
 def topk_self_entropy(logits, lse) -> float:
-    """sum_i p_i log p_i + p_rest log p_rest of the stored top-k teacher (minus its entropy)."""
+    """sum_i p_i log p_i + p_rest log p_rest: the stored top-k teacher's negative entropy."""
     p = [math.exp(float(z) - float(lse)) for z in logits]
     p_rest = 1 - sum(p)
     return sum(p_i * math.log(p_i) for p_i in p) + (p_rest * math.log(p_rest) if p_rest > 0 else 0.0)

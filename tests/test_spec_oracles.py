@@ -30,6 +30,12 @@ from dflash_fast.drafter import position_weights, slot_targets
 BACKENDS = {"eager": (eager.anchored_attention, eager.lm_head_loss), "triton": (attention_kernel, loss_kernel)}
 EPS = 1e-6
 
+
+def device_of(backend):
+    """Kernels run on the GPU where there is one (else in the interpreter); the eager twins on the CPU."""
+    return "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+
+
 # ---------------------------------------------------------------- SPEC §4: the anchored attention pattern
 
 # Two rows of T = 23. Row 0: documents [0, 9) [9, 23); an anchor at a document start (no context), one
@@ -74,9 +80,10 @@ def test_attention_is_a_softmax_over_the_keys_spec_makes_visible(backend, window
     q = torch.randn(r, a * B, hq, d, generator=gen)
     k_ctx, v_ctx = torch.randn(r, T, hkv, d, generator=gen), torch.randn(r, T, hkv, d, generator=gen)
     k_blk, v_blk = torch.randn(r, a * B, hkv, d, generator=gen), torch.randn(r, a * B, hkv, d, generator=gen)
-    fn = BACKENDS[backend][0]
-    args = (torch.tensor(ANCHORS), torch.tensor(VALID, dtype=torch.bool), torch.tensor(DOCS), B, window, causal)
-    out = fn(q, k_ctx, v_ctx, k_blk, v_blk, *args, scale=0.3)
+    fn, dev = BACKENDS[backend][0], device_of(backend)
+    rows = (torch.tensor(ANCHORS), torch.tensor(VALID, dtype=torch.bool), torch.tensor(DOCS))
+    tensors = [x.to(dev) for x in (q, k_ctx, v_ctx, k_blk, v_blk, *rows)]
+    out = fn(*tensors, B, window, causal, scale=0.3).cpu()
     want = attention(q, k_ctx, v_ctx, k_blk, v_blk, spec_masks(window, causal), scale=0.3)
     torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=1e-5)
 
@@ -121,7 +128,7 @@ def loss_inputs(seed=0, topk=5):
     weights = torch.rand(N, generator=gen) + 0.5
     weights[::3] = 0  # masked slots
     inputs = dict(
-        h=torch.randn(N, HIDDEN, generator=gen).requires_grad_(),
+        h=torch.randn(N, HIDDEN, generator=gen),
         norm_weight=1 + 0.1 * torch.randn(HIDDEN, generator=gen),
         lm_head_weight=0.5 * torch.randn(VOCAB, HIDDEN, generator=gen),
         weights=weights,
@@ -135,22 +142,16 @@ def loss_inputs(seed=0, topk=5):
     return inputs
 
 
-def call(fn, inputs, kind, normalizer=20.0):
-    """The loss op on `inputs` -> (LossOutput, d loss / d h)."""
-    inputs["h"].grad = None
+def call(backend, inputs, kind, normalizer=20.0):
+    """The backend's loss op on `inputs` -> (LossOutput on the CPU, d loss / d h)."""
+    dev = device_of(backend)
+    h = inputs["h"].detach().to(dev).requires_grad_()
     keys = {"kl": ("last", "final_norm_weight"), "kl_topk": ("topk_ids", "topk_logits", "topk_lse")}[kind]
-    out = fn(
-        inputs["h"],
-        inputs["norm_weight"],
-        inputs["lm_head_weight"],
-        inputs["weights"],
-        kind,
-        normalizer,
-        EPS,
-        **{k: inputs[k] for k in keys},
-    )
+    on_dev = {k: inputs[k].to(dev) for k in ("norm_weight", "lm_head_weight", "weights") + keys}
+    args = (on_dev.pop("norm_weight"), on_dev.pop("lm_head_weight"), on_dev.pop("weights"), kind, normalizer, EPS)
+    out = BACKENDS[backend][1](h, *args, **on_dev)
     out.loss.backward()
-    return out, inputs["h"].grad.clone()
+    return type(out)(*(None if x is None else x.detach().cpu() for x in out)), h.grad.cpu()
 
 
 def drafter_logits(inputs):
@@ -160,10 +161,9 @@ def drafter_logits(inputs):
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_kl_topk_with_k_equal_to_the_vocabulary_is_kl(backend):
     """SPEC §5: the stored top-k teacher is exact in the limit k = V (no rest mass is left)."""
-    fn = BACKENDS[backend][1]
     inputs = loss_inputs(topk=VOCAB)
-    full, d_full = call(fn, inputs, "kl")
-    topk, d_topk = call(fn, inputs, "kl_topk")
+    full, d_full = call(backend, inputs, "kl")
+    topk, d_topk = call(backend, inputs, "kl_topk")
     assert torch.isfinite(topk.loss) and torch.isfinite(topk.kl)
     torch.testing.assert_close(topk.loss, full.loss, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(topk.kl, full.kl, rtol=1e-4, atol=1e-6)
@@ -173,9 +173,8 @@ def test_kl_topk_with_k_equal_to_the_vocabulary_is_kl(backend):
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_kl_loss_and_metric_are_soft_cross_entropy_and_it_minus_the_teacher_entropy(backend):
-    fn = BACKENDS[backend][1]
     inputs = loss_inputs()
-    out, _ = call(fn, inputs, "kl", normalizer=20.0)
+    out, _ = call(backend, inputs, "kl", normalizer=20.0)
     logits = drafter_logits(inputs)
     loss = kl = 0.0
     for n in range(N):
@@ -189,11 +188,10 @@ def test_kl_loss_and_metric_are_soft_cross_entropy_and_it_minus_the_teacher_entr
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_kl_of_a_drafter_equal_to_its_teacher_is_zero(backend):
-    fn = BACKENDS[backend][1]
     inputs = loss_inputs()
-    inputs["h"] = inputs["last"].clone().requires_grad_()
+    inputs["h"] = inputs["last"].clone()
     inputs["norm_weight"] = inputs["final_norm_weight"]
-    out, grad = call(fn, inputs, "kl", normalizer=20.0)
+    out, grad = call(backend, inputs, "kl", normalizer=20.0)
     entropies = sum(
         w * entropy(teacher_logits(x, inputs["final_norm_weight"], inputs["lm_head_weight"], EPS))
         for w, x in zip(inputs["weights"], inputs["last"])
@@ -205,9 +203,8 @@ def test_kl_of_a_drafter_equal_to_its_teacher_is_zero(backend):
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_kl_topk_is_the_hand_written_rest_mass_formula(backend):
-    fn = BACKENDS[backend][1]
     inputs = loss_inputs(topk=5)
-    out, grad = call(fn, inputs, "kl_topk", normalizer=20.0)
+    out, grad = call(backend, inputs, "kl_topk", normalizer=20.0)
     h = inputs["h"].detach().double().requires_grad_()
     logits = rms_norm(h, inputs["norm_weight"], EPS) @ inputs["lm_head_weight"].double().T
     loss = kl = 0.0
