@@ -149,7 +149,7 @@ def call(backend, inputs, kind, normalizer=20.0):
     keys = {"kl": ("last", "final_norm_weight"), "kl_topk": ("topk_ids", "topk_logits", "topk_lse")}[kind]
     on_dev = {k: inputs[k].to(dev) for k in ("norm_weight", "lm_head_weight", "weights") + keys}
     args = (on_dev.pop("norm_weight"), on_dev.pop("lm_head_weight"), on_dev.pop("weights"), kind, normalizer, EPS)
-    out = BACKENDS[backend][1](h, *args, **on_dev)
+    out = BACKENDS[backend][1](h, *args, eager.Teacher(**on_dev))
     out.loss.backward()
     return type(out)(*(None if x is None else x.detach().cpu() for x in out)), h.grad.cpu()
 
