@@ -391,7 +391,7 @@ def _vllm_speculators_view(config: Dict) -> Dict:
         **_common(hf, where, getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads),
         "vocab_size": hf.vocab_size,
         "target_hidden_size": config.get("target_hidden_size") or hf.hidden_size,
-        "layer_ids": [i - 1 for i in aux],
+        "layer_ids": layer["dflash_config"]["target_layer_ids"],
         "mask_token_id": config["mask_token_id"],
         "block_size": tokens + 1,
         "rope_parameters": _vllm_rope(hf),

@@ -45,7 +45,7 @@ T_EVAL_TAPS = "tests/test_evaluate.py::test_taps_through_the_cache_are_hf_hidden
 T_EXTRACT_TAPS = "tests/test_extract.py::test_stored_hidden_is_hf_hidden_states_at_id_plus_one"
 T_EXTRACT_LAST = "tests/test_extract.py::test_last_is_the_pre_norm_residual_of_the_final_layer_not_an_intermediate_one"
 T_FC = "tests/test_drafter.py::test_every_tapped_layer_reaches_fc"
-T_EXPORT = "tests/test_drafter.py::test_export_round_trip_names_and_layer_ids"
+T_EXPORT = "tests/test_export.py::test_export_round_trip_names_and_layer_ids"
 T_ANCHOR = "tests/test_batches.py::test_anchor_needs_loss_mask_on_itself_and_next_token"
 
 MUTATIONS: List[Mutation] = [
@@ -366,8 +366,8 @@ MUTATIONS: List[Mutation] = [
     Mutation(
         "import-layer-ids-not-shifted",
         "dflash_fast/export.py",
-        'layer_ids=[i - 1 for i in config["aux_hidden_state_layer_ids"]],',
-        'layer_ids=list(config["aux_hidden_state_layer_ids"]),',
+        '"layer_ids": [i - 1 for i in aux],',
+        '"layer_ids": list(aux),',
         [T_EXPORT],
         "speculators ids = ours + 1",
     ),
