@@ -514,8 +514,7 @@ def chunk_target(
         return Target(label, ids, ones[:, None], torch.stack([lse_s, zeros, ones, zeros]), None)
     ids = teacher.topk_ids[lo:hi].long().contiguous()
     p = torch.exp(teacher.topk_logits[lo:hi].float() - teacher.topk_lse[lo:hi].float()[:, None]).contiguous()
-    # With k = V no token is left outside the ids: what 1 - sum p_i leaves is rounding, not mass.
-    p_rest = (1 - p.sum(-1)).clamp(min=0) if ids.shape[1] < v else zeros
+    p_rest = (1 - p.sum(-1)).clamp(min=0)
     return Target(ids[:, 0], ids, p, torch.stack([lse_s, zeros, p.sum(-1) + p_rest, p_rest]), None)
 
 
