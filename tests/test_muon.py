@@ -115,7 +115,7 @@ def test_muon_under_zero0_refuses_a_plain_sgd_step(tiny, tmp_path, monkeypatch):
 def test_muon_config_refuses_what_deepspeed_would_do_differently(tmp_path):
     with pytest.raises(ConfigError, match=r"optimizer\.grad_clip=1\.0 with optimizer\.kind=muon: .* set "
                                           r"optimizer\.grad_clip=0"):
-        load_config(TINY_YAML, ["optimizer.kind=muon"])
+        load_config(TINY_YAML, ["optimizer.kind=muon", "optimizer.grad_clip=1.0"])
     with pytest.raises(ConfigError, match=r"optimizer\.kind='sgd' is not one of \('adamw', 'muon'\)"):
         load_config(TINY_YAML, ["optimizer.kind=sgd"])
     cfg = load_config(TINY_YAML, ["optimizer.kind=muon", "optimizer.grad_clip=0"])

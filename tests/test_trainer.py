@@ -64,6 +64,9 @@ def settings(tiny, out, **extra):
         "checkpoint.every": 0,
         "schedule.steps": 4,
         "optimizer.lr": 3e-3,
+        "optimizer.kind": "adamw",  # tiny.yaml ships the quickstart's recipe (Muon, D-PACE): these tests pin AdamW
+        "optimizer.grad_clip": 1.0,
+        "loss.weighting": "decay",
         "export_dtype": "fp32",
         "deepspeed": os.path.join(REPO, "configs", "ds_zero2.json"),
     }
