@@ -17,16 +17,14 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
+from dflash_fast.errors import ConfigError
+
 SCHEDULES = ("cosine", "constant")
 PRECISIONS = ("auto", "bf16", "fp32")
 EXPORT_DTYPES = ("bf16", "fp16", "fp32")
 OPTIMIZERS = ("adamw", "muon")
 DATA_SOURCES = ("store", "online")
 ONLINE_DTYPES = ("bf16", "fp16", "fp32", "fp8")
-
-
-class ConfigError(ValueError):
-    """A config key or value is wrong; the message names it and the fix."""
 
 
 @dataclasses.dataclass

@@ -21,14 +21,16 @@ class UserError(RuntimeError):
     is wrong and how to fix it (a missing tool, a non-finite loss): shown as one line, without a traceback."""
 
 
+class ConfigError(ValueError):
+    """A config key or value is wrong; the message names it and the fix."""
+
+
 def debug_requested(flag: bool = False) -> bool:
     return flag or os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 def run_reporting_errors(fn: Callable[[], Optional[int]], debug: bool = False) -> int:
     """fn() -> its exit status (None = 0); a user error -> its one line on stderr and 2 or 1 (module docstring)."""
-    from dflash_fast.config import ConfigError
-
     try:
         return fn() or 0
     except (UserError, ValueError, OSError, KeyboardInterrupt) as e:
