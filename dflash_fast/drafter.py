@@ -369,6 +369,20 @@ class DFlashDrafter(nn.Module):
             x = layer(x, ctx, self.rope, blk_cs, ctx_cs, attn)
         return x
 
+    def batch_states(self, batch: Dict[str, torch.Tensor], noise_std: float = 0.0, seed: int = 0) -> torch.Tensor:
+        """Pre-norm block states [R, A*B, H] of a collated batch (keys as in dflash_fast.batches): the context
+        from the tapped hidden states, then the N layers over every anchor's block."""
+        anchors = batch["anchors"]
+        return self.block_states(
+            self.context(batch["hidden"], noise_std, seed),
+            batch["position_ids"],
+            batch["input_ids"].gather(1, anchors),
+            batch["position_ids"].gather(1, anchors),
+            anchors,
+            batch["anchor_valid"],
+            batch["document_ids"],
+        )
+
     def forward(
         self,
         batch: Dict[str, torch.Tensor],
@@ -388,16 +402,7 @@ class DFlashDrafter(nn.Module):
         anchors = batch["anchors"]
         r, a = anchors.shape
         b = cfg.block_size
-        ctx = self.context(batch["hidden"], noise_std, seed)
-        x = self.block_states(
-            ctx,
-            batch["position_ids"],
-            batch["input_ids"].gather(1, anchors),
-            batch["position_ids"].gather(1, anchors),
-            anchors,
-            batch["anchor_valid"],
-            batch["document_ids"],
-        )
+        x = self.batch_states(batch, noise_std, seed)
         targets = slot_targets(batch, b)
         dpace = DPace(dpace_alpha, b) if weighting == "dpace" else None
         weights = targets.slot_mask.float() if dpace else position_weights(b, gamma).to(x.device) * targets.slot_mask

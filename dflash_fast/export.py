@@ -781,19 +781,8 @@ def gate_batch(cfg: DrafterConfig, seed: int = 0) -> Dict[str, torch.Tensor]:
 
 def gate_logits(drafter: DFlashDrafter, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
     """fp32 logits of every block slot [1, A*B, V] on the eager ops (the SPEC's reference semantics)."""
-    anchors = batch["anchors"]
     with torch.no_grad(), ops.backend("eager"):
-        ctx = drafter.context(batch["hidden"])
-        x = drafter.block_states(
-            ctx,
-            batch["position_ids"],
-            batch["input_ids"].gather(1, anchors),
-            batch["position_ids"].gather(1, anchors),
-            anchors,
-            batch["anchor_valid"],
-            batch["document_ids"],
-        )
-        return F.linear(drafter.norm(x), drafter.lm_head)
+        return F.linear(drafter.norm(drafter.batch_states(batch)), drafter.lm_head)
 
 
 def gate(export_dir: str, trained: DrafterConfig, tensors: Dict[str, torch.Tensor]) -> None:

@@ -317,7 +317,8 @@ def open_source(cfg: TrainConfig):
         batch_tokens=n.batch_tokens,
         dtype=n.dtype,
         topk=n.topk,
-        no_last=cfg.loss.kind not in ("auto", "kl"),  # only kl reads `last`
+        # auto is kl when `last` exists; ce reads the top-k argmax the online source computes too
+        no_last=not (cfg.loss.kind == "auto" or needs_last(cfg.loss.kind, stored_labels=True)),
         skip_bad=n.skip_bad,
         parity_every=n.parity_every,
     )

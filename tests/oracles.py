@@ -177,16 +177,7 @@ def drafter_logits(drafter, batch, eps: float) -> torch.Tensor:
     """[R, A*B, V] float64: the drafter's own block states through its norm and the frozen lm_head.
 
     What the loss scores, computed without the loss op: the oracles above decide what it is scored against."""
-    anchors = batch["anchors"]
-    x = drafter.block_states(
-        drafter.context(batch["hidden"]),
-        batch["position_ids"],
-        batch["input_ids"].gather(1, anchors),
-        batch["position_ids"].gather(1, anchors),
-        anchors,
-        batch["anchor_valid"],
-        batch["document_ids"],
-    )
+    x = drafter.batch_states(batch)
     return rms_norm(x, drafter.norm.weight, eps) @ drafter.lm_head.double().T
 
 

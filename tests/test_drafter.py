@@ -190,15 +190,7 @@ def ce_against_stored_argmax(d: DFlashDrafter, batch):
     from dflash_fast.drafter import gather_rows, slot_targets
 
     tg = slot_targets(batch, d.config.block_size)
-    x = d.block_states(
-        d.context(batch["hidden"]),
-        batch["position_ids"],
-        batch["input_ids"].gather(1, batch["anchors"]),
-        batch["position_ids"].gather(1, batch["anchors"]),
-        batch["anchors"],
-        batch["anchor_valid"],
-        batch["document_ids"],
-    )
+    x = d.batch_states(batch)
     logq = F.log_softmax(F.linear(d.norm(x[0]), d.lm_head).float(), -1)
     labels = gather_rows(batch["teacher_topk_ids"], tg.teacher_row)[:, 0]
     return -logq.gather(1, labels[:, None])[:, 0], tg.slot_mask
@@ -210,15 +202,7 @@ def test_loss_weights_and_denominator():
     d = random_drafter()
     batch = random_batch()
     out = d(batch, "ce")
-    x = d.block_states(
-        d.context(batch["hidden"]),
-        batch["position_ids"],
-        batch["input_ids"].gather(1, batch["anchors"]),
-        batch["position_ids"].gather(1, batch["anchors"]),
-        batch["anchors"],
-        batch["anchor_valid"],
-        batch["document_ids"],
-    )
+    x = d.batch_states(batch)
     logq = F.log_softmax(F.linear(d.norm(x[0]), d.lm_head).float(), -1)
     slots = list(trained_slots(batch, B))  # SPEC §5 by hand (tests/oracles.py), not the drafter's slot_targets
     assert len(slots) == 9
