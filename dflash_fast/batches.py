@@ -373,7 +373,8 @@ def row_batches(
     with_last: bool = False,
     pad_id: int = 0,
 ) -> RowBatches:
-    """This rank's steps of one epoch from `start_step` on, as a RowBatches dataset (see make_loader)."""
+    """This rank's steps of one epoch from `start_step` on, as a RowBatches dataset (make_loader wraps it in a
+    DataLoader)."""
     _check(seq_len, num_anchors, batch_rows, seed, rank, world_size, epoch, split)
     rows = split_rows(store.lengths, seq_len, seed, split, val_fraction, split_seed)
     schedule = epoch_schedule(len(rows), batch_rows, seed, epoch, rank, world_size, split)
@@ -388,25 +389,10 @@ def row_batches(
     return RowBatches(store, rows, schedule[start_step:], seq_len, num_anchors, prefix, with_last, pad_id)
 
 
-def make_loader(
-    store,
-    seq_len: int,
-    num_anchors: int,
-    batch_rows: int,
-    seed: int,
-    rank: int = 0,
-    world_size: int = 1,
-    epoch: int = 0,
-    split: str = "train",
-    num_workers: int = 0,
-    pin_memory: Optional[bool] = None,
-    start_step: int = 0,
-    val_fraction: float = 0.0,
-    split_seed: int = 0,
-    with_last: bool = False,
-    pad_id: int = 0,
-) -> DataLoader:
+def make_loader(store, *args, num_workers: int = 0, pin_memory: Optional[bool] = None, **kwargs) -> DataLoader:
     """A DataLoader over this rank's steps of one epoch, from `start_step` on; each item is a batch dict.
+    args, kwargs: those of `row_batches` (seq_len, num_anchors, batch_rows, seed, rank, world_size, epoch, split,
+    start_step, val_fraction, split_seed, with_last, pad_id).
 
     store: HiddenStateStore-like (`lengths`, `__getitem__` -> per-token tensors).
     Skipped steps are never loaded, so resuming at `start_step` costs nothing and
@@ -416,12 +402,8 @@ def make_loader(
     With num_workers > 0 the store is shared with the workers (fork) or pickled
     (spawn/forkserver): the store must pickle without copying its files.
     """
-    dataset = row_batches(
-        store, seq_len, num_anchors, batch_rows, seed, rank, world_size, epoch, split, start_step, val_fraction,
-        split_seed, with_last, pad_id,
-    )
     return DataLoader(
-        dataset,
+        row_batches(store, *args, **kwargs),
         batch_size=None,
         shuffle=False,
         num_workers=num_workers,
