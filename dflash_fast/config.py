@@ -193,20 +193,14 @@ def _coerce(value: Any, kind: Any, key: str) -> Any:
         if isinstance(value, str) and value.strip().lower() in ("true", "yes", "on", "1", "false", "no", "off", "0"):
             return value.strip().lower() in ("true", "yes", "on", "1")
         raise ConfigError(f"{key}: expected true or false, got {value!r}")
-    if kind is int:
-        if isinstance(value, bool) or not isinstance(value, (int, str)):
-            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if kind in (int, float):
+        what, accepted = ("an integer", (int, str)) if kind is int else ("a number", (int, float, str))
+        if isinstance(value, bool) or not isinstance(value, accepted):
+            raise ConfigError(f"{key}: expected {what}, got {value!r}")
         try:
-            return int(value)
+            return kind(value)
         except ValueError:
-            raise ConfigError(f"{key}: expected an integer, got {value!r}") from None
-    if kind is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-            raise ConfigError(f"{key}: expected a number, got {value!r}")
-        try:
-            return float(value)
-        except ValueError:
-            raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+            raise ConfigError(f"{key}: expected {what}, got {value!r}") from None
     if kind is str:
         if isinstance(value, (dict, list)) or value is None:
             raise ConfigError(f"{key}: expected a string, got {value!r}")
