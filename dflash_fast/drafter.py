@@ -529,7 +529,7 @@ def load_frozen_tensors(
             out[name] = out["embed_tokens"]
             continue
         if key is None:
-            raise KeyError(f"{target_path}: none of {candidates} found for the target's {name}")
+            raise ValueError(f"{target_path}: none of {candidates} found for the target's {name} (not a whole target)")
         with safe_open(where[key], "pt") as f:
             out[name] = f.get_tensor(key).to(torch.float32 if name == "target_norm" else dtype)
     if norm_kind is None:

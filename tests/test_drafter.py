@@ -431,3 +431,17 @@ def test_eager_attention_equals_softmax_over_the_dense_mask(window, causal):
     probs = torch.softmax(scores.masked_fill(~mask[:, None], float("-inf")), -1).nan_to_num(0.0)
     assert torch.allclose(out, torch.einsum("rhqs,rshd->rqhd", probs, v), atol=1e-5)
     assert not out[1, 2 * B :].any(), "an invalid anchor's block is zero"
+
+
+def test_a_target_without_an_embedding_is_refused_by_name(tmp_path):
+    """A truncated or foreign checkpoint: a one-line data error naming the target and the tensor, not a KeyError."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from dflash_fast.drafter import load_frozen_tensors
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", "tie_word_embeddings": True}))
+    save_file({"model.norm.weight": torch.ones(8)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"none of .*embed_tokens.* found for the target's embed_tokens"):
+        load_frozen_tensors(str(tmp_path))
