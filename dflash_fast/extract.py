@@ -324,13 +324,13 @@ class TargetRunner:
         self._captured.clear()
         out = self.model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
         if len(self._captured) != 1:
-            raise RuntimeError(
+            raise UserError(
                 f"the final norm {self.norm_name} ran {len(self._captured)} times in one forward, not once"
             )
         last = self._captured.pop()
         states = out.hidden_states
         if len(states) != self.num_layers + 1:
-            raise RuntimeError(f"the target returned {len(states)} hidden states, expected L+1 = {self.num_layers + 1}")
+            raise UserError(f"the target returned {len(states)} hidden states, expected L+1 = {self.num_layers + 1}")
         return out.logits, torch.stack(tapped_layers(states, last, self.layer_ids), dim=2), last
 
     def check_parity(self, logits, last, lengths, rtol=None, what="last") -> None:
@@ -350,7 +350,7 @@ class TargetRunner:
                 err = (got - want).abs().max().item()
                 bound = rtol * max(want.abs().max().item(), 1.0)
                 if not err <= bound:
-                    raise RuntimeError(
+                    raise UserError(
                         f"parity check failed: lm_head({self.norm_name}({what})) differs from the model's logits by "
                         f"{err:.3g} (tolerance {bound:.3g}, norm kind {self.norm_kind}); `last` is not the input of "
                         f"the final norm or the norm is mis-described. Nothing was written for this batch."

@@ -17,6 +17,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from dflash_fast.eager import rms_norm
+from dflash_fast.errors import UserError
 from dflash_fast.store import NORM_KINDS, final_norm_weight, sha256_file
 
 # Conversation roles every stage accepts (ShareGPT's names are aliases).
@@ -147,7 +148,7 @@ def check_materialised(model, target) -> None:
     ties to the embeddings that is not tied: both would give teacher logits from random numbers."""
     on_meta = [name for name, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if on_meta:
-        raise RuntimeError(
+        raise UserError(
             f"{target}: weights left unloaded (on the meta device) after from_pretrained: {', '.join(on_meta[:5])}"
             + (f" and {len(on_meta) - 5} more" if len(on_meta) > 5 else "")
         )
@@ -155,7 +156,7 @@ def check_materialised(model, target) -> None:
     head, embed = model.get_output_embeddings(), model.get_input_embeddings()
     if getattr(config, "tie_word_embeddings", False) and head is not None and head.weight is not embed.weight:
         if not torch.equal(head.weight.detach().cpu(), embed.weight.detach().cpu()):
-            raise RuntimeError(f"{target}: the config ties lm_head to embed_tokens but the loaded lm_head differs")
+            raise UserError(f"{target}: the config ties lm_head to embed_tokens but the loaded lm_head differs")
 
 
 def config_sha256(target) -> str:

@@ -19,6 +19,7 @@ from dflash_fast import extract as extract_module
 from dflash_fast import target as target_module
 from dflash_fast.batches import make_loader
 from dflash_fast.eager import rms_norm
+from dflash_fast.errors import UserError
 from dflash_fast.extract import ChatTokenizer, extract, read_examples
 from dflash_fast.store import MANIFEST, HiddenStateStore, ShardWriter, dequantize_fp8, final_norm_weight
 
@@ -229,7 +230,7 @@ def test_fp8_parity_checks_last_as_the_store_holds_it(targets, data, tmp_path, m
 def test_parity_mismatch_aborts_before_writing_anything(targets, data, tmp_path, monkeypatch):
     # A mis-described final norm: the recomputed logits cannot match the model's.
     monkeypatch.setattr(extract_module, "detect_norm_kind", lambda _norm: ("rmsnorm_zero_centred", 1e-6))
-    with pytest.raises(RuntimeError, match="parity check failed"):
+    with pytest.raises(UserError, match="parity check failed"):  # one error line from the CLI, no traceback
         run_extract(targets["qwen3"], data, tmp_path)
     assert not os.path.exists(tmp_path / MANIFEST)
     assert os.listdir(tmp_path / "shards") == []
