@@ -9,7 +9,6 @@ only the sizes are small. Stages resume: re-running skips what is already comple
 import json
 import os
 import shutil
-import socket
 import subprocess
 import time
 from typing import Dict, List
@@ -19,18 +18,13 @@ from dflash_fast.errors import UserError
 from dflash_fast.evaluate import evaluate
 from dflash_fast.extract import extract
 from dflash_fast.regenerate import regenerate
+from dflash_fast.trainer import free_port
 
 PACKAGE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(PACKAGE)
 ASSETS = os.path.join(PACKAGE, "assets")
 TARGET = os.path.join(ASSETS, "target")
 MAX_SEQ_LEN = 512  # tokens per document kept (extract --max-seq-len); tiny.yaml packs rows of 512
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def train_command(config: str, overrides: List[str]) -> List[str]:
@@ -41,7 +35,7 @@ def train_command(config: str, overrides: List[str]) -> List[str]:
     script = os.path.join(REPO, "train.py")
     if not os.path.exists(script):
         raise UserError(f"{script} not found: run the quickstart from a checkout of dflash-fast (pip install -e .)")
-    return [launcher, "--num_gpus", "1", "--master_port", str(_free_port()), script, "--config", config, *overrides]
+    return [launcher, "--num_gpus", "1", "--master_port", str(free_port()), script, "--config", config, *overrides]
 
 
 def regenerate_data(out: str, num_prompts: int = 300, max_new_tokens: int = 128, progress: bool = True,

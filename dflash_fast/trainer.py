@@ -268,7 +268,8 @@ def check_muon_stepped(engine) -> None:
 
 # ---------------------------------------------------------------- distributed set-up
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this host now (for a one-process world or a launcher's --master_port)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -284,7 +285,7 @@ def init_distributed() -> Tuple[int, int]:
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             os.environ.update(
-                RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())
+                RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
             )
         if torch.cuda.is_available():
             get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", 0)))

@@ -4,7 +4,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -26,6 +25,7 @@ from dflash_fast.trainer import (
     StoreMismatch,
     check_store_matches,
     deepspeed_config,
+    free_port,
     lr_multiplier,
     train,
 )
@@ -89,12 +89,6 @@ def losses(out):
 
 def exported(out):
     return load_file(os.path.join(out, "export", "model.safetensors"))
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------- config
