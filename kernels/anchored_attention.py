@@ -144,20 +144,18 @@ def _context_tiles(b_lo, b_hi, m_valid, n_ctx, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _anchor_bounds(lo_ptr, hi_ptr, valid_ptr, o_anchor, m_q):
+    """Per row of a tile (o_anchor, m_q from `_tile_rows`; pointers at the batch row): m_valid (a valid
+    anchor) and its context interval [b_lo, b_hi)."""
+    m_valid = tl.load(valid_ptr + o_anchor, mask=m_q, other=0) != 0
+    return m_valid, tl.load(lo_ptr + o_anchor, mask=m_q, other=0), tl.load(hi_ptr + o_anchor, mask=m_q, other=0)
+
+
+@triton.jit
 def _context_scores(
-    b_q,
-    k_base_ptr,
-    v_base_ptr,
-    stride_k,
-    key_start,
-    b_lo,
-    b_hi,
-    n_ctx,
-    qk_scale,
-    MASKED: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    b_q, k_base_ptr, v_base_ptr, stride_k,  # queries [BLOCK_M, D]; context K, V of one row and kv head
+    key_start, b_lo, b_hi, n_ctx, qk_scale,  # the key tile, each row's [lo, hi), T, scale * log2 e
+    MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Context keys [key_start, key_start + BLOCK_N) -> k, v [BLOCK_N, D] and the base-2 scores of b_q
     [BLOCK_M, BLOCK_N]; MASKED: -inf outside each row's [lo, hi), and keys past n_ctx load as zero."""
@@ -177,67 +175,59 @@ def _context_scores(
 
 
 @triton.jit
-def _fwd_context_tile(
-    b_acc,
-    b_sum,
-    b_max,
-    b_q,
-    k_base_ptr,
-    v_base_ptr,
-    stride_k,
-    key_start,
-    b_lo,
-    b_hi,
-    n_ctx,
-    qk_scale,
-    MASKED: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """One online-softmax step over context keys [key_start, key_start + BLOCK_N). b_max is finite on
-    entry (every row has seen its own pack), so a row that sees none of these keys keeps its state."""
-    b_k, b_v, b_s = _context_scores(
-        b_q, k_base_ptr, v_base_ptr, stride_k, key_start, b_lo, b_hi, n_ctx, qk_scale, MASKED, HEAD_DIM, BLOCK_N,
-        DOT_PRECISION,
-    )
-    b_max_new = tl.maximum(b_max, tl.max(b_s, axis=1))
-    b_p = tl.exp2(b_s - b_max_new[:, None])
-    b_alpha = tl.exp2(b_max - b_max_new)
-    b_sum = b_sum * b_alpha + tl.sum(b_p, axis=1)
-    b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
-    return b_acc, b_sum, b_max_new
+def _context_tile_start(it, ctx_start, n_lead, n_full, MASKED: tl.constexpr, BLOCK_N: tl.constexpr):
+    """First key of iteration it of a loop over the tiles of `_context_tiles`: the masked loop takes the
+    n_lead leading tiles, then jumps over the n_full interior ones to the tail; the unmasked loop takes
+    the interior ones. (The tile depends only on the loop counter: the loads stay pipelined.)"""
+    if MASKED:
+        i_tile = tl.where(it < n_lead, it, it + n_full)
+    else:
+        i_tile = n_lead + it
+    return ctx_start + i_tile * BLOCK_N
 
 
 @triton.jit
-def _dq_context_tile(
-    b_dq,
-    b_q,
-    b_do,
-    b_lse,
-    b_delta,
-    k_base_ptr,
-    v_base_ptr,
-    stride_k,
-    key_start,
-    b_lo,
-    b_hi,
-    n_ctx,
-    qk_scale,
-    MASKED: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+def _fwd_context_loop(
+    b_acc, b_sum, b_max, b_q,  # online-softmax state: [BLOCK_M, D] fp32, row sums, row maxima; queries
+    k_base_ptr, v_base_ptr, stride_k, b_lo, b_hi, n_ctx, qk_scale,  # as in `_context_scores`
+    ctx_start, n_lead, n_full, n_iter,  # the tiles of `_context_tiles`, and this loop's trip count
+    MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """dQ (unscaled) += dS K over context keys [key_start, key_start + BLOCK_N), P from the saved lse."""
-    b_k, b_v, b_s = _context_scores(
-        b_q, k_base_ptr, v_base_ptr, stride_k, key_start, b_lo, b_hi, n_ctx, qk_scale, MASKED, HEAD_DIM, BLOCK_N,
-        DOT_PRECISION,
-    )
-    b_p = tl.exp2(b_s - b_lse[:, None])
-    b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PRECISION)
-    b_ds = b_p * (b_dp - b_delta[:, None])
-    return b_dq + tl.dot(b_ds.to(b_k.dtype), b_k, input_precision=DOT_PRECISION)
+    """Online-softmax steps over the context tiles of one loop (`_context_tile_start`). b_max is finite on
+    entry (every row has seen its own pack), so a row that sees none of the keys of a tile keeps its state."""
+    for it in range(n_iter):
+        key_start = _context_tile_start(it, ctx_start, n_lead, n_full, MASKED, BLOCK_N)
+        b_k, b_v, b_s = _context_scores(
+            b_q, k_base_ptr, v_base_ptr, stride_k, key_start, b_lo, b_hi, n_ctx, qk_scale,
+            MASKED, HEAD_DIM, BLOCK_N, DOT_PRECISION,
+        )
+        b_max_new = tl.maximum(b_max, tl.max(b_s, axis=1))
+        b_p = tl.exp2(b_s - b_max_new[:, None])
+        b_alpha = tl.exp2(b_max - b_max_new)
+        b_sum = b_sum * b_alpha + tl.sum(b_p, axis=1)
+        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
+        b_max = b_max_new
+    return b_acc, b_sum, b_max
+
+
+@triton.jit
+def _dq_context_loop(
+    b_dq, b_q, b_do, b_lse, b_delta,  # dQ (unscaled) [BLOCK_M, D] fp32; queries, dO, saved lse and delta
+    k_base_ptr, v_base_ptr, stride_k, b_lo, b_hi, n_ctx, qk_scale,  # as in `_context_scores`
+    ctx_start, n_lead, n_full, n_iter,  # as in `_fwd_context_loop`
+    MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """dQ += dS K over the context tiles of one loop, P from the saved lse."""
+    for it in range(n_iter):
+        key_start = _context_tile_start(it, ctx_start, n_lead, n_full, MASKED, BLOCK_N)
+        b_k, b_v, b_s = _context_scores(
+            b_q, k_base_ptr, v_base_ptr, stride_k, key_start, b_lo, b_hi, n_ctx, qk_scale,
+            MASKED, HEAD_DIM, BLOCK_N, DOT_PRECISION,
+        )
+        b_p = tl.exp2(b_s - b_lse[:, None])
+        b_ds = b_p * (tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PRECISION) - b_delta[:, None])
+        b_dq += tl.dot(b_ds.to(b_k.dtype), b_k, input_precision=DOT_PRECISION)
+    return b_dq
 
 
 @triton.jit
@@ -246,44 +236,43 @@ def _tile_start(i_tile, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P
     return i_tile * (BLOCK_M // BLOCK_P) * (BLOCK_P // BLOCK_SIZE)
 
 
-@triton.autotune(configs=_Q_TILE_CONFIGS, key=["n_ctx", "n_anchor", "BLOCK_SIZE", "HEAD_DIM", "CAUSAL"])
 @triton.jit
-def _attn_fwd_kernel(
-    q_ptr,
-    k_ctx_ptr,
-    v_ctx_ptr,
-    k_blk_ptr,
-    v_blk_ptr,
-    out_ptr,
-    lse_ptr,
-    lo_ptr,
-    hi_ptr,
-    valid_ptr,
-    n_ctx,
-    n_anchor,
-    n_qh,
-    group,
-    qk_scale,
-    BLOCK_SIZE: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_P: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """out and lse (base 2, +inf on invalid anchors) of one (row, q head, anchor tile): its own packs,
-    then the context tiles of `_context_tiles`. Heads vary fastest and the last anchor tiles (late anchors
-    see the most context) launch first: the heaviest programs start first, and the g heads that read the
-    same K/V tiles run together."""
+def _q_tile_program(n_qh, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr):
+    """The (row i_r, q head i_h, first anchor) of a forward or dQ program. Heads vary fastest and the last
+    anchor tiles (late anchors see the most context) launch first: the heaviest programs start first, and
+    the g heads that read the same K/V tiles run together."""
     i_rh, i_tile = tl.program_id(0), tl.num_programs(1) - 1 - tl.program_id(1)
-    i_r, i_h = (i_rh // n_qh).to(tl.int64), i_rh % n_qh
+    return (i_rh // n_qh).to(tl.int64), i_rh % n_qh, _tile_start(i_tile, BLOCK_SIZE, BLOCK_M, BLOCK_P)
+
+
+@triton.jit
+def _q_head_offsets(i_r, i_h, n_ctx, n_anchor, n_qh, group, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Row strides of q-shaped and k-shaped tensors, and where row i_r, q head i_h starts in q/dO/out
+    (q_offset), in k_blk/v_blk and k_ctx/v_ctx (its kv head's), and in lse/delta (stat_offset)."""
     n_q = n_anchor * BLOCK_SIZE
     stride_q, stride_k = n_qh * HEAD_DIM, n_qh // group * HEAD_DIM
     q_offset = i_r * n_q * stride_q + i_h * HEAD_DIM
     blk_offset = i_r * n_q * stride_k + i_h // group * HEAD_DIM
     ctx_offset = i_r * n_ctx * stride_k + i_h // group * HEAD_DIM
-    anchor_start = _tile_start(i_tile, BLOCK_SIZE, BLOCK_M, BLOCK_P)
+    return stride_q, stride_k, q_offset, blk_offset, ctx_offset, (i_r * n_qh + i_h) * n_q
+
+
+@triton.autotune(configs=_Q_TILE_CONFIGS, key=["n_ctx", "n_anchor", "BLOCK_SIZE", "HEAD_DIM", "CAUSAL"])
+@triton.jit
+def _attn_fwd_kernel(
+    q_ptr, k_ctx_ptr, v_ctx_ptr, k_blk_ptr, v_blk_ptr,  # [R, A*B, Hq, D], [R, T, Hkv, D] x2, [R, A*B, Hkv, D] x2
+    out_ptr, lse_ptr,  # [R, A*B, Hq, D], [R, Hq, A*B] fp32
+    lo_ptr, hi_ptr, valid_ptr,  # [R, A] int32: the VisibilityPlan
+    n_ctx, n_anchor, n_qh, group, qk_scale,  # T, A, Hq, g = Hq / Hkv, scale * log2 e
+    BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """out and lse (base 2, +inf on invalid anchors) of one (row, q head, anchor tile): its own packs,
+    then the context tiles of `_context_tiles`."""
+    i_r, i_h, anchor_start = _q_tile_program(n_qh, BLOCK_SIZE, BLOCK_M, BLOCK_P)
+    stride_q, stride_k, q_offset, blk_offset, ctx_offset, stat_offset = _q_head_offsets(
+        i_r, i_h, n_ctx, n_anchor, n_qh, group, BLOCK_SIZE, HEAD_DIM
+    )
 
     # Own blocks: one [BLOCK_P, BLOCK_P] softmax block per pack; they start the online softmax.
     o_q3, m_q3 = _tile_packs(anchor_start, n_anchor, BLOCK_SIZE, BLOCK_M, BLOCK_P)
@@ -300,52 +289,34 @@ def _attn_fwd_kernel(
     b_q = tl.reshape(b_q3, [BLOCK_M, HEAD_DIM])
 
     o_anchor, o_q, m_q = _tile_rows(anchor_start, n_anchor, BLOCK_SIZE, BLOCK_M, BLOCK_P)
-    m_valid = tl.load(valid_ptr + i_r * n_anchor + o_anchor, mask=m_q, other=0) != 0
-    b_lo = tl.load(lo_ptr + i_r * n_anchor + o_anchor, mask=m_q, other=0)
-    b_hi = tl.load(hi_ptr + i_r * n_anchor + o_anchor, mask=m_q, other=0)
+    anchor_offset = i_r * n_anchor
+    m_valid, b_lo, b_hi = _anchor_bounds(lo_ptr + anchor_offset, hi_ptr + anchor_offset, valid_ptr + anchor_offset,
+                                         o_anchor, m_q)
     ctx_start, n_lead, n_full, n_tail = _context_tiles(b_lo, b_hi, m_valid, n_ctx, BLOCK_N)
-    for it in range(n_lead + n_tail):
-        key_start = ctx_start + tl.where(it < n_lead, it, it + n_full) * BLOCK_N
-        b_acc, b_sum, b_max = _fwd_context_tile(
-            b_acc, b_sum, b_max, b_q, k_ctx_ptr + ctx_offset, v_ctx_ptr + ctx_offset, stride_k, key_start, b_lo,
-            b_hi, n_ctx, qk_scale, True, HEAD_DIM, BLOCK_N, DOT_PRECISION,
-        )
-    for it in range(n_full):
-        key_start = ctx_start + (n_lead + it) * BLOCK_N
-        b_acc, b_sum, b_max = _fwd_context_tile(
-            b_acc, b_sum, b_max, b_q, k_ctx_ptr + ctx_offset, v_ctx_ptr + ctx_offset, stride_k, key_start, b_lo,
-            b_hi, n_ctx, qk_scale, False, HEAD_DIM, BLOCK_N, DOT_PRECISION,
-        )
+    k_ctx_ptr, v_ctx_ptr = k_ctx_ptr + ctx_offset, v_ctx_ptr + ctx_offset
+    b_acc, b_sum, b_max = _fwd_context_loop(  # the edge tiles, masked
+        b_acc, b_sum, b_max, b_q, k_ctx_ptr, v_ctx_ptr, stride_k, b_lo, b_hi, n_ctx, qk_scale,
+        ctx_start, n_lead, n_full, n_lead + n_tail, True, HEAD_DIM, BLOCK_N, DOT_PRECISION,
+    )
+    b_acc, b_sum, b_max = _fwd_context_loop(  # the interior tiles, which every valid row sees whole
+        b_acc, b_sum, b_max, b_q, k_ctx_ptr, v_ctx_ptr, stride_k, b_lo, b_hi, n_ctx, qk_scale,
+        ctx_start, n_lead, n_full, n_full, False, HEAD_DIM, BLOCK_N, DOT_PRECISION,
+    )
 
     b_out = tl.where(m_valid[:, None], b_acc / b_sum[:, None], 0.0)
     b_lse = tl.where(m_valid, b_max + tl.log2(b_sum), float("inf"))
     p_out = out_ptr + q_offset + o_q[:, None] * stride_q + tl.arange(0, HEAD_DIM)[None, :]
     tl.store(p_out, b_out.to(out_ptr.dtype.element_ty), mask=m_q[:, None])
-    tl.store(lse_ptr + (i_r * n_qh + i_h) * n_q + o_q, b_lse, mask=m_q)
+    tl.store(lse_ptr + stat_offset + o_q, b_lse, mask=m_q)
 
 
 @triton.jit
 def _attn_bwd_block_kernel(
-    q_ptr,
-    k_blk_ptr,
-    v_blk_ptr,
-    out_ptr,
-    do_ptr,
-    lse_ptr,
-    delta_ptr,
-    dk_blk_ptr,
-    dv_blk_ptr,
-    n_anchor,
-    n_qh,
-    group,
-    qk_scale,
-    scale,
-    BLOCK_SIZE: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_P: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    q_ptr, k_blk_ptr, v_blk_ptr, out_ptr, do_ptr, lse_ptr,  # the forward's inputs and outputs, and dO
+    delta_ptr, dk_blk_ptr, dv_blk_ptr,  # written: [R, Hq, A*B] fp32, [R, A*B, Hkv, D] x2
+    n_anchor, n_qh, group, qk_scale, scale,  # A, Hq, g = Hq / Hkv, scale * log2 e, scale
+    BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """The block pass of one (row, kv head, anchor tile): delta = rowsum(dO * out) of each of its g q heads
     (stored for the dQ and dK/dV passes), and dK, dV of the block keys, which only their own block sees."""
@@ -387,48 +358,24 @@ def _attn_bwd_block_kernel(
 @triton.autotune(configs=_Q_TILE_CONFIGS, key=["n_ctx", "n_anchor", "BLOCK_SIZE", "HEAD_DIM", "CAUSAL"])
 @triton.jit
 def _attn_bwd_dq_kernel(
-    q_ptr,
-    k_ctx_ptr,
-    v_ctx_ptr,
-    k_blk_ptr,
-    v_blk_ptr,
-    do_ptr,
-    lse_ptr,
-    delta_ptr,
-    dq_ptr,
-    lo_ptr,
-    hi_ptr,
-    valid_ptr,
-    n_ctx,
-    n_anchor,
-    n_qh,
-    group,
-    qk_scale,
-    scale,
-    BLOCK_SIZE: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_P: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    q_ptr, k_ctx_ptr, v_ctx_ptr, k_blk_ptr, v_blk_ptr,  # as in the forward
+    do_ptr, lse_ptr, delta_ptr, dq_ptr,  # dO, the saved lse and delta, and dQ (written, shaped as q)
+    lo_ptr, hi_ptr, valid_ptr,  # [R, A] int32: the VisibilityPlan
+    n_ctx, n_anchor, n_qh, group, qk_scale, scale,  # T, A, Hq, g = Hq / Hkv, scale * log2 e, scale
+    BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """dQ = scale * dS K of one (row, q head, anchor tile) over the keys the forward visited: its own packs,
-    then the same context tiles. Rows with lse = +inf (invalid anchors, padding) get P = 0, so dQ = 0."""
-    i_rh, i_tile = tl.program_id(0), tl.num_programs(1) - 1 - tl.program_id(1)
-    i_r, i_h = (i_rh // n_qh).to(tl.int64), i_rh % n_qh
-    n_q = n_anchor * BLOCK_SIZE
-    stride_q, stride_k = n_qh * HEAD_DIM, n_qh // group * HEAD_DIM
-    q_offset = i_r * n_q * stride_q + i_h * HEAD_DIM
-    blk_offset = i_r * n_q * stride_k + i_h // group * HEAD_DIM
-    ctx_offset = i_r * n_ctx * stride_k + i_h // group * HEAD_DIM
-    stat_offset = (i_r * n_qh + i_h) * n_q
-    anchor_start = _tile_start(i_tile, BLOCK_SIZE, BLOCK_M, BLOCK_P)
+    """dQ = scale * dS K of one (row, q head, anchor tile) over the keys the forward visited: the same
+    context tiles, then its own packs. Rows with lse = +inf (invalid anchors, padding) get P = 0, so dQ = 0."""
+    i_r, i_h, anchor_start = _q_tile_program(n_qh, BLOCK_SIZE, BLOCK_M, BLOCK_P)
+    stride_q, stride_k, q_offset, blk_offset, ctx_offset, stat_offset = _q_head_offsets(
+        i_r, i_h, n_ctx, n_anchor, n_qh, group, BLOCK_SIZE, HEAD_DIM
+    )
 
     o_anchor, o_q, m_q = _tile_rows(anchor_start, n_anchor, BLOCK_SIZE, BLOCK_M, BLOCK_P)
-    m_valid = tl.load(valid_ptr + i_r * n_anchor + o_anchor, mask=m_q, other=0) != 0
-    b_lo = tl.load(lo_ptr + i_r * n_anchor + o_anchor, mask=m_q, other=0)
-    b_hi = tl.load(hi_ptr + i_r * n_anchor + o_anchor, mask=m_q, other=0)
+    anchor_offset = i_r * n_anchor
+    m_valid, b_lo, b_hi = _anchor_bounds(lo_ptr + anchor_offset, hi_ptr + anchor_offset, valid_ptr + anchor_offset,
+                                         o_anchor, m_q)
     o_qd = o_q[:, None] * stride_q + tl.arange(0, HEAD_DIM)[None, :]
     b_q = tl.load(q_ptr + q_offset + o_qd, mask=m_q[:, None], other=0.0)
     b_do = tl.load(do_ptr + q_offset + o_qd, mask=m_q[:, None], other=0.0)
@@ -436,18 +383,15 @@ def _attn_bwd_dq_kernel(
     b_delta = tl.load(delta_ptr + stat_offset + o_q, mask=m_q, other=0.0)
     b_dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     ctx_start, n_lead, n_full, n_tail = _context_tiles(b_lo, b_hi, m_valid, n_ctx, BLOCK_N)
-    for it in range(n_lead + n_tail):
-        key_start = ctx_start + tl.where(it < n_lead, it, it + n_full) * BLOCK_N
-        b_dq = _dq_context_tile(
-            b_dq, b_q, b_do, b_lse, b_delta, k_ctx_ptr + ctx_offset, v_ctx_ptr + ctx_offset, stride_k, key_start,
-            b_lo, b_hi, n_ctx, qk_scale, True, HEAD_DIM, BLOCK_N, DOT_PRECISION,
-        )
-    for it in range(n_full):
-        key_start = ctx_start + (n_lead + it) * BLOCK_N
-        b_dq = _dq_context_tile(
-            b_dq, b_q, b_do, b_lse, b_delta, k_ctx_ptr + ctx_offset, v_ctx_ptr + ctx_offset, stride_k, key_start,
-            b_lo, b_hi, n_ctx, qk_scale, False, HEAD_DIM, BLOCK_N, DOT_PRECISION,
-        )
+    k_ctx_ptr, v_ctx_ptr = k_ctx_ptr + ctx_offset, v_ctx_ptr + ctx_offset
+    b_dq = _dq_context_loop(  # the edge tiles, masked
+        b_dq, b_q, b_do, b_lse, b_delta, k_ctx_ptr, v_ctx_ptr, stride_k, b_lo, b_hi, n_ctx, qk_scale,
+        ctx_start, n_lead, n_full, n_lead + n_tail, True, HEAD_DIM, BLOCK_N, DOT_PRECISION,
+    )
+    b_dq = _dq_context_loop(  # the interior tiles
+        b_dq, b_q, b_do, b_lse, b_delta, k_ctx_ptr, v_ctx_ptr, stride_k, b_lo, b_hi, n_ctx, qk_scale,
+        ctx_start, n_lead, n_full, n_full, False, HEAD_DIM, BLOCK_N, DOT_PRECISION,
+    )
 
     # Own blocks last: one [BLOCK_P, BLOCK_P] block per pack (a batched dot).
     o_q3, m_q3 = _tile_packs(anchor_start, n_anchor, BLOCK_SIZE, BLOCK_M, BLOCK_P)
@@ -468,32 +412,12 @@ def _attn_bwd_dq_kernel(
 @triton.autotune(configs=_KEY_TILE_CONFIGS, key=["n_ctx", "n_anchor", "BLOCK_SIZE", "HEAD_DIM"])
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    q_ptr,
-    k_ctx_ptr,
-    v_ctx_ptr,
-    do_ptr,
-    lse_ptr,
-    delta_ptr,
-    dk_ctx_ptr,
-    dv_ctx_ptr,
-    lo_ptr,
-    hi_ptr,
-    first_ptr,
-    last_ptr,
-    lo_max_ptr,
-    hi_min_ptr,
-    n_ctx,
-    n_anchor,
-    n_qh,
-    group,
-    qk_scale,
-    scale,
-    BLOCK_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_P: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    q_ptr, k_ctx_ptr, v_ctx_ptr, do_ptr, lse_ptr, delta_ptr,  # as in the dQ pass
+    dk_ctx_ptr, dv_ctx_ptr,  # written, shaped as k_ctx
+    lo_ptr, hi_ptr, first_ptr, last_ptr, lo_max_ptr, hi_min_ptr,  # the VisibilityPlan's lo, hi; ContextRanges
+    n_ctx, n_anchor, n_qh, group, qk_scale, scale,  # as in the dQ pass
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """dV = P^T dO, dK = scale * dS^T Q of one (row, context key tile, kv head), summed over its g q heads
     and the anchor tiles from first[key_start] to last[key_end - 1], the anchors that may see the key tile
@@ -706,25 +630,11 @@ def anchored_attention_forward(
     lse = torch.empty((r, hq, n_q), dtype=torch.float32, device=q.device)
     grid = lambda meta: (r * hq, triton.cdiv(n_anchor, anchors_per_tile(meta["BLOCK_M"], block_size)))
     _attn_fwd_kernel[grid](
-        q,
-        k_ctx,
-        v_ctx,
-        k_blk,
-        v_blk,
-        out,
-        lse,
-        plan.lo,
-        plan.hi,
-        plan.valid,
-        t,
-        n_anchor,
-        hq,
-        hq // hkv,
-        scale * math.log2(math.e),
-        BLOCK_SIZE=block_size,
-        CAUSAL=causal_in_block,
-        HEAD_DIM=d,
-        BLOCK_P=pack_rows(block_size),
+        q, k_ctx, v_ctx, k_blk, v_blk,
+        out, lse,
+        *plan,
+        t, n_anchor, hq, hq // hkv, scale * math.log2(math.e),
+        BLOCK_SIZE=block_size, CAUSAL=causal_in_block, HEAD_DIM=d, BLOCK_P=pack_rows(block_size),
         DOT_PRECISION=dot_precision(q.dtype),
     )
     return out, lse
@@ -757,81 +667,30 @@ def anchored_attention_backward(
     delta = torch.empty_like(lse)
     dk_blk, dv_blk = torch.empty_like(k_blk), torch.empty_like(v_blk)
     _attn_bwd_block_kernel[(triton.cdiv(n_anchor, anchors_per_tile(_BLOCK_PASS_ROWS, block_size)), r * hkv)](
-        q,
-        k_blk,
-        v_blk,
-        out,
-        do,
-        lse,
-        delta,
-        dk_blk,
-        dv_blk,
-        n_anchor,
-        hq,
-        group,
-        qk_scale,
-        scale,
-        BLOCK_SIZE=block_size,
-        CAUSAL=causal_in_block,
-        HEAD_DIM=d,
-        BLOCK_P=block_p,
-        DOT_PRECISION=precision,
-        BLOCK_M=_BLOCK_PASS_ROWS,
-        num_warps=_BLOCK_PASS_WARPS,
-        num_stages=_BLOCK_PASS_STAGES,
+        q, k_blk, v_blk, out, do, lse,
+        delta, dk_blk, dv_blk,
+        n_anchor, hq, group, qk_scale, scale,
+        BLOCK_SIZE=block_size, CAUSAL=causal_in_block, HEAD_DIM=d, BLOCK_P=block_p, DOT_PRECISION=precision,
+        BLOCK_M=_BLOCK_PASS_ROWS, num_warps=_BLOCK_PASS_WARPS, num_stages=_BLOCK_PASS_STAGES,
     )
     dq = torch.empty_like(q)
     grid_q = lambda meta: (r * hq, triton.cdiv(n_anchor, anchors_per_tile(meta["BLOCK_M"], block_size)))
     _attn_bwd_dq_kernel[grid_q](
-        q,
-        k_ctx,
-        v_ctx,
-        k_blk,
-        v_blk,
-        do,
-        lse,
-        delta,
-        dq,
-        plan.lo,
-        plan.hi,
-        plan.valid,
-        t,
-        n_anchor,
-        hq,
-        group,
-        qk_scale,
-        scale,
-        BLOCK_SIZE=block_size,
-        CAUSAL=causal_in_block,
-        HEAD_DIM=d,
-        BLOCK_P=block_p,
-        DOT_PRECISION=precision,
+        q, k_ctx, v_ctx, k_blk, v_blk,
+        do, lse, delta, dq,
+        *plan,
+        t, n_anchor, hq, group, qk_scale, scale,
+        BLOCK_SIZE=block_size, CAUSAL=causal_in_block, HEAD_DIM=d, BLOCK_P=block_p, DOT_PRECISION=precision,
     )
     ranges = context_ranges(plan, t)
     dk_ctx, dv_ctx = torch.empty_like(k_ctx), torch.empty_like(v_ctx)
     grid_k = lambda meta: (r * triton.cdiv(t, meta["BLOCK_N"]) * hkv,)
     _attn_bwd_dkdv_kernel[grid_k](
-        q,
-        k_ctx,
-        v_ctx,
-        do,
-        lse,
-        delta,
-        dk_ctx,
-        dv_ctx,
-        plan.lo,
-        plan.hi,
-        *ranges,
-        t,
-        n_anchor,
-        hq,
-        group,
-        qk_scale,
-        scale,
-        BLOCK_SIZE=block_size,
-        HEAD_DIM=d,
-        BLOCK_P=block_p,
-        DOT_PRECISION=precision,
+        q, k_ctx, v_ctx, do, lse, delta,
+        dk_ctx, dv_ctx,
+        plan.lo, plan.hi, *ranges,
+        t, n_anchor, hq, group, qk_scale, scale,
+        BLOCK_SIZE=block_size, HEAD_DIM=d, BLOCK_P=block_p, DOT_PRECISION=precision,
     )
     return dq, dk_ctx, dv_ctx, dk_blk, dv_blk
 
@@ -848,19 +707,9 @@ class _AnchoredAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k_ctx, v_ctx, k_blk, v_blk, out, lse, lo, hi, valid = ctx.saved_tensors
+        plan = VisibilityPlan(lo, hi, valid)
         grads = anchored_attention_backward(
-            do,
-            q,
-            k_ctx,
-            v_ctx,
-            k_blk,
-            v_blk,
-            out,
-            lse,
-            VisibilityPlan(lo, hi, valid),
-            ctx.block_size,
-            ctx.causal_in_block,
-            ctx.scale,
+            do, q, k_ctx, v_ctx, k_blk, v_blk, out, lse, plan, ctx.block_size, ctx.causal_in_block, ctx.scale
         )
         return (*grads, None, None, None, None, None, None)
 

@@ -1,7 +1,8 @@
 """bench/attention_model.py walks the tiles each attention program visits; it must walk the kernel's.
 
 Under TRITON_INTERPRET=1 the kernels' @triton.jit helpers are called as Python, once per visited
-context tile (forward, dQ) or per dK/dV iteration, so counting those calls counts the kernel's work.
+context tile (`_context_scores`, in the forward and in dQ) or per dK/dV iteration, so counting those
+calls counts the kernel's work.
 """
 
 import os
@@ -30,18 +31,19 @@ def test_model_walks_the_tiles_the_kernels_visit(monkeypatch):
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(2, 24 * B, HQ, D, generator=gen, requires_grad=True)
     kv = [torch.randn(2, n, HKV, D, generator=gen, requires_grad=True) for n in (T, T, 24 * B, 24 * B)]
-    fwd, dq, rows_calls = (counting(monkeypatch, n) for n in ("_fwd_context_tile", "_dq_context_tile", "_tile_rows"))
+    scores_calls, rows_calls = (counting(monkeypatch, n) for n in ("_context_scores", "_tile_rows"))
     out = kernel.anchored_attention(q, *kv, anchors, valid, docs, B)
-    forward_rows_calls = len(rows_calls)
+    fwd, forward_rows_calls = len(scores_calls), len(rows_calls)
     out.backward(torch.ones_like(out))
+    dq = len(scores_calls) - fwd  # of the backward passes only dQ walks the context tiles
 
     config = kernel._attn_fwd_kernel.configs[0].kwargs
     block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
     plan = kernel.visibility_plan(anchors, valid, docs, None)
     ranges = kernel.context_ranges(plan, T)
     tiles = [attention_model.tiles_after(plan, 24, B, block_m, block_n, r) for r in range(2)]
-    assert len(fwd) == HQ * sum(map(sum, tiles)) > 0
-    assert len(dq) == len(fwd)
+    assert fwd == HQ * sum(map(sum, tiles)) > 0
+    assert dq == fwd
     key_config = kernel._attn_bwd_dkdv_kernel.configs[0].kwargs
     iterations = [
         attention_model.key_tile_iterations(
