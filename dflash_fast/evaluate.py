@@ -29,9 +29,10 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, 
 
 import torch
 
+from dflash_fast.cli import call_with_flags
 from dflash_fast.drafter import DFlashDrafter, load_frozen_tensors, slot_metrics
 from dflash_fast.errors import UserError
-from dflash_fast.regenerate import encode_prompt, eos_token_ids, load_model, read_prompts
+from dflash_fast.regenerate import add_model_arguments, encode_prompt, eos_token_ids, load_model, read_prompts
 from dflash_fast.store import check_layer_ids, default_layer_ids
 from dflash_fast.target import check_target, final_norm_module, tapped_layers
 
@@ -494,25 +495,12 @@ def add_arguments(parser) -> None:
         "--no-baseline", action="store_true", help="skip the target-only greedy loop (no speedup, no identity check)"
     )
     p.add_argument("--no-offline", action="store_true", help="skip tau_offline")
-    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="default: bf16 on cuda, fp32 on cpu")
-    p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modelling code to run")
+    add_model_arguments(p)
     p.add_argument("--out", default=None, help="write the JSON report here instead of stdout")
 
 
 def run(args) -> int:
-    report = evaluate(
-        args.target,
-        args.data,
-        args.drafter,
-        max_new_tokens=args.max_new_tokens,
-        num_prompts=args.num_prompts,
-        offline=not args.no_offline,
-        baseline=not args.no_baseline,
-        device=args.device,
-        dtype=args.dtype,
-        trust_remote_code=args.trust_remote_code,
-    )
+    report = call_with_flags(evaluate, args, offline=not args.no_offline, baseline=not args.no_baseline)
     text = json.dumps(report, indent=2)
     if args.out:
         with open(args.out, "w") as f:

@@ -28,6 +28,7 @@ from typing import Dict, List, Optional, Sequence, Set, Union
 
 import torch
 
+from dflash_fast.cli import call_with_flags
 from dflash_fast.store import torch_dtype
 from dflash_fast.target import (
     KNOWN_ROLES,
@@ -133,6 +134,13 @@ def load_model(target: str, device=None, dtype: Optional[str] = None, trust_remo
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     compute = torch_dtype(dtype) if dtype else torch.bfloat16 if device.type == "cuda" else torch.float32
     return load_target(target, device, compute, trust_remote_code)
+
+
+def add_model_arguments(p) -> None:
+    """The flags of `load_model`'s options, for the commands that load the target with it (regenerate, eval)."""
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="default: bf16 on cuda, fp32 on cpu")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modelling code to run")
 
 
 def eos_token_ids(model, tokenizer) -> List[int]:
@@ -315,27 +323,11 @@ def add_arguments(parser) -> None:
     p.add_argument("--top-k", type=int, default=0, help="top-k cut when sampling, 0 = off (default)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
-    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="default: bf16 on cuda, fp32 on cpu")
-    p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modelling code to run")
+    add_model_arguments(p)
 
 
 def run(args) -> int:
-    s = regenerate(
-        args.target,
-        args.data,
-        args.out,
-        batch_size=args.batch_size,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        num_prompts=args.num_prompts,
-        device=args.device,
-        dtype=args.dtype,
-        trust_remote_code=args.trust_remote_code,
-    )
+    s = call_with_flags(regenerate, args)
     print(
         f"{s['out']}: {s['written']} responses written, {s['skipped']} already there, "
         f"{s['finished']} of the new ones ended at eos ({s['prompts']} prompts)"
