@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
-from dflash_fast.errors import ConfigError
+from dflash_fast.errors import ConfigError, read_mapping
 
 SCHEDULES = ("cosine", "constant")
 PRECISIONS = ("auto", "bf16", "fp32")
@@ -255,16 +255,9 @@ def _merge(base: Dict[str, Any], extra: Dict[str, Any]) -> Dict[str, Any]:
 def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> TrainConfig:
     """The YAML at `path` (or all defaults), then `overrides`, typed and validated."""
     data: Dict[str, Any] = {}
-    if path is not None:
-        try:
-            with open(path) as f:
-                data = yaml.safe_load(f) or {}
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} does not exist") from None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path} is not valid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path} must hold a mapping of sections, got {type(data).__name__}")
+    if path is not None:  # an empty file is all defaults
+        data = read_mapping(path, lambda f: yaml.safe_load(f) or {}, yaml.YAMLError, ConfigError, "YAML",
+                            "a mapping of sections")
     cfg = _build(TrainConfig, data, "", path or "the defaults")
     if overrides:
         cfg = _build(TrainConfig, _merge(data, parse_overrides(overrides)), "", "the command-line overrides")

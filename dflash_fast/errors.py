@@ -11,7 +11,7 @@ the environment, shows the traceback of every error.
 """
 import os
 import sys
-from typing import Callable, Optional
+from typing import IO, Any, Callable, Dict, Optional, Type
 
 DEBUG_ENV = "DFLASH_DEBUG"
 
@@ -23,6 +23,23 @@ class UserError(RuntimeError):
 
 class ConfigError(ValueError):
     """A config key or value is wrong; the message names it and the fix."""
+
+
+def read_mapping(path: str, parse: Callable[[IO[str]], Any], syntax: Type[Exception], error: Type[Exception],
+                 language: str, what: str) -> Dict:
+    """The mapping `parse` reads from the file at `path` (a training config, an export's JSON). Each failure is one
+    `error` naming the file: it does not exist, it is not valid `language` (`parse` raised `syntax`), or it holds
+    something other than a mapping (`what` names the mapping expected)."""
+    try:
+        with open(path) as f:
+            data = parse(f)
+    except FileNotFoundError:
+        raise error(f"{path} does not exist") from None
+    except syntax as e:
+        raise error(f"{path} is not valid {language}: {e}") from None
+    if not isinstance(data, dict):
+        raise error(f"{path} holds a {type(data).__name__}, not {what}")
+    return data
 
 
 def debug_requested(flag: bool = False) -> bool:

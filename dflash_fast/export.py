@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from dflash_fast import ops
 from dflash_fast.checkpoint import load_drafter_for_export
 from dflash_fast.drafter import DFlashDrafter, DrafterConfig, load_frozen_tensors
+from dflash_fast.errors import read_mapping
 from dflash_fast.store import check_layer_ids, default_layer_ids, torch_dtype, write_json_atomic
 
 FORMATS = ("speculators", "zlab")
@@ -715,16 +716,7 @@ def load_weights(drafter: DFlashDrafter, weights: Dict[str, torch.Tensor], where
 
 
 def _read_json(path: str) -> Dict:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise ExportError(f"{path} does not exist") from None
-    except json.JSONDecodeError as e:
-        raise ExportError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise ExportError(f"{path} holds a {type(data).__name__}, not a JSON object")
-    return data
+    return read_mapping(path, json.load, json.JSONDecodeError, ExportError, "JSON", "a JSON object")
 
 
 def read_export_config(export_dir: str) -> Dict:

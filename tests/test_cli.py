@@ -119,3 +119,25 @@ def test_configs_that_cannot_train_are_refused_naming_the_key(override, message)
 
 def test_the_shortest_row_that_holds_a_block_is_accepted():
     assert load_config(TINY_YAML, ["data.seq_len=8"]).data.seq_len == 8  # tiny.yaml: model.block_size 8
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (None, "does not exist"),
+        ("model: [1\n", "is not valid YAML"),
+        ("- model\n", "holds a list, not a mapping of sections"),
+    ],
+)
+def test_a_config_file_that_cannot_be_read_is_a_config_error_naming_the_file(tmp_path, text, message):
+    path = tmp_path / "run.yaml"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(ConfigError, match=f"{path} {message}"):
+        load_config(str(path))
+
+
+def test_an_empty_config_file_is_all_defaults(tmp_path):
+    path = tmp_path / "empty.yaml"
+    path.write_text("")
+    assert load_config(str(path), ["data.store=/x"]) == load_config(None, ["data.store=/x"])
