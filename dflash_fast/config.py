@@ -43,6 +43,14 @@ class ModelConfig:
     # the architecture above (a key set to other than its default must agree with it) and the starting weights.
     init_from: Optional[str] = None
 
+    def drafter_options(self) -> Dict[str, Any]:
+        """The architecture keys (`DRAFTER_OPTIONS`) as `DrafterConfig.from_target` takes them."""
+        return {key: getattr(self, key) for key in DRAFTER_OPTIONS}
+
+
+# The model.* keys that are the drafter's architecture options, named as DrafterConfig names them.
+DRAFTER_OPTIONS = ("num_layers", "block_size", "layer_types", "sliding_window", "causal_in_block")
+
 
 @dataclasses.dataclass
 class OnlineConfig:

@@ -58,7 +58,7 @@ from dflash_fast.checkpoint import (
     write_rng_state,
     write_weights,
 )
-from dflash_fast.config import ConfigError, ModelConfig, TrainConfig, load_config
+from dflash_fast.config import DRAFTER_OPTIONS, ConfigError, ModelConfig, TrainConfig, load_config
 from dflash_fast.drafter import DFlashDrafter, DrafterConfig, DrafterOutput, build_drafter, slot_metrics, slot_targets
 from dflash_fast.eager import has_kl, needs_last
 from dflash_fast.errors import DEBUG_ENV, UserError, run_reporting_errors
@@ -529,11 +529,7 @@ class Trainer:
                     m.mask_token_id,
                     norm_kind=manifest["final_norm"]["kind"],
                     frozen_dtype=self.dtype,
-                    num_layers=m.num_layers,
-                    block_size=m.block_size,
-                    layer_types=m.layer_types,
-                    sliding_window=m.sliding_window,
-                    causal_in_block=m.causal_in_block,
+                    **m.drafter_options(),
                 )
             except (OSError, ValueError, KeyError) as e:
                 raise ConfigError(
@@ -618,15 +614,7 @@ class Trainer:
                 f"(extract a store with its layer ids, or start from a drafter made for this target): {e}"
             ) from None
         defaults = ModelConfig()
-        theirs = {
-            "layer_ids": d.layer_ids,
-            "num_layers": d.num_layers,
-            "block_size": d.block_size,
-            "mask_token_id": d.mask_token_id,
-            "layer_types": d.layer_types,
-            "sliding_window": d.sliding_window,
-            "causal_in_block": d.causal_in_block,
-        }
+        theirs = {key: getattr(d, key) for key in ("layer_ids", "mask_token_id", *DRAFTER_OPTIONS)}
         for key, value in theirs.items():
             ours = getattr(m, key)
             if ours == getattr(defaults, key):
