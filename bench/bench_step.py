@@ -52,6 +52,7 @@ from dflash_fast import ops  # noqa: E402
 from dflash_fast.batches import sample_anchors  # noqa: E402
 from dflash_fast.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
 from dflash_fast.eager import needs_last  # noqa: E402
+from dflash_fast.export import qwen3_layer  # noqa: E402
 
 FULL = dict(H=4096, Hq=32, Hkv=8, D=128, I=12288, V=151936, K=5, L=5, B=16, A=512, T=3072, docs=4)
 SMOKE = dict(H=32, Hq=2, Hkv=1, D=16, I=64, V=256, K=2, L=2, B=4, A=6, T=48, docs=3)
@@ -248,18 +249,8 @@ def build_speculators(s, frozen, device, lr, loss_kind, batch, smoke):
     from transformers import Qwen3Config
 
     cfg = drafter_config(s)
-    layer_config = Qwen3Config(
-        vocab_size=s["V"],
-        hidden_size=s["H"],
-        intermediate_size=s["I"],
-        num_hidden_layers=s["L"],
-        num_attention_heads=s["Hq"],
-        num_key_value_heads=s["Hkv"],
-        head_dim=s["D"],
-        rms_norm_eps=EPS,
-        max_position_embeddings=cfg.max_position_embeddings,
-        rope_parameters=dict(cfg.rope_parameters),
-    )
+    # The layer config our speculators export writes for this drafter, read as speculators reads it.
+    layer_config = Qwen3Config(**qwen3_layer(cfg))
     # On CPU FlexAttention has no backward: the smoke run uses its eager attention with a dense mask.
     layer_config._attn_implementation = "eager" if smoke else "simple_flex_attention"
     config = DFlashSpeculatorConfig(

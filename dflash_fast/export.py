@@ -90,7 +90,7 @@ class ExportError(ValueError):
 # ---------------------------------------------------------------- writing the two layouts
 
 
-def _qwen3_layer(cfg: DrafterConfig) -> Dict:
+def qwen3_layer(cfg: DrafterConfig) -> Dict:
     """The Qwen3 config both layouts carry (speculators: transformer_layer_config; zlab: the top level)."""
     sliding = "sliding" in cfg.layer_types
     rope = dict(cfg.rope_parameters)
@@ -142,7 +142,7 @@ def speculators_config(cfg: DrafterConfig, verifier: str) -> Dict:
     return {
         "speculators_model_type": "dflash",
         "architectures": ["DFlashDraftModel"],
-        "transformer_layer_config": _qwen3_layer(cfg),
+        "transformer_layer_config": qwen3_layer(cfg),
         "aux_hidden_state_layer_ids": [i + 1 for i in cfg.layer_ids],
         "block_size": cfg.block_size,
         "mask_token_id": cfg.mask_token_id,
@@ -163,7 +163,7 @@ def speculators_config(cfg: DrafterConfig, verifier: str) -> Dict:
 def zlab_config(cfg: DrafterConfig, verifier: str) -> Dict:
     """config.json of the z-lab layout (no auto_map: the z-lab Transformers backend's dflash.py is not shipped)."""
     return {
-        **_qwen3_layer(cfg),
+        **qwen3_layer(cfg),
         "architectures": ["DFlashDraftModel"],
         "block_size": cfg.block_size,
         "num_target_layers": cfg.target_num_layers,

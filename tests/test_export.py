@@ -207,14 +207,14 @@ def test_sliding_window_survives_the_reload_through_qwen3config(tmp_path):
 
 def test_a_drafter_whose_window_the_engines_drop_is_never_written(tmp_path, monkeypatch):
     """The gate is what makes the issue-12 class of bug unshippable: reintroduce it and the export is refused."""
-    original = export._qwen3_layer
+    original = export.qwen3_layer
 
     def without_use_sliding_window(cfg):
         layer = original(cfg)
         layer.pop("use_sliding_window")
         return layer
 
-    monkeypatch.setattr(export, "_qwen3_layer", without_use_sliding_window)
+    monkeypatch.setattr(export, "qwen3_layer", without_use_sliding_window)
     d = make_drafter(layer_types=["full", "sliding"], sliding_window=5)
     with pytest.raises(ExportError, match=r"layer_windows: trained \[None, 5\], speculators serves \[None, None\]"):
         export_drafter(d, str(tmp_path / "export"), "tiny-target", torch.float32)
