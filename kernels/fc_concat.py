@@ -95,6 +95,19 @@ def _add_uniform_noise(b_x, seed, noise_std, o_n, layer, K, H_T, t0,
     return (b_x.to(tl.float32) + (2.0 * u - 1.0) * noise_std).to(b_x.dtype)
 
 
+@triton.jit
+def _load_operands(p_a, p_b, m_a, m_b, m_k, EVEN_K: tl.constexpr):
+    """The A [M, K] and B [K, N] tiles of one step of a K loop, zero outside: rows of A masked by m_a, columns
+    of B by m_b, and the K axis by m_k unless EVEN_K (the K extent is a multiple of the tile: no K mask)."""
+    if EVEN_K:
+        b_a = tl.load(p_a, mask=m_a[:, None], other=0.0)
+        b_b = tl.load(p_b, mask=m_b[None, :], other=0.0)
+    else:
+        b_a = tl.load(p_a, mask=m_a[:, None] & m_k[None, :], other=0.0)
+        b_b = tl.load(p_b, mask=m_k[:, None] & m_b[None, :], other=0.0)
+    return b_a, b_b
+
+
 @triton.autotune(configs=_configs("BLOCK_N", "BLOCK_H", "BLOCK_T"), key=["N", "H", "H_T", "K", "NOISE"])
 @triton.heuristics({"EVEN_T": lambda a: a["H_T"] % a["BLOCK_T"] == 0})
 @triton.jit(do_not_specialize=["seed"])
@@ -118,13 +131,7 @@ def _fc_concat_fwd_kernel(
         p_x = x_ptrs[layer] + o_n[:, None] * stride_x[layer] + o_t[None, :]
         p_w = w_ptr + o_h.to(tl.int64)[None, :] * stride_w + (layer * H_T + o_t)[:, None]
         for t0 in range(0, H_T, BLOCK_T):
-            if EVEN_T:
-                b_x = tl.load(p_x, mask=m_n[:, None], other=0.0)
-                b_w = tl.load(p_w, mask=m_h[None, :], other=0.0)
-            else:
-                m_t = t0 + o_t < H_T
-                b_x = tl.load(p_x, mask=m_n[:, None] & m_t[None, :], other=0.0)
-                b_w = tl.load(p_w, mask=m_t[:, None] & m_h[None, :], other=0.0)
+            b_x, b_w = _load_operands(p_x, p_w, m_n, m_h, t0 + o_t < H_T, EVEN_T)
             if NOISE:
                 # Masked lanes pick up noise too, but they meet zero weight rows or unstored rows.
                 b_x = _add_uniform_noise(b_x, seed, noise_std, o_n, layer, K, H_T, t0, BLOCK_N, BLOCK_T)
@@ -157,13 +164,7 @@ def _fc_weight_grad_kernel(
     p_x = x_ptr + o_n[:, None] * stride_x + o_t[None, :]  # [BLOCK_N, BLOCK_T]
     b_acc = tl.zeros([BLOCK_H, BLOCK_T], dtype=tl.float32)
     for n0 in range(0, N, BLOCK_N):
-        if EVEN_N:
-            b_dy = tl.load(p_dy, mask=m_h[:, None], other=0.0)
-            b_x = tl.load(p_x, mask=m_t[None, :], other=0.0)
-        else:
-            m_n = n0 + o_n < N
-            b_dy = tl.load(p_dy, mask=m_h[:, None] & m_n[None, :], other=0.0)
-            b_x = tl.load(p_x, mask=m_n[:, None] & m_t[None, :], other=0.0)
+        b_dy, b_x = _load_operands(p_dy, p_x, m_h, m_t, n0 + o_n < N, EVEN_N)
         if NOISE:
             # Masked lanes pick up noise too, but they meet zero dy columns or unstored columns.
             b_x = _add_uniform_noise(b_x, seed, noise_std, n0 + o_n, layer, K, H_T, i_t * BLOCK_T, BLOCK_N, BLOCK_T)
@@ -247,19 +248,11 @@ def fc_concat_forward(
         )
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]) * triton.cdiv(h, meta["BLOCK_H"]),)
     _fc_concat_fwd_kernel[grid](
-        tuple(layers),
-        tuple(layer.stride(0) for layer in layers),
-        w,
-        w.stride(0),
+        tuple(layers), tuple(layer.stride(0) for layer in layers),
+        w, w.stride(0),
         y,
-        n,
-        h,
-        h_t,
-        float(noise_std),
-        int(seed),
-        K=len(layers),
-        NOISE=noise_std > 0,
-        PRECISION=dot_precision(x.dtype),
+        n, h, h_t, float(noise_std), int(seed),
+        K=len(layers), NOISE=noise_std > 0, PRECISION=dot_precision(x.dtype),
     )
     ctx, rstd = rms_norm_forward(y, norm_weight, eps, out_dtype=torch.promote_types(norm_weight.dtype, x.dtype))
     return ctx, y, rstd
@@ -292,19 +285,10 @@ def fc_concat_backward(
     for k, x in enumerate(layers):
         _fc_weight_grad_kernel[grid](
             dy,
-            x,
-            x.stride(0),
-            d_fc,
-            d_fc.stride(0),
-            n,
-            h,
-            h_t,
-            k,
-            len(layers),
-            float(noise_std),
-            int(seed),
-            NOISE=noise_std > 0,
-            PRECISION=dot_precision(x.dtype),
+            x, x.stride(0),
+            d_fc, d_fc.stride(0),
+            n, h, h_t, k, len(layers), float(noise_std), int(seed),
+            NOISE=noise_std > 0, PRECISION=dot_precision(x.dtype),
         )
     return d_fc, d_norm
 
@@ -323,14 +307,7 @@ class FcConcatFunction(torch.autograd.Function):
     def backward(ctx, d_ctx):
         fc_weight, norm_weight, y, rstd, *layers = ctx.saved_tensors
         d_fc, d_norm = fc_concat_backward(
-            d_ctx,
-            layers,
-            fc_weight,
-            norm_weight,
-            y,
-            rstd,
-            ctx.noise_std,
-            ctx.seed,
+            d_ctx, layers, fc_weight, norm_weight, y, rstd, ctx.noise_std, ctx.seed,
             fc_weight_grad=ctx.needs_input_grad[0],
         )
         return (d_fc, d_norm if ctx.needs_input_grad[1] else None, None, None, None) + (None,) * len(layers)
