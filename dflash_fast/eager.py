@@ -92,12 +92,8 @@ def block_visibility(block_size: int, causal_in_block: bool, device=None) -> tor
 
 
 def anchored_attention_mask(
-    anchors: torch.Tensor,
-    anchor_valid: torch.Tensor,
-    document_ids: torch.Tensor,
-    block_size: int,
-    window: Optional[int] = None,
-    causal_in_block: bool = False,
+    anchors: torch.Tensor, anchor_valid: torch.Tensor, document_ids: torch.Tensor, block_size: int,
+    window: Optional[int] = None, causal_in_block: bool = False,
 ) -> torch.Tensor:
     """SPEC §4 visibility as one dense boolean mask [R, A*B, T + A*B] (context keys, then block keys):
     context as in `context_visibility`, block keys of the query's own block only."""

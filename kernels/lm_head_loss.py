@@ -535,22 +535,13 @@ def row_losses(kind: str, target: Target, s_label: torch.Tensor, s_ids: torch.Te
     return per_row, plogp + per_row
 
 
-def lm_head_loss_forward(
-    h: torch.Tensor,
-    norm_weight: torch.Tensor,
-    lm_head_weight: torch.Tensor,
-    weights: torch.Tensor,
-    kind: str,
-    normalizer: Union[float, torch.Tensor],
-    eps: float,
-    teacher: Teacher,
-    dpace: Optional[DPace] = None,
-    need_grads: Tuple[bool, bool, bool] = (False, False, False),
-):
+def lm_head_loss_forward(h, norm_weight, lm_head_weight, weights, kind, normalizer, eps, teacher, dpace=None,
+                         need_grads=(False, False, False)):
     """Loss, metrics and, for the inputs flagged in need_grads (h, norm_weight, lm_head_weight), d loss.
 
-    Shapes as in `lm_head_loss`. Returns (loss [], kl [] or None, draft_argmax [N], teacher_argmax [N],
-    grads): the gradients of h [N, H], norm_weight [H], lm_head_weight [V, H], each None when not flagged.
+    Arguments (types, shapes) as in `lm_head_loss`. Returns (loss [], kl [] or None, draft_argmax [N],
+    teacher_argmax [N], grads): the gradients of h [N, H], norm_weight [H], lm_head_weight [V, H], each None
+    when not flagged.
     """
     check_loss_inputs(h, norm_weight, lm_head_weight, weights, kind, teacher, dpace)
     check_device("lm_head_loss", h, lm_head_weight)
