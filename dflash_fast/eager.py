@@ -238,27 +238,31 @@ def check_loss_inputs(
         raise ValueError(
             f"D-PACE needs N = {n} rows in whole blocks of {dpace.block_size} and alpha = {dpace.alpha} in [0, 1]"
         )
-    t = teacher
-    if needs_last(kind, t.labels is not None):
-        if t.last is None or t.final_norm_weight is None:
+    if needs_last(kind, teacher.labels is not None):
+        if teacher.last is None or teacher.final_norm_weight is None:
             raise ValueError(f"loss kind {kind!r} without stored labels needs teacher.last and final_norm_weight")
-        if t.last.dim() != 2 or t.last.shape[1] != hid or t.last.dtype != h.dtype:
-            raise ValueError(f"teacher.last must be [U, {hid}] in {h.dtype}; got {tuple(t.last.shape)}, {t.last.dtype}")
-        if t.index is None and t.last.shape[0] != n:
-            raise ValueError(f"teacher.last has {t.last.shape[0]} rows for N = {n}: pass teacher.index [N]")
-        if t.index is not None and (t.index.shape != (n,) or t.index.is_floating_point()):
-            raise ValueError(f"teacher.index must be [N] = [{n}] integers; got {tuple(t.index.shape)} {t.index.dtype}")
+        if teacher.last.dim() != 2 or teacher.last.shape[1] != hid or teacher.last.dtype != h.dtype:
+            raise ValueError(
+                f"teacher.last must be [U, {hid}] in {h.dtype}; got {tuple(teacher.last.shape)}, {teacher.last.dtype}"
+            )
+        if teacher.index is None and teacher.last.shape[0] != n:
+            raise ValueError(f"teacher.last has {teacher.last.shape[0]} rows for N = {n}: pass teacher.index [N]")
+        if teacher.index is not None and (teacher.index.shape != (n,) or teacher.index.is_floating_point()):
+            raise ValueError(
+                f"teacher.index must be [N] = [{n}] integers; got {tuple(teacher.index.shape)} {teacher.index.dtype}"
+            )
     elif kind in ("ce", "ce_data"):
-        if t.labels is None:
+        if teacher.labels is None:
             raise ValueError(f"loss kind {kind!r} needs teacher.labels")
-        if t.labels.shape != (n,):
-            raise ValueError(f"teacher.labels must be [N] = [{n}]; got {tuple(t.labels.shape)}")
-    elif t.topk_ids is None or t.topk_logits is None or t.topk_lse is None:
+        if teacher.labels.shape != (n,):
+            raise ValueError(f"teacher.labels must be [N] = [{n}]; got {tuple(teacher.labels.shape)}")
+    elif teacher.topk_ids is None or teacher.topk_logits is None or teacher.topk_lse is None:
         raise ValueError("loss kind 'kl_topk' needs teacher.topk_ids, topk_logits and topk_lse")
-    elif t.topk_ids.dim() != 2 or t.topk_ids.shape[0] != n or t.topk_logits.shape != t.topk_ids.shape:
+    elif (teacher.topk_ids.dim() != 2 or teacher.topk_ids.shape[0] != n
+          or teacher.topk_logits.shape != teacher.topk_ids.shape):
         raise ValueError(
-            f"teacher.topk_ids and topk_logits must be [N, k] with N = {n}; got {tuple(t.topk_ids.shape)}, "
-            f"{tuple(t.topk_logits.shape)}"
+            f"teacher.topk_ids and topk_logits must be [N, k] with N = {n}; got {tuple(teacher.topk_ids.shape)}, "
+            f"{tuple(teacher.topk_logits.shape)}"
         )
 
 
@@ -294,11 +298,12 @@ def lm_head_loss(
     kl_row = None
     if needs_last(kind, teacher.labels is not None):
         with torch.no_grad():
-            t = F.linear(rms_norm(teacher.last, teacher.final_norm_weight, eps), lm_head_weight).float()
-            t = t if teacher.index is None else t[teacher.index]  # [N, V]
-        teacher_argmax = t.argmax(-1)
+            teacher_logits = F.linear(rms_norm(teacher.last, teacher.final_norm_weight, eps), lm_head_weight).float()
+            if teacher.index is not None:
+                teacher_logits = teacher_logits[teacher.index]  # [N, V]
+        teacher_argmax = teacher_logits.argmax(-1)
         if kind == "kl":
-            logp = torch.log_softmax(t, dim=-1)
+            logp = torch.log_softmax(teacher_logits, dim=-1)
             per_row = -(logp.exp() * logq).sum(-1)
             kl_row = (logp.exp() * (logp - logq.detach())).sum(-1)
         else:
@@ -321,11 +326,11 @@ def lm_head_loss(
             plogp = torch.where(p > 0, p * p.clamp(min=1e-38).log(), torch.zeros_like(p)).sum(-1)
             plogp = plogp + torch.where(p_rest > 0, p_rest * p_rest.clamp(min=1e-38).log(), torch.zeros_like(p_rest))
             kl_row = plogp + per_row.detach()
-    w = weights.float()
+    row_weight = weights.float()
     if dpace is not None:
         label = teacher_argmax.clamp(0, logits.shape[1] - 1)[:, None]
-        w = w * dpace_weights(logq.detach().gather(1, label)[:, 0].exp(), w > 0, dpace)
+        row_weight = row_weight * dpace_weights(logq.detach().gather(1, label)[:, 0].exp(), row_weight > 0, dpace)
     denom = torch.as_tensor(normalizer, dtype=torch.float32, device=h.device).clamp(min=1)
-    loss = (per_row * w).sum() / denom
-    kl = None if kl_row is None else (kl_row * w).sum() / denom
+    loss = (per_row * row_weight).sum() / denom
+    kl = None if kl_row is None else (kl_row * row_weight).sum() / denom
     return LossOutput(loss, kl, logits.argmax(-1), teacher_argmax)

@@ -193,9 +193,9 @@ MUTATIONS: List[Mutation] = [
     Mutation(
         "final-norm-twice-in-the-teacher",
         "dflash_fast/eager.py",
-        "t = F.linear(rms_norm(teacher.last, teacher.final_norm_weight, eps), lm_head_weight).float()",
-        "t = F.linear(rms_norm(rms_norm(teacher.last, teacher.final_norm_weight, eps), teacher.final_norm_weight, "
-        "eps), lm_head_weight).float()",
+        "teacher_logits = F.linear(rms_norm(teacher.last, teacher.final_norm_weight, eps), lm_head_weight).float()",
+        "teacher_logits = F.linear(rms_norm(rms_norm(teacher.last, teacher.final_norm_weight, eps), "
+        "teacher.final_norm_weight, eps), lm_head_weight).float()",
         [T_ORACLES, T_ALIGN],
         "teacher = lm_head(final_norm(last)), the norm once",
     ),
