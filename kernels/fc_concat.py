@@ -238,7 +238,7 @@ def fc_concat_forward(
     x = layers[0]
     n, h_t = x.shape
     h = fc_weight.shape[0]
-    w = fc_weight if fc_weight.stride(1) == 1 else fc_weight.contiguous()
+    weight = fc_weight if fc_weight.stride(1) == 1 else fc_weight.contiguous()
     y = torch.empty((n, h), dtype=x.dtype, device=x.device)
     if n == 0:
         return (
@@ -249,7 +249,7 @@ def fc_concat_forward(
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]) * triton.cdiv(h, meta["BLOCK_H"]),)
     _fc_concat_fwd_kernel[grid](
         tuple(layers), tuple(layer.stride(0) for layer in layers),
-        w, w.stride(0),
+        weight, weight.stride(0),
         y,
         n, h, h_t, float(noise_std), int(seed),
         K=len(layers), NOISE=noise_std > 0, PRECISION=dot_precision(x.dtype),
