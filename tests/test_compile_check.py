@@ -32,7 +32,7 @@ QUICK = [
     "--configs",
     "first",
     "--cases",
-    "noise=0$|causal=False|kl_topk|kl, store$",
+    "noise=0$|causal=False|kl_topk",
 ]
 
 
