@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from oracles import position_weight, trained_slots, visible_keys
-from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM
+from tiny_targets import tiny_model
 
 from dflash_fast import eager, ops
 from dflash_fast.drafter import (
@@ -222,49 +222,29 @@ def capture_norm_input(model):
     return captured
 
 
+def saved_tiny_model(directory, arch="qwen3", tie_word_embeddings=False):
+    """A tiny 4-layer target of `arch` with the drafter's H and V (norm weights randomised), saved to `directory`."""
+    model = tiny_model(arch, num_layers=4, hidden_size=H, vocab_size=V, tie_word_embeddings=tie_word_embeddings).eval()
+    model.save_pretrained(directory)
+    return model
+
+
 def test_teacher_logits_from_last_equal_target_logits_without_double_norm(tmp_path):
-    torch.manual_seed(0)
-    cfg = Qwen3Config(
-        hidden_size=H,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_hidden_layers=4,
-        intermediate_size=64,
-        vocab_size=V,
-        tie_word_embeddings=False,
-    )
-    model = Qwen3ForCausalLM(cfg).eval()
-    with torch.no_grad():
-        model.model.norm.weight.normal_(1.0, 0.3)
-    model.save_pretrained(tmp_path)
+    model = saved_tiny_model(tmp_path)
     d = build_drafter(str(tmp_path), [0, 1, 2], mask_token_id=V - 1, num_layers=1, block_size=B)
     captured = capture_norm_input(model)
     ids = torch.randint(0, V, (1, 12))
     with torch.no_grad():
         out = model(ids, output_hidden_states=True)
-    teacher = F.linear(eager.rms_norm(captured["last"], d.target_norm, cfg.rms_norm_eps), d.lm_head)
+    eps = model.config.rms_norm_eps
+    teacher = F.linear(eager.rms_norm(captured["last"], d.target_norm, eps), d.lm_head)
     assert torch.allclose(teacher, out.logits, atol=1e-5)
-    twice = F.linear(eager.rms_norm(out.hidden_states[-1], d.target_norm, cfg.rms_norm_eps), d.lm_head)
+    twice = F.linear(eager.rms_norm(out.hidden_states[-1], d.target_norm, eps), d.lm_head)
     assert not torch.allclose(twice, out.logits, atol=1e-3), "HF's last hidden state is already normed"
 
 
 def test_frozen_tensors_load_in_the_compute_dtype_and_the_rest_stays_fp32(tmp_path):
-    torch.manual_seed(0)
-    cfg = Qwen3Config(
-        hidden_size=H,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_hidden_layers=4,
-        intermediate_size=64,
-        vocab_size=V,
-        tie_word_embeddings=True,
-    )
-    model = Qwen3ForCausalLM(cfg).eval()
-    with torch.no_grad():
-        model.model.norm.weight.normal_(1.0, 0.3)
-    model.save_pretrained(tmp_path)
+    model = saved_tiny_model(tmp_path, tie_word_embeddings=True)
     d = build_drafter(
         str(tmp_path), [0, 1, 2], mask_token_id=V - 1, frozen_dtype=torch.bfloat16, num_layers=1, block_size=B
     )
@@ -276,34 +256,12 @@ def test_frozen_tensors_load_in_the_compute_dtype_and_the_rest_stays_fp32(tmp_pa
 
 
 def test_zero_centred_final_norm_is_loaded_as_one_plus_w(tmp_path):
-    torch.manual_seed(0)
-    cfg = Qwen3NextConfig(
-        hidden_size=H,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_hidden_layers=4,
-        intermediate_size=64,
-        vocab_size=V,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=16,
-        shared_expert_intermediate_size=16,
-        linear_num_value_heads=2,
-        linear_num_key_heads=2,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        tie_word_embeddings=False,
-    )
-    model = Qwen3NextForCausalLM(cfg).eval()
-    with torch.no_grad():
-        model.model.norm.weight.normal_(0.0, 0.3)
-    model.save_pretrained(tmp_path)
+    model = saved_tiny_model(tmp_path, "qwen3_next")
     d = build_drafter(str(tmp_path), [0, 1, 2], mask_token_id=V - 1, num_layers=1, block_size=B)
     captured = capture_norm_input(model)
     with torch.no_grad():
         out = model(torch.randint(0, V, (1, 10)))
-    teacher = F.linear(eager.rms_norm(captured["last"], d.target_norm, cfg.rms_norm_eps), d.lm_head)
+    teacher = F.linear(eager.rms_norm(captured["last"], d.target_norm, model.config.rms_norm_eps), d.lm_head)
     assert torch.allclose(teacher, out.logits, atol=1e-4)
 
 

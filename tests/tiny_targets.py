@@ -70,7 +70,7 @@ def make_tokenizer(directory, vocab_size=384):
     return tokenizer
 
 
-def _config(arch, vocab_size, num_layers, hidden_size, pad_token_id, eos_token_id):
+def _config(arch, vocab_size, num_layers, hidden_size, pad_token_id, eos_token_id, tie_word_embeddings):
     from transformers import LlamaConfig, Qwen3Config, Qwen3NextConfig
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
@@ -83,7 +83,7 @@ def _config(arch, vocab_size, num_layers, hidden_size, pad_token_id, eos_token_i
         num_key_value_heads=2,
         max_position_embeddings=1024,
         initializer_range=0.1,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
         pad_token_id=pad_token_id,
         eos_token_id=eos_token_id,
     )
@@ -114,8 +114,9 @@ def _config(arch, vocab_size, num_layers, hidden_size, pad_token_id, eos_token_i
     raise ValueError(f"unknown tiny arch {arch!r}; choose one of {ARCHS}")
 
 
-def make_tiny_target(directory, arch="qwen3", num_layers=6, hidden_size=64, vocab_size=384, seed=0):
-    """Build a random fp32 causal LM of `arch`, save it (safetensors) with the tokenizer; return `directory`.
+def tiny_model(arch="qwen3", num_layers=6, hidden_size=64, vocab_size=384, seed=0, pad_token_id=None,
+               eos_token_id=None, tie_word_embeddings=False):
+    """A random fp32 causal LM of `arch`, in memory (`make_tiny_target` saves one with its tokenizer).
 
     Norm weights are randomised too (HF initialises them to 1, or 0 for the
     zero-centred norms of Qwen3-Next/Qwen3.5), so a norm applied twice, or with
@@ -123,9 +124,7 @@ def make_tiny_target(directory, arch="qwen3", num_layers=6, hidden_size=64, voca
     """
     from transformers import AutoModelForCausalLM
 
-    directory = str(directory)
-    tokenizer = make_tokenizer(directory, vocab_size=vocab_size)
-    config = _config(arch, len(tokenizer), num_layers, hidden_size, tokenizer.pad_token_id, tokenizer.eos_token_id)
+    config = _config(arch, vocab_size, num_layers, hidden_size, pad_token_id, eos_token_id, tie_word_embeddings)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -133,6 +132,15 @@ def make_tiny_target(directory, arch="qwen3", num_layers=6, hidden_size=64, voca
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.add_(0.3 * torch.randn(param.shape, generator=gen))
+    return model
+
+
+def make_tiny_target(directory, arch="qwen3", num_layers=6, hidden_size=64, vocab_size=384, seed=0):
+    """Build `tiny_model(arch, ...)` with a tokenizer of `vocab_size`, save both (safetensors); return `directory`."""
+    directory = str(directory)
+    tokenizer = make_tokenizer(directory, vocab_size=vocab_size)
+    model = tiny_model(arch, num_layers, hidden_size, len(tokenizer), seed, tokenizer.pad_token_id,
+                       tokenizer.eos_token_id)
     model.save_pretrained(directory, safe_serialization=True)
     return directory
 
