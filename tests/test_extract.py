@@ -376,43 +376,34 @@ def test_chat_loss_mask_covers_assistant_replies_only(tmp_path):
     assert ids == tok.apply_chat_template(turns, tokenize=True, return_dict=False)
 
 
-def test_chat_loss_mask_of_a_template_that_drops_reasoning_from_earlier_turns(tmp_path):
-    # As Qwen3's template does: an earlier assistant turn is rendered without its <think> part.
+@pytest.mark.parametrize(
+    "template, turns, expected",
+    [
+        # As Qwen3's template does: an earlier assistant turn is rendered without its <think> part.
+        (
+            "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+            "{% if m['role'] == 'assistant' and not loop.last %}{{ m['content'].split('</think>')[-1].lstrip('\\n') }}"
+            "{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n{% endfor %}",
+            ["hidden", "<think>token</think>\nanchor slot", "layer", "<think>state</think>\nblock loss"],
+            "anchor slot<|im_end|>\n<think>state</think>\nblock loss<|im_end|>\n",
+        ),
+        # This template marks the final turn, so rendered prefixes are not prefixes of the full text.
+        (
+            "{% for m in messages %}<|im_start|>{{ m['role'] }}{% if loop.last %} final{% endif %}\n"
+            "{{ m['content'] }}<|im_end|>\n{% endfor %}",
+            ["hidden", "anchor slot", "token", "block loss"],
+            "anchor slot<|im_end|>\nblock loss<|im_end|>\n",
+        ),
+    ],
+    ids=["drops_reasoning_from_earlier_turns", "rerenders_earlier_turns"],
+)
+def test_chat_loss_mask_survives_a_template_that_renders_earlier_turns_otherwise(tmp_path, template, turns, expected):
     tok = make_tokenizer(tmp_path)
-    tok.chat_template = (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-        "{% if m['role'] == 'assistant' and not loop.last %}{{ m['content'].split('</think>')[-1].lstrip('\\n') }}"
-        "{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    )
-    turns = [
-        {"role": "user", "content": "hidden"},
-        {"role": "assistant", "content": "<think>token</think>\nanchor slot"},
-        {"role": "user", "content": "layer"},
-        {"role": "assistant", "content": "<think>state</think>\nblock loss"},
-    ]
-    ex = ChatTokenizer(tok, len(tok)).conversation(turns)
+    tok.chat_template = template + "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    conversation = [{"role": role, "content": text} for role, text in zip(["user", "assistant"] * 2, turns)]
+    ex = ChatTokenizer(tok, len(tok)).conversation(conversation)
     trained = tok.decode([t for t, m in zip(ex.input_ids.tolist(), ex.loss_mask) if m])
-    assert trained == "anchor slot<|im_end|>\n<think>state</think>\nblock loss<|im_end|>\n"
-
-
-def test_chat_loss_mask_survives_a_template_that_rerenders_earlier_turns(tmp_path):
-    # This template marks the final turn, so rendered prefixes are not prefixes of the full text.
-    tok = make_tokenizer(tmp_path)
-    tok.chat_template = (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}{% if loop.last %} final{% endif %}\n"
-        "{{ m['content'] }}<|im_end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    )
-    turns = [
-        {"role": "user", "content": "hidden"},
-        {"role": "assistant", "content": "anchor slot"},
-        {"role": "user", "content": "token"},
-        {"role": "assistant", "content": "block loss"},
-    ]
-    ex = ChatTokenizer(tok, len(tok)).conversation(turns)
-    trained = tok.decode([t for t, m in zip(ex.input_ids.tolist(), ex.loss_mask) if m])
-    assert trained == "anchor slot<|im_end|>\nblock loss<|im_end|>\n"
+    assert trained == expected
 
 
 def test_formats_and_skipped_records_are_counted_never_silent(targets, tmp_path):
