@@ -1,4 +1,5 @@
 """The on-disk store: layer-id convention, writer/reader round trip, refusals of damaged stores."""
+import contextlib
 import json
 import os
 import pickle
@@ -21,6 +22,7 @@ from dflash_fast.store import (
     final_norm_weight,
     quantize_fp8,
     verify_store,
+    write_json_atomic,
 )
 
 LAYOUT = Layout(num_tapped=3, hidden_size=16, topk=4, dtype="bfloat16", has_last=True)
@@ -211,20 +213,27 @@ def test_reader_refuses_a_missing_shard_file_and_names_it(tmp_path):
         HiddenStateStore(tmp_path)
 
 
+@contextlib.contextmanager
+def edited_json(path):
+    """Hand-edit a store's JSON file (its manifest or a shard index): the parsed data, written back on exit by the
+    store's own writer, so that only the edit changes the bytes."""
+    data = json.loads(path.read_text())
+    yield data
+    write_json_atomic(str(path), data)
+
+
 def test_reader_refuses_an_unknown_schema_version(tmp_path):
     write_store(tmp_path)
-    manifest = json.loads((tmp_path / MANIFEST).read_text())
-    manifest["schema_version"] = 99
-    (tmp_path / MANIFEST).write_text(json.dumps(manifest))
+    with edited_json(tmp_path / MANIFEST) as manifest:
+        manifest["schema_version"] = 99
     with pytest.raises(ValueError, match=rf"{tmp_path / MANIFEST}: unknown schema version 99"):
         HiddenStateStore(tmp_path)
 
 
 def test_reader_refuses_a_manifest_that_disagrees_with_a_shard(tmp_path):
     write_store(tmp_path)
-    manifest = json.loads((tmp_path / MANIFEST).read_text())
-    manifest["shards"][1]["num_tokens"] += 1
-    (tmp_path / MANIFEST).write_text(json.dumps(manifest))
+    with edited_json(tmp_path / MANIFEST) as manifest:
+        manifest["shards"][1]["num_tokens"] += 1
     index = tmp_path / "shards" / "rank00000-shard00001" / INDEX
     with pytest.raises(ValueError, match=rf"{index}: .*inconsistent"):
         HiddenStateStore(tmp_path)
@@ -232,9 +241,8 @@ def test_reader_refuses_a_manifest_that_disagrees_with_a_shard(tmp_path):
 
 def test_reader_refuses_a_manifest_whose_dims_disagree_with_the_files(tmp_path):
     write_store(tmp_path)
-    manifest = json.loads((tmp_path / MANIFEST).read_text())
-    manifest["hidden_size"] = 32
-    (tmp_path / MANIFEST).write_text(json.dumps(manifest))
+    with edited_json(tmp_path / MANIFEST) as manifest:
+        manifest["hidden_size"] = 32
     with pytest.raises(ValueError, match="hidden.bin: index describes"):
         HiddenStateStore(tmp_path)
 
@@ -269,9 +277,8 @@ def test_verify_finds_bytes_changed_in_place_and_names_the_file(tmp_path, capsys
 def test_verify_checks_the_index_against_the_manifest(tmp_path):
     write_store(tmp_path)
     index = tmp_path / "shards" / "rank00000-shard00000" / INDEX
-    data = json.loads(index.read_text())
-    data["files"]["last"]["sha256"] = "0" * 64  # a hand-edited index would otherwise vouch for changed bytes
-    index.write_text(json.dumps(data, indent=1))
+    with edited_json(index) as data:
+        data["files"]["last"]["sha256"] = "0" * 64  # a hand-edited index would otherwise vouch for changed bytes
     assert verify_store(tmp_path) == [f"{index}: its sha256 differs from the one the manifest records"]
 
 
@@ -326,9 +333,8 @@ def test_stores_written_before_fp8_stay_readable(tmp_path):
     """Version 1 (no fp8) is what every store before fp8 is: no dtype in the shard indices."""
     items = write_store(tmp_path)
     for shard in (tmp_path / "shards").iterdir():
-        index = json.loads((shard / INDEX).read_text())
-        assert index.pop("dtype") == "bfloat16" and index["schema_version"] == 1
-        (shard / INDEX).write_text(json.dumps(index))
+        with edited_json(shard / INDEX) as index:
+            assert index.pop("dtype") == "bfloat16" and index["schema_version"] == 1
     store = HiddenStateStore(tmp_path)
     assert store.manifest["schema_version"] == 1
     assert np.array_equal(_bits(store[2]["hidden"]), items[2]["hidden"])
