@@ -421,6 +421,8 @@ def test_a_layer_count_that_disagrees_with_layer_types_is_refused(spec_export):
 @pytest.mark.parametrize(
     "fmt, edit, error",
     [
+        # Layer ids no target layer has. The fc width matches (three ids, three tapped layers), so only the ids
+        # themselves can be wrong.
         ("speculators", lambda c: c.update(aux_hidden_state_layer_ids=[0, 2, 3]), r"layer id -1 is negative"),
         ("speculators", lambda c: c.update(aux_hidden_state_layer_ids=[2, 2, 3]), r"\[1, 1, 2\] contain duplicates"),
         ("speculators", lambda c: c.update(aux_hidden_state_layer_ids=["1", 2, 3]),
@@ -429,20 +431,7 @@ def test_a_layer_count_that_disagrees_with_layer_types_is_refused(spec_export):
          r"layer id 7 does not exist: the target has 4 decoder layers"),
         ("zlab", lambda c: c["dflash_config"].update(target_layer_ids="0,1,2"),
          r"dflash_config.target_layer_ids='0,1,2' is not a list"),
-    ],
-    ids=["negative", "duplicate", "not_int", "beyond_the_target", "a_string"],
-)
-def test_layer_ids_no_target_layer_has_are_refused(tmp_path, fmt, edit, error):
-    """The fc width matches (three ids, three tapped layers), so only the ids themselves can be wrong."""
-    out = export_drafter(make_drafter(), str(tmp_path / "export"), "tiny-target", torch.float32, fmt=fmt)
-    edit_config(out, edit)
-    with pytest.raises(ExportError, match=error):
-        load_exported(out)
-
-
-@pytest.mark.parametrize(
-    "fmt, edit, error",
-    [
+        # Values of the wrong kind.
         ("zlab", lambda c: c["dflash_config"].update(block_size="4"), r"block_size='4' is not an integer >= 2"),
         ("speculators", lambda c: c.update(mask_token_id=-1), r"mask_token_id=-1 is not an integer >= 0"),
         ("zlab", lambda c: c.update(num_target_layers="4", dflash_fast={}), r"layer count '4' is not an integer"),
@@ -450,9 +439,11 @@ def test_layer_ids_no_target_layer_has_are_refused(tmp_path, fmt, edit, error):
          r"cannot be read as speculators reads it, a key holds the wrong kind of value"),
         ("speculators", lambda c: c.update(speculators_config="greedy"), r"cannot be read as vllm reads it"),
     ],
-    ids=["block_size_string", "negative_mask_token", "target_layers_string", "layer_config_list", "proposal_string"],
+    ids=["layer_ids_negative", "layer_ids_duplicate", "layer_ids_not_int", "layer_ids_beyond_the_target",
+         "layer_ids_a_string", "block_size_string", "negative_mask_token", "target_layers_string", "layer_config_list",
+         "proposal_string"],
 )
-def test_values_of_the_wrong_kind_are_refused_by_name(tmp_path, fmt, edit, error):
+def test_a_hand_edited_value_that_cannot_be_served_is_refused_by_name(tmp_path, fmt, edit, error):
     out = export_drafter(make_drafter(), str(tmp_path / "export"), "tiny-target", torch.float32, fmt=fmt)
     edit_config(out, edit)
     with pytest.raises(ExportError, match=error):
