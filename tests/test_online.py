@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_trainer import exported, losses, records
+from test_trainer import STOP_AND_RESUME, exported, losses, records, stopped_by_sigterm
 from test_trainer import settings as trainer_settings
 from tiny_targets import make_tiny_target, sample_records, write_jsonl
 
@@ -205,24 +205,13 @@ def test_online_training_matches_the_store_and_reports_target_and_drafter_time(t
     assert all("time_target_forward_ms" not in r and r["time_drafter_ms"] > 0 for r in records(store_out))
 
 
-def test_online_stop_by_sigterm_and_resume_equals_an_uninterrupted_run(tiny, tmp_path, monkeypatch):
-    # Two micro-batches a step, hidden-state noise, prefetch on, and an epoch boundary after the stop.
-    common = dict(schedule__steps=9, schedule__grad_accum=2, data__noise_std=0.05, checkpoint__every=2,
-                  checkpoint__keep_last=1)
+def test_online_stop_by_sigterm_and_resume_equals_an_uninterrupted_run(tiny, tmp_path):
+    # test_trainer's stopped and resumed run (STOP_AND_RESUME), online with prefetch on.
     whole, parts = str(tmp_path / "whole"), str(tmp_path / "parts")
-    train(config(tiny, whole, "online", **common))
-    real_step = trainer.Trainer.train_step
-
-    def signal_during_step_5(self):
-        if self.step == 4:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return real_step(self)
-
-    monkeypatch.setattr(trainer.Trainer, "train_step", signal_during_step_5)
-    stopped = train(config(tiny, parts, "online", **common))
-    monkeypatch.undo()
+    train(config(tiny, whole, "online", **STOP_AND_RESUME))
+    stopped = stopped_by_sigterm(lambda: train(config(tiny, parts, "online", **STOP_AND_RESUME)), 5)
     assert stopped["interrupted"] and stopped["step"] == 5
-    resumed = train(config(tiny, parts, "online", checkpoint__resume="latest", **common))
+    resumed = train(config(tiny, parts, "online", checkpoint__resume="latest", **STOP_AND_RESUME))
     assert resumed["step"] == 9 and not resumed["interrupted"]
     assert losses(parts) == losses(whole), "stop + resume must reproduce the uninterrupted losses step for step"
     assert records(parts)[4]["epoch"] < 1 < records(parts)[-1]["epoch"], "the resumed part must cross an epoch"

@@ -91,6 +91,34 @@ def exported(out):
     return load_file(os.path.join(out, "export", "model.safetensors"))
 
 
+# Overrides for a run stopped by SIGTERM during step 5 and resumed: two micro-batches a step, hidden-state noise,
+# checkpoints every 2 steps (the newest kept), and an epoch boundary after the stop.
+STOP_AND_RESUME = dict(
+    schedule__steps=9,
+    schedule__grad_accum=2,
+    data__noise_std=0.05,
+    checkpoint__every=2,
+    checkpoint__keep_last=1,
+)
+
+
+def stopped_by_sigterm(start, during_step, before_signal=None):
+    """`start()`, a training run in this process, sent SIGTERM as step `during_step` begins (after `before_signal()`
+    if given), as a launcher or scheduler stops a job; returns what `start` returns."""
+    real_step = trainer.Trainer.train_step
+
+    def signalled(self):
+        if self.step == during_step - 1:
+            if before_signal is not None:
+                before_signal()
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_step(self)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(trainer.Trainer, "train_step", signalled)
+        return start()
+
+
 # ---------------------------------------------------------------- config
 
 
@@ -235,34 +263,21 @@ def test_tensorboard_holds_the_metrics_jsonl_scalars(tiny, tmp_path):
     assert [e.step for e in events.Scalars("val/loss")] == [r["step"] for r in records(out, "val")]
 
 
-def test_stop_by_sigterm_and_resume_equals_an_uninterrupted_run(tiny, tmp_path, monkeypatch):
-    # Two micro-batches a step, hidden-state noise, a loader worker, and an epoch boundary after the stop.
-    common = dict(
-        schedule__steps=9,
-        schedule__grad_accum=2,
-        data__noise_std=0.05,
-        data__num_workers=1,
-        checkpoint__every=2,
-        checkpoint__keep_last=1,
-    )
+def test_stop_by_sigterm_and_resume_equals_an_uninterrupted_run(tiny, tmp_path):
+    # STOP_AND_RESUME with a loader worker, which is signalled too.
+    common = dict(STOP_AND_RESUME, data__num_workers=1)
     whole = str(tmp_path / "whole")
     run(tiny, whole, **common)
 
     parts = str(tmp_path / "parts")
-    real_step = trainer.Trainer.train_step
 
-    def signal_during_step_5(self):
-        if self.step == 4:  # like a launcher or scheduler: SIGTERM to the loader workers and to this rank
-            workers = psutil.Process().children()
-            assert workers, "the loader worker must be running to be signalled"
-            for worker in workers:
-                worker.send_signal(signal.SIGTERM)
-            os.kill(os.getpid(), signal.SIGTERM)
-        return real_step(self)
+    def signal_the_loader_workers():  # like a launcher or scheduler: SIGTERM to the loader workers and to this rank
+        workers = psutil.Process().children()
+        assert workers, "the loader worker must be running to be signalled"
+        for worker in workers:
+            worker.send_signal(signal.SIGTERM)
 
-    monkeypatch.setattr(trainer.Trainer, "train_step", signal_during_step_5)
-    stopped = run(tiny, parts, **common)
-    monkeypatch.undo()
+    stopped = stopped_by_sigterm(lambda: run(tiny, parts, **common), 5, signal_the_loader_workers)
     assert stopped["interrupted"] and stopped["step"] == 5
     assert checkpoint_tags(os.path.join(parts, "checkpoints")) == ["step00000005"], (
         "keep_last=1 keeps the newest only"

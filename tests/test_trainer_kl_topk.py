@@ -4,15 +4,13 @@ The first step's loss is recomputed by hand from the first batch (tests/oracles.
 top-k teacher at p - 1, weights exp(-(j - 1) / gamma), the mean over trained slots), and a run stopped
 by SIGTERM and resumed reproduces the uninterrupted one step for step.
 """
-import json
 import os
-import signal
 from types import SimpleNamespace
 
 import pytest
 import torch
 from oracles import batch_loss, drafter_logits
-from safetensors.torch import load_file
+from test_trainer import exported, records, stopped_by_sigterm
 from tiny_targets import make_tiny_target, sample_records, write_jsonl
 
 from dflash_fast import trainer
@@ -70,11 +68,6 @@ def config(store, out, **extra):
     return load_config(TINY_YAML, [f"{k}={v}" for k, v in values.items()])
 
 
-def train_records(out):
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [r for r in map(json.loads, f) if r["split"] == "train"]
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(store, tmp_path_factory):
     """One run of STEPS steps, with the drafter's weights as they were before step 1."""
@@ -98,30 +91,20 @@ def test_first_step_loss_is_the_hand_computed_kl_topk_loss_of_the_first_batch(st
     with torch.no_grad():
         logits = drafter_logits(drafter, batch, drafter.config.rms_norm_eps)
     loss, kl = batch_loss("kl_topk", batch, logits, BLOCK, GAMMA, eps=drafter.config.rms_norm_eps)
-    first = train_records(uninterrupted.out)[0]
+    first = records(uninterrupted.out)[0]
     assert first["step"] == 1
     assert first["loss"] == pytest.approx(float(loss), rel=1e-5)
     assert first["kl"] == pytest.approx(float(kl), rel=1e-4)
 
 
-def test_stop_and_resume_equals_the_uninterrupted_kl_topk_run(store, uninterrupted, tmp_path, monkeypatch):
+def test_stop_and_resume_equals_the_uninterrupted_kl_topk_run(store, uninterrupted, tmp_path):
     parts = str(tmp_path / "parts")
-    real_step = trainer.Trainer.train_step
-
-    def sigterm_during_step_3(self):
-        if self.step == 2:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return real_step(self)
-
-    monkeypatch.setattr(trainer.Trainer, "train_step", sigterm_during_step_3)
-    stopped = trainer.train(config(store, parts))
-    monkeypatch.undo()
+    stopped = stopped_by_sigterm(lambda: trainer.train(config(store, parts)), 3)
     assert stopped["interrupted"] and stopped["step"] == 3
     resumed = trainer.train(config(store, parts, **{"checkpoint.resume": "latest"}))
     assert resumed["step"] == STEPS and not resumed["interrupted"]
-    whole = {r["step"]: (r["loss"], r["kl"]) for r in train_records(uninterrupted.out)}
-    assert {r["step"]: (r["loss"], r["kl"]) for r in train_records(parts)} == whole
+    whole = {r["step"]: (r["loss"], r["kl"]) for r in records(uninterrupted.out)}
+    assert {r["step"]: (r["loss"], r["kl"]) for r in records(parts)} == whole
     assert sorted(whole) == list(range(1, STEPS + 1))
-    a = load_file(os.path.join(uninterrupted.out, "export", "model.safetensors"))
-    b = load_file(os.path.join(parts, "export", "model.safetensors"))
+    a, b = exported(uninterrupted.out), exported(parts)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
