@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from oracles import position_weight, trained_slots, visible_keys
-from tiny_targets import tiny_model
+from tiny_targets import tiny_model, tiny_sizes
 
 from dflash_fast import eager, ops
 from dflash_fast.drafter import (
@@ -22,11 +22,7 @@ V, H, K, B = 96, 32, 3, 4
 
 def small_config(**kw) -> DrafterConfig:
     args = dict(
-        hidden_size=H,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        intermediate_size=64,
+        **tiny_sizes(H),
         vocab_size=V,
         layer_ids=[0, 1, 2],
         target_num_layers=4,

@@ -70,17 +70,21 @@ def make_tokenizer(directory, vocab_size=384):
     return tokenizer
 
 
+def tiny_sizes(hidden_size):
+    """The attention and MLP sizes of every tiny model, target or drafter: 4 heads of hidden / 4 (2 kv heads),
+    an MLP of 2 x hidden."""
+    return dict(hidden_size=hidden_size, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden_size // 4,
+                intermediate_size=2 * hidden_size)
+
+
 def _config(arch, vocab_size, num_layers, hidden_size, pad_token_id, eos_token_id, tie_word_embeddings):
     from transformers import LlamaConfig, Qwen3Config, Qwen3NextConfig
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
     common = dict(
         vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
+        **tiny_sizes(hidden_size),
         num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=1024,
         initializer_range=0.1,
         tie_word_embeddings=tie_word_embeddings,
@@ -88,12 +92,11 @@ def _config(arch, vocab_size, num_layers, hidden_size, pad_token_id, eos_token_i
         eos_token_id=eos_token_id,
     )
     if arch == "qwen3":
-        return Qwen3Config(head_dim=hidden_size // 4, **common)
+        return Qwen3Config(**common)
     if arch == "llama":
         return LlamaConfig(**common)
     # Hybrid: linear-attention (gated delta net) layers with a full-attention layer every 2nd.
     hybrid = dict(
-        head_dim=hidden_size // 4,
         linear_num_key_heads=2,
         linear_num_value_heads=4,
         linear_key_head_dim=16,
