@@ -498,20 +498,14 @@ def served_architectures(config: Dict) -> Dict[str, Dict]:
     return served
 
 
-# Fields of `ARCHITECTURE` that are counts or sizes, and the least value each may take.
-POSITIVE_FIELDS = dict(
-    hidden_size=1,
-    num_attention_heads=1,
-    num_key_value_heads=1,
-    head_dim=1,
-    intermediate_size=1,
-    vocab_size=1,
-    target_hidden_size=1,
-    max_position_embeddings=1,
-    num_layers=1,
-    block_size=2,
-    mask_token_id=0,
-)
+# Fields of `ARCHITECTURE` that are counts or sizes, and the least value each may take: 1 for the sizes, 2 for the
+# block (the given token and one to draft), 0 for the mask token (a token id).
+POSITIVE_FIELDS = {
+    **dict.fromkeys(("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                     "vocab_size", "target_hidden_size", "max_position_embeddings", "num_layers"), 1),
+    "block_size": 2,
+    "mask_token_id": 0,
+}
 
 
 def _is_int(value) -> bool:
