@@ -19,7 +19,7 @@ from dflash_fast.kernels import anchored_attention, fc_concat, lm_head_loss
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
-from bench import static_facts
+from bench import compile_diff, static_facts
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The reduced run: bf16, the reference shape, the first config of each autotune list, and the cases
@@ -201,3 +201,22 @@ def test_occupancy_counts_programs_per_sm_and_waves():
     assert static_facts.occupancy(90, 255, 8, 98304, 2048) == {"per_sm": 1, "waves": round(2048 / 132, 2)}
     # 128 registers x 128 threads fit four times; 60 KB of shared memory (+1 KB reserved) only three times.
     assert static_facts.occupancy(90, 128, 4, 60 * 1024, 396) == {"per_sm": 3, "waves": 1.0}
+
+
+def test_compile_diff_names_every_changed_fact_and_row():
+    """bench/compile_diff.py, which a behaviour-preserving kernel change is checked with, on the committed
+    attention reports before and after issue 18 (no compile): it names the rows only one report has and each
+    fact that changed, and nothing for a report against itself."""
+    results = os.path.join(REPO, "bench", "results")
+    before = compile_diff.read_rows(os.path.join(results, "compile_check_attention_before", "compile_check_3.9.0.json"))
+    after = compile_diff.read_rows(os.path.join(results, "compile_check_attention", "compile_check_3.9.0.json"))
+    assert compile_diff.differences(after, after) == []
+    lines = compile_diff.differences(before, after)
+    # Issue 18 replaced the preprocess kernel by the block pass (and changed every variant or config).
+    assert any(line.startswith("only before: anchored_attention | _bwd_preprocess_kernel") for line in lines), lines
+    assert any(line.startswith("only after: anchored_attention | _attn_bwd_block_kernel") for line in lines), lines
+    key = next(iter(after))
+    edited = {**after, key: dict(after[key], n_regs=after[key]["n_regs"] + 1)}
+    assert compile_diff.differences(after, edited) == [
+        f"{' | '.join(map(str, key[1:]))}: n_regs {after[key]['n_regs']} -> {after[key]['n_regs'] + 1}"
+    ]
