@@ -26,15 +26,16 @@ class ConfigError(ValueError):
 
 
 def read_mapping(path: str, parse: Callable[[IO[str]], Any], syntax: Type[Exception], error: Type[Exception],
-                 language: str, what: str) -> Dict:
-    """The mapping `parse` reads from the file at `path` (a training config, an export's JSON). Each failure is one
-    `error` naming the file: it does not exist, it is not valid `language` (`parse` raised `syntax`), or it holds
-    something other than a mapping (`what` names the mapping expected)."""
+                 language: str, what: str, missing: Optional[Type[Exception]] = None) -> Dict:
+    """The mapping `parse` reads from the file at `path` (a training config, an export's JSON, a store's manifest
+    or shard index). Each failure is one error naming the file: it does not exist (`missing`, default `error`),
+    it is not valid `language` (`parse` raised `syntax`), or it holds something other than a mapping (`what`
+    names the mapping expected): `error`."""
     try:
         with open(path) as f:
             data = parse(f)
     except FileNotFoundError:
-        raise error(f"{path} does not exist") from None
+        raise (missing or error)(f"{path} does not exist") from None
     except syntax as e:
         raise error(f"{path} is not valid {language}: {e}") from None
     if not isinstance(data, dict):

@@ -51,6 +51,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from dflash_fast.errors import read_mapping
+
 SCHEMA_VERSIONS = (1, 2)  # readable; the version of a store is Layout.schema_version
 MANIFEST = "manifest.json"
 INDEX = "index.json"
@@ -256,13 +258,10 @@ def sha256_file(path: str) -> str:
 
 
 def _read_json(path: str, what: str) -> dict:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: {what} is missing") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: {what} is not valid JSON ({e}); the store is corrupted") from None
+    """The JSON object at `path`: FileNotFoundError when it is missing, ValueError when it is not one (a damaged
+    store, or a file that is no store's)."""
+    return read_mapping(path, json.load, json.JSONDecodeError, ValueError, "JSON", f"{what} (a JSON object)",
+                        missing=FileNotFoundError)
 
 
 def write_json_atomic(path: str, obj: dict) -> None:
@@ -399,9 +398,7 @@ class StoreWriter:
         if not os.path.isdir(shard):
             return False
         try:
-            index = _read_json(os.path.join(shard, INDEX), "the shard index")
-            if not isinstance(index, dict):
-                raise ValueError(f"{os.path.join(shard, INDEX)}: not a shard index")
+            index = _read_json(os.path.join(shard, INDEX), "a shard index")
         except (FileNotFoundError, ValueError) as e:
             return self._discard(shard, e)
         theirs = {k: index.get(k) for k in meta}
@@ -435,7 +432,7 @@ class StoreWriter:
         shards = []
         for entry in manifest["shards"]:
             shard = os.path.join(self.shards_dir, entry["name"])
-            index = _read_json(os.path.join(shard, INDEX), "the shard index")
+            index = _read_json(os.path.join(shard, INDEX), "a shard index")
             _check_shard(shard, self.layout, index, {k: entry[k] for k in ("num_sequences", "num_tokens")})
             # The index holds its files' sha256: the manifest's sum of the index closes the chain `verify` checks.
             shards.append({**entry, "index_sha256": sha256_file(os.path.join(shard, INDEX))})
@@ -472,7 +469,7 @@ def build_manifest(*, target: dict, num_layers: int, vocab_size: int, layer_ids:
 def read_manifest(path: str) -> Optional[dict]:
     """The manifest of the store at `path`, or None when there is none (yet)."""
     manifest_path = os.path.join(path, MANIFEST)
-    return _read_json(manifest_path, "the store manifest") if os.path.exists(manifest_path) else None
+    return _read_json(manifest_path, "a store manifest") if os.path.exists(manifest_path) else None
 
 
 # ---------------------------------------------------------------- shard checks and the reader
@@ -546,7 +543,7 @@ class HiddenStateStore:
                 f"{manifest_path} is missing: "
                 + ("the extraction did not finish; re-run the same command to resume it" if torn else "not a store")
             )
-        self.manifest = _read_json(manifest_path, "the store manifest")
+        self.manifest = _read_json(manifest_path, "a store manifest")
         version = self.manifest.get("schema_version")
         if version not in SCHEMA_VERSIONS:
             raise ValueError(
@@ -572,7 +569,7 @@ class HiddenStateStore:
             shard = os.path.join(self.path, SHARDS_DIR, entry["name"])
             if not os.path.isdir(shard):
                 raise FileNotFoundError(f"{shard}: shard listed in the manifest is missing")
-            index = _read_json(os.path.join(shard, INDEX), "the shard index")
+            index = _read_json(os.path.join(shard, INDEX), "a shard index")
             expect = {"num_sequences": entry["num_sequences"], "num_tokens": entry["num_tokens"]}
             self._specs.append(_check_shard(shard, self.layout, index, expect))
             lengths.append(np.asarray(index["lengths"], dtype=np.int64))
@@ -646,7 +643,7 @@ def verify_store(path: str) -> List[str]:
         if sha256_file(index_path) != entry["index_sha256"]:
             problems.append(f"{index_path}: its sha256 differs from the one the manifest records")
             continue
-        files = _read_json(index_path, "the shard index")["files"]
+        files = _read_json(index_path, "a shard index")["files"]
         for field in store.layout.fields():
             file = os.path.join(shard, field + ".bin")
             digest, recorded = sha256_file(file), str(files[field].get("sha256"))

@@ -213,6 +213,17 @@ def test_reader_refuses_a_missing_shard_file_and_names_it(tmp_path):
         HiddenStateStore(tmp_path)
 
 
+@pytest.mark.parametrize("name", [MANIFEST, "shards/rank00000-shard00001/" + INDEX])
+@pytest.mark.parametrize("text, message", [("[1, 2]", "holds a list, not a"), ("{not json", "is not valid JSON")])
+def test_reader_refuses_a_store_json_that_is_no_json_object_and_names_it(tmp_path, name, text, message):
+    """A hand-made or damaged manifest or shard index is a ValueError naming the file, never an AttributeError
+    traceback from reading a list as a mapping."""
+    write_store(tmp_path)
+    (tmp_path / name).write_text(text)
+    with pytest.raises(ValueError, match=rf"{tmp_path / name} {message}"):
+        HiddenStateStore(tmp_path)
+
+
 @contextlib.contextmanager
 def edited_json(path):
     """Hand-edit a store's JSON file (its manifest or a shard index): the parsed data, written back on exit by the
