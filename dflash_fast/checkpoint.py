@@ -1,5 +1,6 @@
 """Trainer checkpoints on disk: the checksummed completion marker, verification and fall-back, client state,
-RNG state, and the trained drafter for export and eval.
+RNG state, the trained drafter for export and eval, and a training run's side: saving one (save_checkpoint),
+choosing the one to resume (find_resume), and setting aside the checkpoints a resume replaces (set_aside_newer).
 
     OUT/checkpoints/stepNNNNNNNN/
         mp_rank_00_model_states.pt, *optim_states.pt   DeepSpeed's own files (pickles): only resume reads them, through
@@ -23,6 +24,7 @@ import json
 import os
 import random
 import re
+import shutil
 import sys
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
@@ -30,6 +32,7 @@ import numpy as np
 import torch
 
 from dflash_fast.drafter import DFlashDrafter, DrafterConfig
+from dflash_fast.errors import ConfigError
 from dflash_fast.store import TMP_SUFFIX, sha256_file, write_json_atomic
 
 CHECKPOINT_TAG = re.compile(r"^step(\d{8})$")
@@ -48,12 +51,14 @@ def rng_file(rank: int) -> str:
 
 
 class Sharing(NamedTuple):
-    """How the ranks of a job split the sha256 work of one checkpoint: this rank hashes every `world_size`-th
-    file and `gather(obj)` returns every rank's `obj`, in rank order (an all-gather; one process: [obj])."""
+    """How the ranks of a job share the work on one checkpoint: this rank hashes every `world_size`-th file,
+    `gather(obj)` returns every rank's `obj`, in rank order (an all-gather; one process: [obj]), and `barrier()`
+    waits for every rank."""
 
     rank: int = 0
     world_size: int = 1
     gather: Callable[[Any], List[Any]] = lambda obj: [obj]
+    barrier: Callable[[], None] = lambda: None
 
 
 # ---------------------------------------------------------------- the completion marker
@@ -135,6 +140,10 @@ def step_of(tag: str) -> int:
     return int(CHECKPOINT_TAG.match(tag).group(1))
 
 
+def tag_of(step: int) -> str:
+    return f"step{step:08d}"
+
+
 # ---------------------------------------------------------------- verification and choice
 
 
@@ -214,7 +223,108 @@ def read_client_state(load_dir: str, tag: str) -> Dict:
     return marker["client"]
 
 
+# ---------------------------------------------------------------- a training run's checkpoints
+
+
+def find_resume(checkpoints_dir: str, spec: Optional[str], data: Dict, log: Callable[[str], None],
+                sharing: Sharing = Sharing()) -> Optional[Tuple[str, str, Dict]]:
+    """The checkpoint a run continues from (checkpoint.resume=`spec`: None, `latest` or a path) -> (checkpoints
+    dir, tag, client state), verified and checked against the run's `data` identity before anything is built;
+    None for a fresh start. DeepSpeed's loader unpickles its files, so a checkpoint whose files differ from the
+    checksums its run recorded is refused (`latest`: the newest that verifies is taken, saying so)."""
+    tags = checkpoint_tags(checkpoints_dir)
+    if spec is None:
+        if tags:
+            raise ConfigError(
+                f"{checkpoints_dir} already holds checkpoints ({tags[-1]}): pass --resume to continue "
+                f"that run, or choose another output_dir"
+            )
+        return None
+    if spec == "latest" and not tags:
+        log(f"--resume: no checkpoint in {checkpoints_dir} yet, starting from step 0")
+        return None
+    try:
+        load_dir, tag = select_checkpoint(checkpoints_dir if spec == "latest" else spec, log, sharing)
+    except CheckpointError as e:
+        raise ConfigError(f"checkpoint.resume={spec}: {e}") from None
+    client = read_client_state(load_dir, tag)
+    for key, now in data.items():
+        if client["data"].get(key) != now:
+            raise ConfigError(
+                f"cannot resume {os.path.join(load_dir, tag)}: {key} was {client['data'].get(key)!r}, now {now!r}; "
+                f"the data position would not line up: restore it, or start a fresh output_dir"
+            )
+    return load_dir, tag, client
+
+
+def set_aside_newer(checkpoints_dir: str, step: int, log: Callable[[str], None], sharing: Sharing = Sharing()) -> None:
+    """Checkpoints in `checkpoints_dir` newer than the resumed `step` (they failed to verify, or an older one was
+    resumed on purpose) belong to a future this run replaces: renamed to TAG.superseded, so that neither
+    keep_last pruning nor a later --resume mistakes them for this run's. Every rank calls it."""
+    if sharing.rank == 0:
+        for tag in checkpoint_tags(checkpoints_dir):
+            if step_of(tag) > step:
+                old = os.path.join(checkpoints_dir, tag)
+                os.replace(old, old + ".superseded")
+                log(f"{old} is newer than the resumed step {step}: renamed to {old}.superseded")
+    sharing.barrier()
+
+
+def resume_hint(last_checkpoint: Optional[str], sharing: Sharing = Sharing()) -> str:
+    """Where a stopped run can continue from: its last checkpoint only if that verifies (every rank calls it)."""
+    if last_checkpoint is None:
+        return "no checkpoint was saved before it"
+    problems = verify_checkpoint(last_checkpoint, sharing)
+    if not problems:
+        return (
+            f"the last good checkpoint is {last_checkpoint} (it verifies: every file matches its recorded "
+            f"sha256; continue from it with --resume after lowering optimizer.lr or checking the store)"
+        )
+    return (
+        f"the last checkpoint {last_checkpoint} does not verify ({'; '.join(problems)}); --resume "
+        f"continues from the newest one that does"
+    )
+
+
+def save_checkpoint(engine, checkpoints_dir: str, step: int, client: Dict, keep_last: int,
+                    sharing: Sharing = Sharing()) -> str:
+    """Write the checkpoint of `step` of the DeepSpeed `engine` -> its path: DeepSpeed's files, the fp32 master
+    weights, each rank's RNG state, then the marker; only the newest `keep_last` complete checkpoints stay. Every
+    rank calls it."""
+    tag = tag_of(step)
+    path = os.path.join(checkpoints_dir, tag)
+    if sharing.rank == 0 and os.path.isdir(path):
+        shutil.rmtree(path)  # a save of this step that never finished (killed): its files would mix with ours
+    sharing.barrier()
+    engine.save_checkpoint(checkpoints_dir, tag=tag)
+    weights = master_weights(engine, sharing.rank)
+    if sharing.rank == 0:
+        write_weights(path, weights)
+    write_rng_state(path, sharing.rank)
+    sharing.barrier()
+    write_marker(path, client, sharing)
+    if sharing.rank == 0:
+        for old in checkpoint_tags(checkpoints_dir)[:-keep_last]:
+            shutil.rmtree(os.path.join(checkpoints_dir, old), ignore_errors=True)
+    sharing.barrier()
+    return path
+
+
 # ---------------------------------------------------------------- the drafter's weights
+
+
+def master_weights(engine, rank: int) -> Optional[Dict[str, torch.Tensor]]:
+    """The fp32 master weights of a DeepSpeed `engine` by name, gathered from every ZeRO partition; rank 0 gets
+    them, the others None. A collective: every rank calls it."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    weights = {}
+    for name, p in engine.module.named_parameters():
+        full = safe_get_full_fp32_param(p)
+        if rank == 0:
+            weights[name] = (p if full is None else full).detach().to("cpu", torch.float32, copy=True)
+    return weights if rank == 0 else None
+
 
 
 def write_weights(ckpt: str, tensors: Dict[str, torch.Tensor]) -> None:

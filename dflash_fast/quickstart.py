@@ -14,11 +14,11 @@ import time
 from typing import Dict, List
 
 from dflash_fast.checkpoint import checkpoint_tags
+from dflash_fast.distributed import free_port
 from dflash_fast.errors import UserError
 from dflash_fast.evaluate import evaluate
 from dflash_fast.extract import extract
 from dflash_fast.regenerate import regenerate
-from dflash_fast.trainer import free_port
 
 PACKAGE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(PACKAGE)

@@ -175,7 +175,7 @@ MUTATIONS: List[Mutation] = [
     ),
     Mutation(
         "auto-loss-kind-without-last-is-ce",
-        "dflash_fast/trainer.py",
+        "dflash_fast/model.py",
         'return "kl" if manifest["has_last"] else "kl_topk"',
         'return "kl" if manifest["has_last"] else "ce"',
         [T_TRAINER],
@@ -184,8 +184,8 @@ MUTATIONS: List[Mutation] = [
     Mutation(
         "resume-skips-a-micro-batch",
         "dflash_fast/trainer.py",
-        'client["micro_batch"],',
-        'client["micro_batch"] + 1,',
+        'client["micro_batch"])',
+        'client["micro_batch"] + 1)',
         [T_TRAINER],
         "resume continues exactly",
     ),

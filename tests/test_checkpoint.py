@@ -37,7 +37,8 @@ from dflash_fast.checkpoint import (
     set_rng_state,
     verify_checkpoint,
 )
-from dflash_fast.config import ConfigError
+from dflash_fast.config import ConfigError, load_config
+from dflash_fast.distributed import init_distributed
 from dflash_fast.store import HiddenStateStore
 from dflash_fast.trainer import NonFiniteLoss
 
@@ -275,3 +276,37 @@ def test_two_ranks_verify_together_and_resume_exactly_past_a_file_only_rank_1_ha
     assert "step00000003: zero_pp_rank_1_mp_rank_00_optim_states.pt: sha256" in proc.stdout
     assert losses(b) == losses(a) and os.path.isdir(ckpt(b, 3) + ".superseded")
     assert verify_checkpoint(ckpt(b, 3)) == [] and len(glob.glob(os.path.join(ckpt(b, 3), "rng_rank*.json"))) == 2
+
+
+# ---------------------------------------------------------------- compatibility
+
+
+def test_a_run_checkpointed_before_the_trainer_split_resumes_where_it_stopped(tmp_path):
+    """A run directory written by the trainer before its split into data / model / optim / metrics / distributed
+    / checkpoint (commit e4eac10) resumes under today's code: the weights, AdamW's moments, the schedule's position
+    and the data position all come back, and the run goes on from step 2 to step 3.
+
+    Why a committed fixture (tests/fixtures/pre_split_run, ~200 KB; tests/fixtures/make_pre_split_run.py says
+    how it was made): the pre-split trainer cannot be imported any more, and a target or store rebuilt here would
+    not be the bytes that run recorded (the tiny tokenizer learns from the stdlib's source, which changes between
+    Python versions, and config.json records the transformers version), so the fixture holds its target, its
+    store and the run: config.yaml, metrics.jsonl and the checkpoint of its last step."""
+    root = tmp_path / "pre_split_run"
+    shutil.copytree(os.path.join(REPO, "tests", "fixtures", "pre_split_run"), root)
+    out = root / "run"
+    overrides = [f"model.target={root / 'target'}", f"data.store={root / 'store'}", f"output_dir={out}",
+                 f"deepspeed={os.path.join(REPO, 'configs', 'ds_zero1.json')}", "precision=fp32", "kernels=eager",
+                 "schedule.steps=3", "checkpoint.resume=latest"]
+    cfg = load_config(str(out / "config.yaml"), overrides)
+    t = trainer.Trainer(cfg, *init_distributed())
+    assert t.step == 2 and t.stream.position == (0, 2)
+    saved = load_file(os.path.join(ckpt(str(out), 2), WEIGHTS))
+    for name, p in t.engine.module.named_parameters():
+        if p.requires_grad:
+            assert torch.equal(p.detach(), saved[name]), f"{name}: not the checkpoint's weights"
+    moments = list(t.engine.basic_optimizer.state.values())
+    assert moments and all(int(s["step"]) == 2 and s["exp_avg"].abs().sum() > 0 for s in moments)
+    assert t.engine.lr_scheduler.last_epoch == 2  # the schedule resumed at update 2, it did not restart at 0
+    assert t.run() == {"step": 3, "interrupted": False, "checkpoint": ckpt(str(out), 3), "export": None}
+    with open(out / "metrics.jsonl") as f:
+        assert [r["step"] for r in map(json.loads, f)] == [1, 2, 3]

@@ -786,7 +786,7 @@ def test_init_from_starts_training_from_a_published_drafter(trained):
 
 def test_init_from_refuses_a_drafter_that_does_not_match_the_store(trained):
     from dflash_fast.config import ConfigError
-    from dflash_fast.trainer import StoreMismatch
+    from dflash_fast.model import StoreMismatch
 
     zlab_like_drafter_for_the_tiny_target(os.path.join(trained.root, "ids03"), layer_ids=(0, 3))
     with pytest.raises(StoreMismatch, match=r"model.init_from=.*ids03: (.|\n)*layer ids: the store has \[1, 2\], "

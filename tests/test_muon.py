@@ -8,7 +8,7 @@ import torch
 from deepspeed.runtime.zero.muon.original_muon import muon_update
 from test_trainer import TINY_YAML, exported, losses, run, settings, tiny  # noqa: F401 (tiny is a fixture)
 
-from dflash_fast import trainer
+from dflash_fast import distributed, optim, trainer
 from dflash_fast.batches import make_loader
 from dflash_fast.config import ConfigError, load_config
 from dflash_fast.drafter import build_drafter
@@ -60,7 +60,7 @@ def test_newton_schulz_ran_on_every_drafter_matrix(tiny, tmp_path, stage):  # no
                                           optimizer__muon_lr=muon_lr, optimizer__lr=adam_lr,
                                           optimizer__grad_clip=0, schedule__warmup_ratio=0, schedule__steps=1,
                                           deepspeed=ds_json(tmp_path, stage)))
-    trainer._quiet_deepspeed()
+    distributed.quiet_deepspeed()
     t = trainer.Trainer(cfg, *trainer.init_distributed())
     before = gathered(t.engine)
     grads, ref_params = reference_gradients(t, cfg)
@@ -120,14 +120,14 @@ def test_muon_config_refuses_what_deepspeed_would_do_differently(tmp_path):
         load_config(TINY_YAML, ["optimizer.kind=sgd"])
     cfg = load_config(TINY_YAML, ["optimizer.kind=muon", "optimizer.grad_clip=0"])
     with pytest.raises(ConfigError, match=r"reduce_scatter=true, which DeepSpeed's Muon cannot use under ZeRO-3"):
-        trainer.deepspeed_config(ds_json(tmp_path, 3, reduce_scatter=True), cfg, "fp32")
-    ds = trainer.deepspeed_config(ds_json(tmp_path, 3), cfg, "fp32")
+        optim.deepspeed_config(ds_json(tmp_path, 3, reduce_scatter=True), cfg, "fp32")
+    ds = optim.deepspeed_config(ds_json(tmp_path, 3), cfg, "fp32")
     assert ds["zero_optimization"]["reduce_scatter"] is False
     assert ds["optimizer"] == {"type": "Muon", "params": {
         "muon_lr": 0.02, "momentum": 0.95, "adam_lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0,
         "torch_adam": True}}
     with pytest.raises(ConfigError, match=r"under ZeRO-0 is supported in fp32 only"):
-        trainer.deepspeed_config(ds_json(tmp_path, 0), cfg, "bf16")
+        optim.deepspeed_config(ds_json(tmp_path, 0), cfg, "bf16")
 
 
 @pytest.mark.parametrize("stage", [1, 3], ids=["zero1", "zero3-partitioned"])

@@ -18,17 +18,13 @@ from tiny_targets import make_tiny_target, sample_records, write_jsonl
 from dflash_fast import trainer
 from dflash_fast.checkpoint import checkpoint_tags, load_drafter_for_export
 from dflash_fast.config import ConfigError, load_config
+from dflash_fast.distributed import free_port
+from dflash_fast.drafter import build_drafter
 from dflash_fast.extract import extract
+from dflash_fast.model import StoreMismatch, check_store_matches
+from dflash_fast.optim import deepspeed_config, lr_multiplier
 from dflash_fast.store import HiddenStateStore
-from dflash_fast.trainer import (
-    NonFiniteLoss,
-    StoreMismatch,
-    check_store_matches,
-    deepspeed_config,
-    free_port,
-    lr_multiplier,
-    train,
-)
+from dflash_fast.trainer import NonFiniteLoss, train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_YAML = os.path.join(REPO, "configs", "tiny.yaml")
@@ -176,7 +172,7 @@ def test_store_drafter_mismatch_names_both_values(tiny, tmp_path):
         run(tiny, str(tmp_path / "fp"), model__target=str(other))
     store = HiddenStateStore(tiny.store)
     manifest = dict(store.manifest, hidden_size=48, vocab_size=500)
-    drafter_config = trainer.build_drafter(tiny.target, [1, 2], 383, num_layers=1).config
+    drafter_config = build_drafter(tiny.target, [1, 2], 383, num_layers=1).config
     with pytest.raises(StoreMismatch) as err:
         check_store_matches(tiny.store, manifest, drafter_config, tiny.target, "kl")
     assert "target hidden size: the store has 48, the drafter has 32" in str(err.value)
