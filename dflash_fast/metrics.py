@@ -3,7 +3,7 @@
     Sums        per step: sums over micro-batches, added over ranks before anything is divided
     Window      the steps since the last record: their Sums, seconds per phase, wall seconds -> throughput
     MetricsLog  OUT/metrics.jsonl, one JSON record a line (and OUT/tensorboard): rank 0 writes it; a resumed run
-                keeps the records up to its step
+                keeps the records up to its step and drops a torn last line (a run killed mid-write)
 
 A "train" record (train_record) holds the window's loss, kl, acc_1..acc_{B-1} and tau_offline, tokens_per_s and
 anchors_per_s, mean milliseconds per phase and per step, lr, grad_norm and peak_memory_mb; a "val" record the
@@ -151,9 +151,30 @@ def val_record(step: int, sums: Sums, with_kl: bool, batches: int) -> Dict:
 
 
 def records_up_to(path: str, step: int) -> List[str]:
-    """The lines of the metrics file at `path` whose record is at most `step` (a resume's past)."""
-    with open(path) as f:
-        return [line for line in f if json.loads(line)["step"] <= step]
+    """The lines of the metrics file at `path` whose record is at most `step` (a resume's past), each ending in a
+    newline.
+
+    A run killed mid-write (kill -9, a node lost) leaves a torn last line: it is dropped, saying so in one line on
+    stderr. Any other line that is not a JSON record with an integer step is damage a resume cannot repair: a
+    ValueError naming the file and the line."""
+    with open(path, errors="replace") as f:
+        lines = f.readlines()
+    kept = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+            if not (isinstance(record, dict) and isinstance(record.get("step"), int)):
+                raise ValueError("a JSON record with an integer step expected")
+        except ValueError as e:  # json.JSONDecodeError is one
+            if number == len(lines):
+                print(f"{path}: dropped its torn last line {number} (the run stopped while writing it): "
+                      f"{line[:60]!r}", file=sys.stderr)
+                break
+            raise ValueError(f"{path} line {number} is not a metrics record ({e}): repair or delete that line, "
+                             f"then resume again") from None
+        if record["step"] <= step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    return kept
 
 
 class MetricsLog:

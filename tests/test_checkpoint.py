@@ -281,6 +281,16 @@ def test_two_ranks_verify_together_and_resume_exactly_past_a_file_only_rank_1_ha
 # ---------------------------------------------------------------- compatibility
 
 
+def pre_split_run(tmp_path):
+    """A copy of tests/fixtures/pre_split_run -> (its run directory, the overrides that continue it to step 3)."""
+    root = tmp_path / "pre_split_run"
+    shutil.copytree(os.path.join(REPO, "tests", "fixtures", "pre_split_run"), root)
+    out = root / "run"
+    return out, [f"model.target={root / 'target'}", f"data.store={root / 'store'}", f"output_dir={out}",
+                 f"deepspeed={os.path.join(REPO, 'configs', 'ds_zero1.json')}", "precision=fp32", "kernels=eager",
+                 "schedule.steps=3"]
+
+
 def test_a_run_checkpointed_before_the_trainer_split_resumes_where_it_stopped(tmp_path):
     """A run directory written by the trainer before its split into data / model / optim / metrics / distributed
     / checkpoint (commit e4eac10) resumes under today's code: the weights, AdamW's moments, the schedule's position
@@ -291,13 +301,8 @@ def test_a_run_checkpointed_before_the_trainer_split_resumes_where_it_stopped(tm
     not be the bytes that run recorded (the tiny tokenizer learns from the stdlib's source, which changes between
     Python versions, and config.json records the transformers version), so the fixture holds its target, its
     store and the run: config.yaml, metrics.jsonl and the checkpoint of its last step."""
-    root = tmp_path / "pre_split_run"
-    shutil.copytree(os.path.join(REPO, "tests", "fixtures", "pre_split_run"), root)
-    out = root / "run"
-    overrides = [f"model.target={root / 'target'}", f"data.store={root / 'store'}", f"output_dir={out}",
-                 f"deepspeed={os.path.join(REPO, 'configs', 'ds_zero1.json')}", "precision=fp32", "kernels=eager",
-                 "schedule.steps=3", "checkpoint.resume=latest"]
-    cfg = load_config(str(out / "config.yaml"), overrides)
+    out, overrides = pre_split_run(tmp_path)
+    cfg = load_config(str(out / "config.yaml"), overrides + ["checkpoint.resume=latest"])
     t = trainer.Trainer(cfg, *init_distributed())
     assert t.step == 2 and t.stream.position == (0, 2)
     saved = load_file(os.path.join(ckpt(str(out), 2), WEIGHTS))
@@ -310,3 +315,18 @@ def test_a_run_checkpointed_before_the_trainer_split_resumes_where_it_stopped(tm
     assert t.run() == {"step": 3, "interrupted": False, "checkpoint": ckpt(str(out), 3), "export": None}
     with open(out / "metrics.jsonl") as f:
         assert [r["step"] for r in map(json.loads, f)] == [1, 2, 3]
+
+
+def test_resume_drops_a_torn_last_metrics_line_and_says_so(tmp_path, capsys):
+    """A run killed mid-write (kill -9) leaves a torn last line in metrics.jsonl: --resume drops it, naming the file
+    in one line on stderr, and goes on (it stopped on a JSON error that named no file)."""
+    out, overrides = pre_split_run(tmp_path)
+    metrics = out / "metrics.jsonl"
+    with open(metrics, "a") as f:
+        f.write('{"split": "train", "step": 3, "lo')
+    trainer.main(["--config", str(out / "config.yaml"), "--resume", *overrides])
+    err = [line for line in capsys.readouterr().err.splitlines() if "metrics.jsonl" in line]
+    assert err == [f"{metrics}: dropped its torn last line 3 (the run stopped while writing it): "
+                   f"'{{\"split\": \"train\", \"step\": 3, \"lo'"]
+    with open(metrics) as f:
+        assert [json.loads(line)["step"] for line in f] == [1, 2, 3]
