@@ -34,12 +34,13 @@ import numpy as np
 import torch
 
 from dflash_fast.eager import rms_norm
-from dflash_fast.errors import UserError
+from dflash_fast.errors import COUNT, NUMBER, STR, ListOf, MapOf, Obj, UserError
 from dflash_fast.store import (
     DTYPES,
     FP8,
     MANIFEST,
     SCALE_FIELDS,
+    SHARD_ENTRY,
     SHARDS_DIR,
     HiddenStateStore,
     Layout,
@@ -52,6 +53,7 @@ from dflash_fast.store import (
     normalise_dtype,
     parse_layer_ids,
     quantize_fp8,
+    read_json,
     read_manifest,
     write_json_atomic,
 )
@@ -790,9 +792,8 @@ def _wait_for_ranks(out, world_size, job_id, poll_s=0.2) -> List[dict]:
         for r in range(world_size):
             path = os.path.join(out, RANKS_DIR, f"rank{r:05d}.json")
             if r not in notes and os.path.exists(path):
-                with open(path) as f:
-                    note = json.load(f)
-                if note.get("job") == job_id:
+                note = read_json(path, "a rank's note", RANK_NOTE)
+                if note["job"] == job_id:
                     notes[r] = note
         if len(notes) == world_size:
             return [notes[r] for r in range(world_size)]
@@ -801,6 +802,15 @@ def _wait_for_ranks(out, world_size, job_id, poll_s=0.2) -> List[dict]:
             print(f"rank 0: waiting for ranks {missing} to finish their shards", file=sys.stderr)
             next_report = time.time() + 60
         time.sleep(poll_s)
+
+
+# What a rank leaves in ranks/ when its shards are complete (read by rank 0: _wait_for_ranks).
+RANK_NOTE = Obj({
+    "job": STR,
+    "shards": ListOf(Obj({**SHARD_ENTRY.required, "num_loss_tokens": COUNT})),
+    "input": Obj({**dict.fromkeys(("lines", "sequences", "bad_lines", "truncated"), COUNT), "skipped": MapOf(COUNT)}),
+    "run": Obj({"tokens_run": COUNT, "bytes_written": COUNT, "seconds": NUMBER}),
+})
 
 
 def _finish(writer: StoreWriter, manifest: dict, notes: List[dict]) -> None:
