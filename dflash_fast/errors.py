@@ -60,7 +60,14 @@ class Obj:
     optional: Dict[str, "Schema"] = field(default_factory=dict)
 
 
-Schema = Union[Is, ListOf, MapOf, Obj]
+@dataclass(frozen=True)
+class Nullable:
+    """`schema`, or null."""
+
+    schema: "Schema"
+
+
+Schema = Union[Is, ListOf, MapOf, Obj, Nullable]
 
 
 def _is_int(v) -> bool:
@@ -76,14 +83,12 @@ NUMBER = Is("a number", lambda v: isinstance(v, (int, float)) and not isinstance
 SHA256 = Is("a sha256 digest (64 lowercase hex digits)",
             lambda v: isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v))
 OBJECT = Obj({})
-
-
-def optional(schema: Schema) -> Is:
-    """`schema` or null."""
-    return Is(f"{_describe(schema)} or null", lambda v: v is None or _problem(v, schema, "") is None)
+LIST = Is("a list", lambda v: isinstance(v, list))
 
 
 def _describe(schema: Schema) -> str:
+    if isinstance(schema, Nullable):
+        return f"{_describe(schema.schema)} or null"
     if isinstance(schema, Is):
         return schema.what
     if isinstance(schema, ListOf):
@@ -104,16 +109,18 @@ def _shown(value) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _problem(value, schema: Schema, path: str) -> Optional[str]:
+def _problem(value, schema: Schema, path: str, root: str = "the file") -> Optional[str]:
     """The first place where `value` does not have the shape `schema` declares, as one sentence; None when none."""
+    if isinstance(schema, Nullable):
+        return None if value is None else _problem(value, schema.schema, path, root)
     if isinstance(schema, Is):
-        return None if schema.test(value) else f"{path or 'the file'} must be {schema.what}, got {_shown(value)}"
+        return None if schema.test(value) else f"{path or root} must be {schema.what}, got {_shown(value)}"
     if isinstance(schema, ListOf):
         if not isinstance(value, list):
-            return f"{path or 'the file'} must be {_describe(schema)}, got {_shown(value)}"
+            return f"{path or root} must be {_describe(schema)}, got {_shown(value)}"
         return next((p for i, v in enumerate(value) if (p := _problem(v, schema.item, f"{path}[{i}]"))), None)
     if not isinstance(value, dict):
-        return f"{path or 'the file'} must be an object, got {_shown(value)}"
+        return f"{path or root} must be an object, got {_shown(value)}"
     prefix = f"{path}." if path else ""
     if isinstance(schema, MapOf):
         return next((p for k, v in value.items() if (p := _problem(v, schema.value, f"{prefix}{k}"))), None)
@@ -126,10 +133,11 @@ def _problem(value, schema: Schema, path: str) -> Optional[str]:
                  if key in value and (p := _problem(value[key], sub, f"{prefix}{key}"))), None)
 
 
-def schema_problem(value, schema: Schema) -> Optional[str]:
+def schema_problem(value, schema: Schema, root: str = "the file") -> Optional[str]:
     """The first field of `value` that does not have the shape `schema` declares, named by its path
-    (`shards[3].num_tokens must be a non-negative integer, got "12"`); None when every field fits."""
-    return _problem(value, schema, "")
+    (`shards[3].num_tokens must be a non-negative integer, got "12"`; `root` names the value itself); None when
+    every field fits."""
+    return _problem(value, schema, "", root)
 
 
 def check_schema(value, schema: Schema, where: str, error: Type[Exception] = ValueError):
