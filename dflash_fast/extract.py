@@ -35,6 +35,7 @@ import torch
 
 from dflash_fast.eager import rms_norm
 from dflash_fast.errors import COUNT, NUMBER, STR, ListOf, MapOf, Obj, UserError
+from dflash_fast.lock import output_lock
 from dflash_fast.store import (
     DTYPES,
     FP8,
@@ -692,6 +693,12 @@ def extract(target, data, out, device=None, rank: Optional[int] = None, world_si
     seconds, GB/s, input counts; `num_sequences` and `num_tokens` of the finished store on rank 0).
     """
     job = plan_job(str(target), str(data), str(out), ExtractOptions(**options), device, rank, world_size)
+    with output_lock(job.out, job.rank):
+        return _extract(job, progress)
+
+
+def _extract(job: Job, progress: bool) -> dict:
+    """extract() of a planned job, holding the lock of its output directory."""
     if _complete_store(job.out, job.id, job.rank):
         run = {"tokens_run": 0, "bytes_written": 0, "seconds": 0.0, "skipped_shards": None}
         return _summarise(job.out, job.rank, job.stats, run, progress)

@@ -72,6 +72,7 @@ from dflash_fast.export import (
     servable_format,
 )
 from dflash_fast.extract import ExtractOptions
+from dflash_fast.lock import output_lock
 from dflash_fast.online import OnlineBatches, OnlineSource
 from dflash_fast.store import HiddenStateStore, torch_dtype
 from dflash_fast.target import check_target, config_sha256
@@ -1016,7 +1017,9 @@ class Trainer:
 def train(cfg: TrainConfig) -> Dict:
     """Run one training job (this process is one rank); see Trainer.run for the result."""
     _quiet_deepspeed()
-    return Trainer(cfg, *init_distributed()).run()
+    rank, world_size = init_distributed()
+    with output_lock(cfg.output_dir, rank):  # one run writes an output directory at a time
+        return Trainer(cfg, rank, world_size).run()
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
