@@ -113,3 +113,11 @@ def test_a_regenerate_output_line_of_the_wrong_shape_is_one_error_naming_the_lin
     out.write_text('{"index": 0, "text": "hi there"}\n' + line + "\n")
     with pytest.raises(ValueError, match=f"{out}:2:? {message}"):
         read_done(str(out), read_prompts([{"text": "hi"}, {"text": "ho"}]))
+
+
+def test_a_training_config_nested_too_deeply_to_parse_is_one_config_error(tmp_path):
+    from dflash_fast.config import ConfigError, load_config
+
+    (tmp_path / "run.yaml").write_text("data: " + "[" * 3000 + "]" * 3000 + "\n")
+    with pytest.raises(ConfigError, match=f"{tmp_path / 'run.yaml'} is not valid YAML: it is nested too deeply"):
+        load_config(str(tmp_path / "run.yaml"))
