@@ -693,6 +693,7 @@ def extract(target, data, out, device=None, rank: Optional[int] = None, world_si
     seconds, GB/s, input counts; `num_sequences` and `num_tokens` of the finished store on rank 0).
     """
     job = plan_job(str(target), str(data), str(out), ExtractOptions(**options), device, rank, world_size)
+    check_disk(job, estimate_disk(job))  # before anything is written, the lock's directory included
     with output_lock(job.out, job.rank):
         return _extract(job, progress)
 
@@ -702,7 +703,6 @@ def _extract(job: Job, progress: bool) -> dict:
     if _complete_store(job.out, job.id, job.rank):
         run = {"tokens_run": 0, "bytes_written": 0, "seconds": 0.0, "skipped_shards": None}
         return _summarise(job.out, job.rank, job.stats, run, progress)
-    check_disk(job, estimate_disk(job))
     runner = make_runner(job)
     manifest = job_manifest(job, runner)
     writer = StoreWriter(job.out, job.layout)
