@@ -32,14 +32,13 @@ import numpy as np
 import torch
 
 from dflash_fast.drafter import DFlashDrafter, DrafterConfig
-from dflash_fast.errors import ConfigError
+from dflash_fast.errors import COUNT, LIST, OBJECT, SHA256, STR, ConfigError, MapOf, Obj, read_mapping, schema_problem
 from dflash_fast.store import TMP_SUFFIX, sha256_file, write_json_atomic
 
 CHECKPOINT_TAG = re.compile(r"^step(\d{8})$")
 MARKER = "dflash_fast.json"  # written last into a checkpoint: client state + every other file's size and sha256
 MARKER_FORMAT = "dflash-fast checkpoint 1"
 WEIGHTS = "drafter.safetensors"
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
 class CheckpointError(ValueError):
@@ -90,37 +89,40 @@ def write_marker(ckpt: str, client: Dict, sharing: Sharing = Sharing()) -> None:
         write_json_atomic(os.path.join(ckpt, MARKER), {"format": MARKER_FORMAT, "client": client, "files": files})
 
 
-def _valid_files(files) -> bool:
-    return isinstance(files, dict) and all(
-        isinstance(name, str)
-        and not os.path.isabs(name)
-        and ".." not in name.split(os.sep)
-        and isinstance(d, dict)
-        and isinstance(d.get("size"), int)
-        and isinstance(d.get("sha256"), str)
-        and _SHA256.match(d["sha256"])
-        for name, d in files.items()
-    )
+# The marker's shape (errors.check_schema): the client state resume and export read, every file's size and sum.
+MARKER_SCHEMA = Obj({
+    "format": STR,
+    "client": Obj({}, optional={"step": COUNT, "epoch": COUNT, "micro_batch": COUNT, "data": OBJECT,
+                                "drafter": OBJECT, "verifier": STR}),
+    "files": MapOf(Obj({"size": COUNT, "sha256": SHA256})),
+})
+
+
+def _marker_problem(marker: Dict) -> Optional[str]:
+    """Why `marker` is not a completion marker of this dflash-fast: a wrong field, or a file outside the checkpoint."""
+    if marker.get("format") != MARKER_FORMAT:
+        return f"format is {marker.get('format')!r}, not {MARKER_FORMAT!r}"
+    problem = schema_problem(marker, MARKER_SCHEMA)
+    if problem is None:
+        outside = [n for n in marker["files"] if os.path.isabs(n) or ".." in n.split(os.sep)]
+        problem = f"files lists {outside[0]!r}, a path outside the checkpoint" if outside else None
+    return problem
 
 
 def read_marker(ckpt: str) -> Tuple[Optional[Dict], str]:
     """(marker, "") of a complete checkpoint, else (None, why it counts as incomplete)."""
     try:
-        with open(os.path.join(ckpt, MARKER)) as f:
-            marker = json.load(f)
+        marker = read_mapping(os.path.join(ckpt, MARKER), json.load, ValueError, ValueError, "JSON", "a JSON object",
+                              missing=FileNotFoundError)
     except FileNotFoundError:
         return None, f"incomplete: no completion marker {MARKER} (the save did not finish)"
     except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         return None, f"incomplete: its completion marker {MARKER} is unreadable ({e})"
-    if not (
-        isinstance(marker, dict)
-        and marker.get("format") == MARKER_FORMAT
-        and isinstance(marker.get("client"), dict)
-        and _valid_files(marker.get("files"))
-    ):
+    problem = _marker_problem(marker)
+    if problem is not None:
         return None, (
-            f"incomplete: {MARKER} is not a {MARKER_FORMAT!r} completion marker (hand-edited, or written by an "
-            f"older dflash-fast that recorded no checksums)"
+            f"incomplete: {MARKER} is not a {MARKER_FORMAT!r} completion marker ({problem}: hand-edited, or written "
+            f"by an older dflash-fast that recorded no checksums)"
         )
     return marker, ""
 
@@ -404,7 +406,11 @@ def write_rng_state(ckpt: str, rank: int) -> None:
     write_json_atomic(os.path.join(ckpt, rng_file(rank)), rng_state())
 
 
+RNG_SCHEMA = Obj({"python": LIST, "numpy": LIST, "torch": STR}, optional={"cuda": STR})
+
+
 def restore_rng_state(ckpt: str, rank: int) -> None:
     """Restore this rank's RNG state from a (verified) checkpoint."""
-    with open(os.path.join(ckpt, rng_file(rank))) as f:
-        set_rng_state(json.load(f))
+    path = os.path.join(ckpt, rng_file(rank))
+    set_rng_state(read_mapping(path, json.load, ValueError, CheckpointError, "JSON", "an RNG state (a JSON object)",
+                               schema=RNG_SCHEMA))

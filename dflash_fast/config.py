@@ -7,11 +7,16 @@ file does not define is refused by name. Values are converted to the declared
 type (`6e-4` is a float even though YAML 1.1 reads it as a string; `1,9,17`
 is a list of ints), then `validate` checks ranges and choices. Inner code
 trusts the result. Relative paths are relative to the directory the run is
-launched from.
+launched from, but for one: a relative `deepspeed` written in a YAML file is
+relative to that file's directory (the DeepSpeed JSON belongs with the config
+that names it: `configs/tiny.yaml` says `deepspeed: ds_zero1.json`), so a
+config runs from any directory. Left unset, it is the shipped
+configs/ds_zero2.json.
 """
 import dataclasses
 import difflib
 import math
+import os
 import typing
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -24,6 +29,7 @@ PRECISIONS = ("auto", "bf16", "fp32")
 EXPORT_DTYPES = ("bf16", "fp16", "fp32")
 OPTIMIZERS = ("adamw", "muon")
 DATA_SOURCES = ("store", "online")
+SHIPPED_CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 ONLINE_DTYPES = ("bf16", "fp16", "fp32", "fp8")
 
 
@@ -154,7 +160,8 @@ class TrainConfig:
     validation: ValidationConfig = dataclasses.field(default_factory=ValidationConfig)
     kernels: str = "auto"  # dflash_fast.ops backend spec: auto | eager | triton | fc_concat=triton,...
     output_dir: str = "runs/dflash"
-    deepspeed: str = "configs/ds_zero2.json"  # ZeRO / offload / communication settings only
+    # ZeRO / offload / communication settings only; relative to the YAML file that names it
+    deepspeed: str = os.path.join(SHIPPED_CONFIGS, "ds_zero2.json")
     precision: str = "auto"
     seed: int = 0
     export: bool = True  # write OUT/export (speculators format) at the end
@@ -260,12 +267,28 @@ def _merge(base: Dict[str, Any], extra: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
+def _deepspeed_beside(path: str, data: Dict[str, Any]) -> Dict[str, Any]:
+    """`data` with a relative `deepspeed` resolved against the directory of the YAML file at `path`."""
+    value = data.get("deepspeed")
+    if not isinstance(value, str) or not value or os.path.isabs(value):
+        return data
+    here = os.path.dirname(os.path.abspath(path))
+    resolved = os.path.join(here, value)
+    if not os.path.exists(resolved):
+        hint = (f": write deepspeed: {os.path.relpath(os.path.abspath(value), here)}"
+                if os.path.exists(value) else "")
+        raise ConfigError(f"{path}: deepspeed: {value} is {resolved}, which does not exist (a relative path in a "
+                          f"config file is relative to the file's directory){hint}")
+    return {**data, "deepspeed": resolved}
+
+
 def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> TrainConfig:
     """The YAML at `path` (or all defaults), then `overrides`, typed and validated."""
     data: Dict[str, Any] = {}
     if path is not None:  # an empty file is all defaults
         data = read_mapping(path, lambda f: yaml.safe_load(f) or {}, yaml.YAMLError, ConfigError, "YAML",
                             "a mapping of sections")
+        data = _deepspeed_beside(path, data)
     cfg = _build(TrainConfig, data, "", path or "the defaults")
     if overrides:
         cfg = _build(TrainConfig, _merge(data, parse_overrides(overrides)), "", "the command-line overrides")

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from dflash_fast import ops
 from dflash_fast.checkpoint import load_drafter_for_export
 from dflash_fast.drafter import DFlashDrafter, DrafterConfig, load_frozen_tensors
-from dflash_fast.errors import read_mapping
+from dflash_fast.errors import BOOL, INT, OBJECT, STR, ListOf, MapOf, Nullable, Obj, check_schema, read_mapping
 from dflash_fast.store import check_layer_ids, default_layer_ids, torch_dtype, write_json_atomic
 
 FORMATS = ("speculators", "zlab")
@@ -647,8 +647,8 @@ def read_weights(export_dir: str) -> Dict[str, torch.Tensor]:
     index = os.path.join(export_dir, WEIGHTS_INDEX)
     weight_map = None
     if os.path.exists(index):
-        weight_map = _read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
+        weight_map = _read_json(index, WEIGHTS_INDEX_SCHEMA)["weight_map"]
+        if not weight_map:
             raise ExportError(f"{index} has no weight_map object ({{tensor name: shard file}})")
         files = sorted(set(weight_map.values()), key=str)
         for name in files:
@@ -709,16 +709,43 @@ def load_weights(drafter: DFlashDrafter, weights: Dict[str, torch.Tensor], where
             p.copy_(weights[name].to(p.dtype))
 
 
-def _read_json(path: str) -> Dict:
-    return read_mapping(path, json.load, json.JSONDecodeError, ExportError, "JSON", "a JSON object")
+# The JSON shape of the keys each layout's readers take from config.json (errors.check_schema); the sizes inside
+# transformer_layer_config / the z-lab top level are transformers' (_hf_config) and _check_values' to judge.
+_OPT_INT, _OPT_BOOL = Nullable(INT), Nullable(BOOL)
+_DFLASH_KEYS = {"target_layer_ids": ListOf(INT), "num_target_layers": _OPT_INT, "mask_token_id": _OPT_INT,
+                "block_size": _OPT_INT}
+CONFIG_SCHEMAS = {
+    "speculators": Obj(
+        {"transformer_layer_config": OBJECT, "aux_hidden_state_layer_ids": ListOf(INT)},
+        optional={"speculators_config": Nullable(Obj({}, optional={
+                      "proposal_methods": Nullable(ListOf(Obj({}, optional={"speculative_tokens": _OPT_INT})))})),
+                  "mask_token_id": _OPT_INT, "block_size": _OPT_INT, "draft_vocab_size": _OPT_INT,
+                  "target_hidden_size": _OPT_INT, "sample_from_anchor": _OPT_BOOL,
+                  "sliding_window_non_causal": _OPT_BOOL, "dflash_fast": Nullable(OBJECT)},
+    ),
+    "zlab": Obj(
+        {"architectures": ListOf(STR),
+         "dflash_config": Obj({}, optional={**_DFLASH_KEYS, "use_swa": _OPT_BOOL, "swa_window_size": _OPT_INT,
+                                            "causal": _OPT_BOOL})},
+        optional={**_DFLASH_KEYS, "layer_types": Nullable(ListOf(STR)), "dflash_fast": Nullable(OBJECT)},
+    ),
+}
+WEIGHTS_INDEX_SCHEMA = Obj({"weight_map": MapOf(STR)})
+
+
+def _read_json(path: str, schema: Optional[Obj] = None) -> Dict:
+    return read_mapping(path, json.load, json.JSONDecodeError, ExportError, "JSON", "a JSON object", schema=schema)
 
 
 def read_export_config(export_dir: str) -> Dict:
-    """config.json of an export directory, refused when it is neither layout."""
-    config = _read_json(os.path.join(export_dir, "config.json"))
-    if export_format(config) is None:
+    """config.json of an export directory, refused when it is neither layout or a key its layout's readers take
+    holds the wrong kind of JSON value (the error names the key's path)."""
+    path = os.path.join(export_dir, "config.json")
+    config = _read_json(path)
+    fmt = export_format(config)
+    if fmt is None:
         served_architectures(config)  # raises, naming both layouts
-    return config
+    return check_schema(config, CONFIG_SCHEMAS[fmt], path, ExportError)
 
 
 def load_exported(

@@ -34,12 +34,14 @@ import numpy as np
 import torch
 
 from dflash_fast.eager import rms_norm
-from dflash_fast.errors import UserError
+from dflash_fast.errors import COUNT, NUMBER, STR, ListOf, MapOf, Obj, UserError
+from dflash_fast.lock import output_lock
 from dflash_fast.store import (
     DTYPES,
     FP8,
     MANIFEST,
     SCALE_FIELDS,
+    SHARD_ENTRY,
     SHARDS_DIR,
     HiddenStateStore,
     Layout,
@@ -52,6 +54,7 @@ from dflash_fast.store import (
     normalise_dtype,
     parse_layer_ids,
     quantize_fp8,
+    read_json,
     read_manifest,
     write_json_atomic,
 )
@@ -690,10 +693,16 @@ def extract(target, data, out, device=None, rank: Optional[int] = None, world_si
     seconds, GB/s, input counts; `num_sequences` and `num_tokens` of the finished store on rank 0).
     """
     job = plan_job(str(target), str(data), str(out), ExtractOptions(**options), device, rank, world_size)
+    check_disk(job, estimate_disk(job))  # before anything is written, the lock's directory included
+    with output_lock(job.out, job.rank):
+        return _extract(job, progress)
+
+
+def _extract(job: Job, progress: bool) -> dict:
+    """extract() of a planned job, holding the lock of its output directory."""
     if _complete_store(job.out, job.id, job.rank):
         run = {"tokens_run": 0, "bytes_written": 0, "seconds": 0.0, "skipped_shards": None}
         return _summarise(job.out, job.rank, job.stats, run, progress)
-    check_disk(job, estimate_disk(job))
     runner = make_runner(job)
     manifest = job_manifest(job, runner)
     writer = StoreWriter(job.out, job.layout)
@@ -790,9 +799,8 @@ def _wait_for_ranks(out, world_size, job_id, poll_s=0.2) -> List[dict]:
         for r in range(world_size):
             path = os.path.join(out, RANKS_DIR, f"rank{r:05d}.json")
             if r not in notes and os.path.exists(path):
-                with open(path) as f:
-                    note = json.load(f)
-                if note.get("job") == job_id:
+                note = read_json(path, "a rank's note", RANK_NOTE)
+                if note["job"] == job_id:
                     notes[r] = note
         if len(notes) == world_size:
             return [notes[r] for r in range(world_size)]
@@ -801,6 +809,15 @@ def _wait_for_ranks(out, world_size, job_id, poll_s=0.2) -> List[dict]:
             print(f"rank 0: waiting for ranks {missing} to finish their shards", file=sys.stderr)
             next_report = time.time() + 60
         time.sleep(poll_s)
+
+
+# What a rank leaves in ranks/ when its shards are complete (read by rank 0: _wait_for_ranks).
+RANK_NOTE = Obj({
+    "job": STR,
+    "shards": ListOf(Obj({**SHARD_ENTRY.required, "num_loss_tokens": COUNT})),
+    "input": Obj({**dict.fromkeys(("lines", "sequences", "bad_lines", "truncated"), COUNT), "skipped": MapOf(COUNT)}),
+    "run": Obj({"tokens_run": COUNT, "bytes_written": COUNT, "seconds": NUMBER}),
+})
 
 
 def _finish(writer: StoreWriter, manifest: dict, notes: List[dict]) -> None:

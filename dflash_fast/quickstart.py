@@ -6,10 +6,11 @@
 Every stage is the real one (the same functions and the same `deepspeed train.py` a user runs);
 only the sizes are small. Stages resume: re-running skips what is already complete.
 """
+import importlib.util
 import json
 import os
-import shutil
 import subprocess
+import sys
 import time
 from typing import Dict, List
 
@@ -28,14 +29,17 @@ MAX_SEQ_LEN = 512  # tokens per document kept (extract --max-seq-len); tiny.yaml
 
 
 def train_command(config: str, overrides: List[str]) -> List[str]:
-    """`deepspeed --num_gpus 1 train.py --config CONFIG k=v ...` (one process; CPU or one GPU)."""
-    launcher = shutil.which("deepspeed")
-    if launcher is None:
-        raise UserError("the `deepspeed` launcher is not on PATH: pip install deepspeed (it is in install_requires)")
+    """`deepspeed --num_gpus 1 train.py --config CONFIG k=v ...` (one process; CPU or one GPU). The launcher is this
+    interpreter's (`python -m deepspeed.launcher.runner`, what the `deepspeed` script runs), so a venv that is not
+    on PATH, or another `deepspeed` first on PATH, changes nothing."""
+    if importlib.util.find_spec("deepspeed") is None:
+        raise UserError(f"deepspeed is not installed for {sys.executable}: pip install deepspeed "
+                        f"(it is in install_requires)")
+    launcher = [sys.executable, "-m", "deepspeed.launcher.runner"]
     script = os.path.join(REPO, "train.py")
     if not os.path.exists(script):
         raise UserError(f"{script} not found: run the quickstart from a checkout of dflash-fast (pip install -e .)")
-    return [launcher, "--num_gpus", "1", "--master_port", str(free_port()), script, "--config", config, *overrides]
+    return [*launcher, "--num_gpus", "1", "--master_port", str(free_port()), script, "--config", config, *overrides]
 
 
 def regenerate_data(out: str, num_prompts: int = 300, max_new_tokens: int = 128, progress: bool = True,

@@ -29,6 +29,7 @@ from typing import Dict, List, Optional, Sequence, Set, Union
 import torch
 
 from dflash_fast.cli import call_with_flags
+from dflash_fast.errors import COUNT, LIST, STR, Obj, schema_problem
 from dflash_fast.store import torch_dtype
 from dflash_fast.target import (
     KNOWN_ROLES,
@@ -167,6 +168,10 @@ def _matches(prompt: Prompt, record: Dict) -> bool:
     return isinstance(record.get("text"), str) and record["text"].startswith(prompt.text)
 
 
+# The shape of one line regenerate writes (errors.check_schema): the prompt's index and its conversation or text.
+RESPONSE = Obj({"index": COUNT}, optional={"conversations": LIST, "text": STR})
+
+
 def read_done(out: str, prompts: Sequence[Prompt]) -> Set[int]:
     """Indices already in `out`. Cuts a torn last line off the file; refuses records of other prompts."""
     if not os.path.exists(out):
@@ -181,9 +186,16 @@ def read_done(out: str, prompts: Sequence[Prompt]) -> Set[int]:
     for line_no, line in enumerate(complete.decode().splitlines(), 1):
         if not line.strip():
             continue
-        record = json.loads(line)
-        i = record.get("index")
-        if not isinstance(i, int) or not 0 <= i < len(prompts) or not _matches(prompts[i], record):
+        try:
+            record = json.loads(line)
+        except (ValueError, RecursionError) as e:
+            raise ValueError(f"{out}:{line_no} is not valid JSON ({e}); write to a new --out or delete {out}") from None
+        problem = schema_problem(record, RESPONSE, root="the line")
+        if problem is not None:
+            raise ValueError(f"{out}:{line_no}: {problem}: not a response of regenerate; write to a new --out or "
+                             f"delete {out}")
+        i = record["index"]
+        if not 0 <= i < len(prompts) or not _matches(prompts[i], record):
             raise ValueError(
                 f"{out}:{line_no} is not a response to prompt {i!r} of this prompt file; "
                 f"write to a new --out or delete {out}"

@@ -51,7 +51,20 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from dflash_fast.errors import read_mapping
+from dflash_fast.errors import (
+    BOOL,
+    COUNT,
+    INT,
+    OBJECT,
+    POSITIVE,
+    SHA256,
+    STR,
+    ListOf,
+    MapOf,
+    Obj,
+    check_schema,
+    read_mapping,
+)
 
 SCHEMA_VERSIONS = (1, 2)  # readable; the version of a store is Layout.schema_version
 MANIFEST = "manifest.json"
@@ -80,8 +93,24 @@ SCALE_FIELDS = {"hidden": "hidden_scale", "last": "last_scale"}
 # What the loader dequantises fp8 to: the bytes a bf16 store would hand the trainer.
 FP8_READ_DTYPE = torch.bfloat16
 
-# What a reader needs from a manifest; extraction also records the target, L, V, norm and input counts.
-MANIFEST_KEYS = ("layer_ids", "hidden_size", "topk", "dtype", "has_last", "num_sequences", "num_tokens", "shards")
+# The shape of the JSON files of a store (errors.check_schema): what a reader needs from a manifest, plus the
+# types of what extraction records besides (the target, L, V, the final norm, input counts) where present.
+SHARD_ENTRY = Obj(
+    {"name": STR, "num_sequences": COUNT, "num_tokens": COUNT},
+    optional={"num_loss_tokens": COUNT, "index_sha256": SHA256},
+)
+MANIFEST_SCHEMA = Obj(
+    {"schema_version": INT, "layer_ids": ListOf(COUNT), "hidden_size": POSITIVE, "topk": POSITIVE, "dtype": STR,
+     "has_last": BOOL, "num_sequences": COUNT, "num_tokens": COUNT, "shards": ListOf(SHARD_ENTRY)},
+    optional={"target": Obj({}, optional={"path": STR, "config_sha256": STR}), "num_layers": POSITIVE,
+              "vocab_size": POSITIVE, "final_norm": Obj({}, optional={"kind": STR}),
+              "extraction": Obj({}, optional={"job": STR, "input": OBJECT})},
+)
+INDEX_SCHEMA = Obj(
+    {"num_sequences": COUNT, "num_tokens": COUNT, "lengths": ListOf(COUNT),
+     "files": MapOf(Obj({"dtype": STR, "shape": ListOf(COUNT)}, optional={"sha256": SHA256}))},
+    optional={"schema_version": INT, "dtype": STR, "job": STR, "inputs_sha256": STR},
+)
 
 # Final-norm kinds a store can describe: y = rms(x) * w, or zero-centred y = rms(x) * (1 + w).
 NORM_KINDS = ("rmsnorm", "rmsnorm_zero_centred")
@@ -257,11 +286,40 @@ def sha256_file(path: str) -> str:
     return h.hexdigest()
 
 
-def _read_json(path: str, what: str) -> dict:
-    """The JSON object at `path`: FileNotFoundError when it is missing, ValueError when it is not one (a damaged
-    store, or a file that is no store's)."""
+def read_json(path: str, what: str, schema: Optional[Obj] = None) -> dict:
+    """The JSON object at `path`: FileNotFoundError when it is missing, ValueError when it is not one or a field
+    does not have the shape `schema` declares (a damaged store, or a file that is no store's)."""
     return read_mapping(path, json.load, json.JSONDecodeError, ValueError, "JSON", f"{what} (a JSON object)",
-                        missing=FileNotFoundError)
+                        missing=FileNotFoundError, schema=schema)
+
+
+def _read_index(shard: str) -> dict:
+    return read_json(os.path.join(shard, INDEX), "a shard index", INDEX_SCHEMA)
+
+
+def shard_dirs(path: str, entries: Sequence[dict], listed_in: str) -> List[str]:
+    """The directory of each shard entry of a manifest (or a rank's note) `listed_in`, for the store at `path`.
+
+    A shard name comes from a file, so it is refused unless it names one directory inside `path`/shards (no
+    separator, no `..`, not absolute, not a `.tmp` leftover), and unless every shard is a different directory
+    (a shard listed twice, or two names of one directory through a symlink, would train its documents twice).
+    The shard directory itself may be a symlink to another disk: the name stays inside the store."""
+    dirs, seen = [], {}
+    for i, entry in enumerate(entries):
+        name = entry["name"]
+        if (name in ("", ".", "..") or os.path.basename(name) != name or "/" in name or "\\" in name
+                or "\0" in name or name.endswith(TMP_SUFFIX)):
+            raise ValueError(f"{listed_in}: shards[{i}].name {name!r} is not the name of a shard directory in "
+                             f"{os.path.join(path, SHARDS_DIR)}; the file is corrupted or was not written by "
+                             f"dflash-fast")
+        shard = os.path.join(path, SHARDS_DIR, name)
+        real = os.path.realpath(shard)
+        if real in seen:
+            raise ValueError(f"{listed_in}: shards[{i}] ({name}) is the shard directory of shards[{seen[real]}] "
+                             f"again: each shard is listed once, or its documents would be read twice")
+        seen[real] = i
+        dirs.append(shard)
+    return dirs
 
 
 def write_json_atomic(path: str, obj: dict) -> None:
@@ -398,7 +456,7 @@ class StoreWriter:
         if not os.path.isdir(shard):
             return False
         try:
-            index = _read_json(os.path.join(shard, INDEX), "a shard index")
+            index = _read_index(shard)
         except (FileNotFoundError, ValueError) as e:
             return self._discard(shard, e)
         theirs = {k: index.get(k) for k in meta}
@@ -430,9 +488,9 @@ class StoreWriter:
         last and only over complete, consistent shards.
         """
         shards = []
-        for entry in manifest["shards"]:
-            shard = os.path.join(self.shards_dir, entry["name"])
-            index = _read_json(os.path.join(shard, INDEX), "a shard index")
+        for shard, entry in zip(shard_dirs(self.path, manifest["shards"], "the shards of this extraction"),
+                                manifest["shards"]):
+            index = _read_index(shard)
             _check_shard(shard, self.layout, index, {k: entry[k] for k in ("num_sequences", "num_tokens")})
             # The index holds its files' sha256: the manifest's sum of the index closes the chain `verify` checks.
             shards.append({**entry, "index_sha256": sha256_file(os.path.join(shard, INDEX))})
@@ -467,9 +525,19 @@ def build_manifest(*, target: dict, num_layers: int, vocab_size: int, layer_ids:
 
 
 def read_manifest(path: str) -> Optional[dict]:
-    """The manifest of the store at `path`, or None when there is none (yet)."""
+    """The manifest of the store at `path` (its version known, its fields of the declared types), or None when
+    there is none (yet)."""
     manifest_path = os.path.join(path, MANIFEST)
-    return _read_json(manifest_path, "a store manifest") if os.path.exists(manifest_path) else None
+    if not os.path.exists(manifest_path):
+        return None
+    manifest = read_json(manifest_path, "a store manifest")
+    version = manifest.get("schema_version")
+    if version not in SCHEMA_VERSIONS:  # before the schema: a newer store's fields may differ
+        raise ValueError(
+            f"{manifest_path}: unknown schema version {version!r}; this reader understands versions "
+            f"{', '.join(map(str, SCHEMA_VERSIONS))}: re-extract with this version of dflash-fast"
+        )
+    return check_schema(manifest, MANIFEST_SCHEMA, manifest_path)
 
 
 # ---------------------------------------------------------------- shard checks and the reader
@@ -543,17 +611,8 @@ class HiddenStateStore:
                 f"{manifest_path} is missing: "
                 + ("the extraction did not finish; re-run the same command to resume it" if torn else "not a store")
             )
-        self.manifest = _read_json(manifest_path, "a store manifest")
-        version = self.manifest.get("schema_version")
-        if version not in SCHEMA_VERSIONS:
-            raise ValueError(
-                f"{manifest_path}: unknown schema version {version!r}; this reader understands versions "
-                f"{', '.join(map(str, SCHEMA_VERSIONS))}: re-extract with this version of dflash-fast"
-            )
-        m = self.manifest
-        missing = [k for k in MANIFEST_KEYS if k not in m]
-        if missing:
-            raise ValueError(f"{manifest_path}: missing {missing}; the manifest is corrupted")
+        self.manifest = m = read_manifest(self.path)
+        version = m["schema_version"]
         if m["dtype"] not in DTYPES:
             raise ValueError(f"{manifest_path}: unknown dtype {m['dtype']!r}; the manifest is corrupted")
         self.layout = Layout(len(m["layer_ids"]), m["hidden_size"], m["topk"], m["dtype"], m["has_last"])
@@ -565,11 +624,11 @@ class HiddenStateStore:
         self.hidden_dtype = DTYPES[m["dtype"]][1]
         self._specs = []
         lengths = []
-        for entry in m["shards"]:
-            shard = os.path.join(self.path, SHARDS_DIR, entry["name"])
+        self.shard_dirs = shard_dirs(self.path, m["shards"], manifest_path)
+        for shard, entry in zip(self.shard_dirs, m["shards"]):
             if not os.path.isdir(shard):
                 raise FileNotFoundError(f"{shard}: shard listed in the manifest is missing")
-            index = _read_json(os.path.join(shard, INDEX), "a shard index")
+            index = _read_index(shard)
             expect = {"num_sequences": entry["num_sequences"], "num_tokens": entry["num_tokens"]}
             self._specs.append(_check_shard(shard, self.layout, index, expect))
             lengths.append(np.asarray(index["lengths"], dtype=np.int64))
@@ -634,8 +693,7 @@ def verify_store(path: str) -> List[str]:
     store first checks the manifest, every index and every file's size (raises on those)."""
     store = HiddenStateStore(path)
     problems = []
-    for entry in store.manifest["shards"]:
-        shard = os.path.join(store.path, SHARDS_DIR, entry["name"])
+    for shard, entry in zip(store.shard_dirs, store.manifest["shards"]):
         index_path = os.path.join(shard, INDEX)
         if "index_sha256" not in entry:
             problems.append(f"{shard}: no sha256 recorded (extracted by an older dflash-fast); re-extract to verify it")
@@ -643,7 +701,7 @@ def verify_store(path: str) -> List[str]:
         if sha256_file(index_path) != entry["index_sha256"]:
             problems.append(f"{index_path}: its sha256 differs from the one the manifest records")
             continue
-        files = _read_json(index_path, "a shard index")["files"]
+        files = _read_index(shard)["files"]
         for field in store.layout.fields():
             file = os.path.join(shard, field + ".bin")
             digest, recorded = sha256_file(file), str(files[field].get("sha256"))

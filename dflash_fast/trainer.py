@@ -57,6 +57,7 @@ from dflash_fast.drafter import DrafterOutput, slot_targets
 from dflash_fast.eager import has_kl, needs_last
 from dflash_fast.errors import DEBUG_ENV, UserError, run_reporting_errors
 from dflash_fast.export import ENGINES, export_drafter
+from dflash_fast.lock import output_lock
 from dflash_fast.metrics import MetricsLog, Sums, Window, progress_bar, show_step, train_record, val_record
 from dflash_fast.model import build_run_drafter, export_format, resolve_loss_kind
 from dflash_fast.online import OnlineBatches
@@ -332,7 +333,9 @@ class Trainer:
 def train(cfg: TrainConfig) -> Dict:
     """Run one training job (this process is one rank); see Trainer.run for the result."""
     quiet_deepspeed()
-    return Trainer(cfg, *init_distributed()).run()
+    rank, world_size = init_distributed()
+    with output_lock(cfg.output_dir, rank):  # one run writes an output directory at a time
+        return Trainer(cfg, rank, world_size).run()
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:

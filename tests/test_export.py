@@ -426,18 +426,19 @@ def test_a_layer_count_that_disagrees_with_layer_types_is_refused(spec_export):
         ("speculators", lambda c: c.update(aux_hidden_state_layer_ids=[0, 2, 3]), r"layer id -1 is negative"),
         ("speculators", lambda c: c.update(aux_hidden_state_layer_ids=[2, 2, 3]), r"\[1, 1, 2\] contain duplicates"),
         ("speculators", lambda c: c.update(aux_hidden_state_layer_ids=["1", 2, 3]),
-         r"aux_hidden_state_layer_ids=\['1', 2, 3\] is not a list of integer layer ids"),
+         r'config.json: aux_hidden_state_layer_ids\[0\] must be an integer, got "1"'),
         ("zlab", lambda c: c["dflash_config"].update(target_layer_ids=[0, 1, 7]),
          r"layer id 7 does not exist: the target has 4 decoder layers"),
         ("zlab", lambda c: c["dflash_config"].update(target_layer_ids="0,1,2"),
-         r"dflash_config.target_layer_ids='0,1,2' is not a list"),
+         r'config.json: dflash_config.target_layer_ids must be a list of integers, got "0,1,2"'),
         # Values of the wrong kind.
-        ("zlab", lambda c: c["dflash_config"].update(block_size="4"), r"block_size='4' is not an integer >= 2"),
+        ("zlab", lambda c: c["dflash_config"].update(block_size="4"), r'dflash_config.block_size must be an integer'),
         ("speculators", lambda c: c.update(mask_token_id=-1), r"mask_token_id=-1 is not an integer >= 0"),
-        ("zlab", lambda c: c.update(num_target_layers="4", dflash_fast={}), r"layer count '4' is not an integer"),
+        ("zlab", lambda c: c.update(num_target_layers="4", dflash_fast={}), r'num_target_layers must be an integer'),
         ("speculators", lambda c: c.update(transformer_layer_config=[1]),
-         r"cannot be read as speculators reads it, a key holds the wrong kind of value"),
-        ("speculators", lambda c: c.update(speculators_config="greedy"), r"cannot be read as vllm reads it"),
+         r"config.json: transformer_layer_config must be an object, got a list"),
+        ("speculators", lambda c: c.update(speculators_config="greedy"),
+         r'speculators_config must be an object, got "greedy"'),
     ],
     ids=["layer_ids_negative", "layer_ids_duplicate", "layer_ids_not_int", "layer_ids_beyond_the_target",
          "layer_ids_a_string", "block_size_string", "negative_mask_token", "target_layers_string", "layer_config_list",
@@ -525,7 +526,7 @@ def test_a_sharded_export_loads_and_a_bad_index_is_refused(spec_export):
         assert torch.equal(p, q), name
     index = os.path.join(spec_export, "model.safetensors.index.json")
     cases = [
-        ({"metadata": {}}, "has no weight_map object"),
+        ({"metadata": {}}, r"weight_map is missing \(it must be an object\)"),
         ({"weight_map": {"fc.weight": "../model-00001-of-00002.safetensors"}}, "shards are file names inside"),
         ({"weight_map": {"fc.weight": "model-00001-of-00002.safetensors"}}, "and its shards disagree"),
     ]
