@@ -23,13 +23,12 @@ import json
 import os
 import random
 import re
-import sys
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 import torch
 
-from dflash_fast.drafter import DFlashDrafter, DrafterConfig
+from dflash_fast.drafter import DFlashDrafter, DrafterConfig, check_tensors, read_tensors, stderr_line
 from dflash_fast.store import TMP_SUFFIX, sha256_file, write_json_atomic
 
 CHECKPOINT_TAG = re.compile(r"^step(\d{8})$")
@@ -168,12 +167,8 @@ def verify_checkpoint(ckpt: str, sharing: Sharing = Sharing()) -> List[str]:
     ]
 
 
-def _stderr(message: str) -> None:
-    print(message, file=sys.stderr)
-
-
 def select_checkpoint(
-    path: str, log: Callable[[str], None] = _stderr, sharing: Sharing = Sharing()
+    path: str, log: Callable[[str], None] = stderr_line, sharing: Sharing = Sharing()
 ) -> Tuple[str, str]:
     """The checkpoint to read at `path` -> (checkpoints dir, tag).
 
@@ -217,46 +212,33 @@ def read_client_state(load_dir: str, tag: str) -> Dict:
 # ---------------------------------------------------------------- the drafter's weights
 
 
-def write_weights(ckpt: str, tensors: Dict[str, torch.Tensor]) -> None:
-    """The drafter's trainable weights (name -> full tensor) as fp32 safetensors in `ckpt`."""
+def write_weights(ckpt: str, tensors: Dict[str, torch.Tensor], cfg: DrafterConfig) -> None:
+    """The drafter's trainable weights (name -> full tensor) as fp32 safetensors in `ckpt`, checked (check_tensors)
+    before they are written: a checkpoint never holds weights its readers would refuse."""
     from safetensors.torch import save_file
 
-    save_file({k: v.detach().to("cpu", torch.float32).contiguous() for k, v in tensors.items()},
-              os.path.join(ckpt, WEIGHTS), metadata={"format": "pt"})
+    tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in tensors.items()}
+    check_tensors(cfg, tensors, os.path.join(ckpt, WEIGHTS), CheckpointError)
+    save_file(tensors, os.path.join(ckpt, WEIGHTS), metadata={"format": "pt"})
 
 
-def load_drafter_for_export(checkpoint: str, log: Callable[[str], None] = _stderr) -> Tuple[DFlashDrafter, str]:
+def load_drafter_for_export(checkpoint: str, log: Callable[[str], None] = stderr_line) -> Tuple[DFlashDrafter, str]:
     """The trained drafter of a run or checkpoint (select_checkpoint) and the verifier (target) path it was
     trained against: built from the marker's JSON drafter config and `drafter.safetensors`, never from
-    DeepSpeed's pickles. Frozen target tensors are not loaded: export writes trainable weights only."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
+    DeepSpeed's pickles, and only once the file's header backs the config (read_tensors). Frozen target tensors are
+    not loaded: export writes trainable weights only."""
     load_dir, tag = select_checkpoint(checkpoint, log)
     ckpt = os.path.join(load_dir, tag)
     client = read_client_state(load_dir, tag)
     try:
-        drafter = DFlashDrafter(DrafterConfig(**client["drafter"]))
+        cfg = DrafterConfig(**client["drafter"])
         verifier = client["verifier"]
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{ckpt}/{MARKER}: its drafter config or verifier is not one this dflash-fast "
                               f"builds ({type(e).__name__}: {e})") from None
-    try:
-        weights = load_file(os.path.join(ckpt, WEIGHTS))
-    except (OSError, SafetensorError) as e:
-        raise CheckpointError(f"{ckpt}/{WEIGHTS}: not readable safetensors ({e})") from None
-    expected = dict(drafter.named_parameters())
-    missing, extra = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
-    wrong = [f"{n} {list(weights[n].shape)} (config: {list(p.shape)})"
-             for n, p in expected.items() if n in weights and weights[n].shape != p.shape]
-    if missing or extra or wrong:
-        raise CheckpointError(
-            f"{ckpt}/{WEIGHTS} does not match its drafter config: missing {missing[:5]}, unexpected {extra[:5]}, "
-            f"wrong shapes {wrong[:5]}"
-        )
-    with torch.no_grad():
-        for name, p in expected.items():
-            p.copy_(weights[name])
+    weights = read_tensors([os.path.join(ckpt, WEIGHTS)], cfg, CheckpointError)
+    drafter = DFlashDrafter(cfg)
+    drafter.load_trainable(weights)
     return drafter, verifier
 
 

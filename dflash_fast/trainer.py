@@ -712,7 +712,7 @@ class Trainer:
         self.engine.save_checkpoint(self.checkpoints_dir, tag=tag)
         weights = self._master_weights()
         if self.rank == 0:
-            write_weights(path, weights)
+            write_weights(path, weights, self.engine.module.config)
         write_rng_state(path, self.rank)
         dist.barrier()
         write_marker(path, client, self._sharing())
