@@ -3,7 +3,7 @@ RNG state, and the trained drafter for export and eval.
 
     OUT/checkpoints/stepNNNNNNNN/
         mp_rank_00_model_states.pt, *optim_states.pt   DeepSpeed's own files (pickles): only resume reads them, through
-                                                        DeepSpeed's loader, and only once they verified
+                                                        DeepSpeed's loader made weights-only, once they verified
         drafter.safetensors                             the trainable weights, fp32, gathered from every ZeRO partition:
                                                         the only weights export and eval read
         rng_rankNNNNN.json                              each rank's Python, numpy and torch RNG state
@@ -16,8 +16,9 @@ and *verified* when the files on disk are exactly the ones its marker lists, eac
 Readers take a run's newest verified checkpoint and say which newer ones they skipped and why; a checkpoint named
 directly must verify.
 
-Nothing in this module unpickles. Resuming does (DeepSpeed's loader), so a run directory is trusted like code:
-the checksums catch damage and files swapped in after the run wrote them, not a forged marker.
+Nothing here unpickles with code: resume reads DeepSpeed's files through `load_training_state`, torch's
+weights-only unpickler with DeepSpeed's few state classes allowed, so a crafted .pt file is refused, not run. The
+checksums catch damage and files swapped in after the run wrote them, not a forged marker.
 """
 import json
 import os
@@ -240,6 +241,52 @@ def load_drafter_for_export(checkpoint: str, log: Callable[[str], None] = stderr
     drafter = DFlashDrafter(cfg)
     drafter.load_trainable(weights)
     return drafter, verifier
+
+
+# ---------------------------------------------------------------- DeepSpeed's states, read without running code
+
+
+def deepspeed_safe_globals() -> List[type]:
+    """The classes DeepSpeed pickles into its checkpoints beside tensors and plain containers (ZeRO-1/2/3 optimizer
+    states hold the stage, the loss scaler and the fp32 slice map; fp16 the dynamic scaler), as
+    torch.serialization.get_unsafe_globals_in_checkpoint lists them. Allow-listing a class lets torch's
+    weights-only unpickler make an instance and set its attributes; it never calls a function the file names."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def load_training_state(engine, load_dir: str, tag: str) -> None:
+    """Resume's read of DeepSpeed's model and optimizer states (engine.load_checkpoint) with every file unpickled
+    by torch.load(weights_only=True) and only `deepspeed_safe_globals` allowed: DeepSpeed's own loader would
+    unpickle them with weights_only=False, running any code a crafted file holds. A file holding anything else
+    is refused by name (CheckpointError)."""
+    import pickle
+
+    allowed = deepspeed_safe_globals()
+
+    def load(path: str, map_location=None):
+        try:
+            with torch.serialization.safe_globals(allowed):
+                return torch.load(path, map_location=map_location, weights_only=True)
+        except pickle.UnpicklingError as e:
+            found = re.search(r"Unsupported global: GLOBAL (\S+)|Unsupported operand (\S+)", str(e))
+            what = next((g for g in found.groups() if g), "") if found else str(e).splitlines()[0]
+            raise CheckpointError(
+                f"{path}: holds a pickled object that is not training state ({what}); resume loads DeepSpeed's "
+                f"files weights-only and never runs code from them: resume from a checkpoint this trainer wrote"
+            ) from None
+
+    checkpoint_engine = engine.checkpoint_engine
+    checkpoint_engine.load = load  # every DeepSpeed read of the checkpoint (model, ZeRO partitions) goes through it
+    try:
+        loaded, _ = engine.load_checkpoint(load_dir, tag, load_optimizer_states=True, load_lr_scheduler_states=True)
+    finally:
+        del checkpoint_engine.load
+    if loaded is None:
+        raise CheckpointError(f"DeepSpeed could not load the checkpoint {os.path.join(load_dir, tag)}")
 
 
 # ---------------------------------------------------------------- RNG state (JSON: no pickle)

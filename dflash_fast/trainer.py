@@ -49,6 +49,7 @@ from dflash_fast.checkpoint import (
     CheckpointError,
     Sharing,
     checkpoint_tags,
+    load_training_state,
     read_client_state,
     restore_rng_state,
     select_checkpoint,
@@ -725,8 +726,8 @@ class Trainer:
 
     def _find_resume(self) -> Optional[Tuple[str, str, Dict]]:
         """The checkpoint to continue from -> (checkpoints dir, tag, client state), verified and checked before
-        anything is built. DeepSpeed's loader unpickles its files, so a checkpoint whose files differ from the
-        checksums its run recorded is refused (`latest`: the newest that verifies is taken, saying so)."""
+        anything is built. A checkpoint whose files differ from the checksums its run recorded is refused
+        (`latest`: the newest that verifies is taken, saying so)."""
         spec = self.cfg.checkpoint.resume
         tags = checkpoint_tags(self.checkpoints_dir)
         if spec is None:
@@ -755,11 +756,7 @@ class Trainer:
         return load_dir, tag, client
 
     def _resume(self, load_dir: str, tag: str, client: Dict) -> None:
-        loaded, _ = self.engine.load_checkpoint(
-            load_dir, tag, load_optimizer_states=True, load_lr_scheduler_states=True
-        )
-        if loaded is None:
-            raise ConfigError(f"DeepSpeed could not load the checkpoint {os.path.join(load_dir, tag)}")
+        load_training_state(self.engine, load_dir, tag)
         self.step = client["step"]
         self.stream = TrainStream(
             self.store,
