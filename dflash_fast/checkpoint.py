@@ -4,7 +4,7 @@ choosing the one to resume (find_resume), and setting aside the checkpoints a re
 
     OUT/checkpoints/stepNNNNNNNN/
         mp_rank_00_model_states.pt, *optim_states.pt   DeepSpeed's own files (pickles): only resume reads them, through
-                                                        DeepSpeed's loader, and only once they verified
+                                                        DeepSpeed's loader made weights-only, once they verified
         drafter.safetensors                             the trainable weights, fp32, gathered from every ZeRO partition:
                                                         the only weights export and eval read
         rng_rankNNNNN.json                              each rank's Python, numpy and torch RNG state
@@ -17,21 +17,21 @@ and *verified* when the files on disk are exactly the ones its marker lists, eac
 Readers take a run's newest verified checkpoint and say which newer ones they skipped and why; a checkpoint named
 directly must verify.
 
-Nothing in this module unpickles. Resuming does (DeepSpeed's loader), so a run directory is trusted like code:
-the checksums catch damage and files swapped in after the run wrote them, not a forged marker.
+Nothing here unpickles with code: resume reads DeepSpeed's files through `load_training_state`, torch's
+weights-only unpickler with DeepSpeed's few state classes allowed, so a crafted .pt file is refused, not run. The
+checksums catch damage and files swapped in after the run wrote them, not a forged marker.
 """
 import json
 import os
 import random
 import re
 import shutil
-import sys
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 import torch
 
-from dflash_fast.drafter import DFlashDrafter, DrafterConfig
+from dflash_fast.drafter import DFlashDrafter, DrafterConfig, check_tensors, read_tensors, stderr_line
 from dflash_fast.errors import COUNT, LIST, OBJECT, SHA256, STR, ConfigError, MapOf, Obj, read_mapping, schema_problem
 from dflash_fast.store import TMP_SUFFIX, sha256_file, write_json_atomic
 
@@ -179,12 +179,8 @@ def verify_checkpoint(ckpt: str, sharing: Sharing = Sharing()) -> List[str]:
     ]
 
 
-def _stderr(message: str) -> None:
-    print(message, file=sys.stderr)
-
-
 def select_checkpoint(
-    path: str, log: Callable[[str], None] = _stderr, sharing: Sharing = Sharing()
+    path: str, log: Callable[[str], None] = stderr_line, sharing: Sharing = Sharing()
 ) -> Tuple[str, str]:
     """The checkpoint to read at `path` -> (checkpoints dir, tag).
 
@@ -301,7 +297,7 @@ def save_checkpoint(engine, checkpoints_dir: str, step: int, client: Dict, keep_
     engine.save_checkpoint(checkpoints_dir, tag=tag)
     weights = master_weights(engine, sharing.rank)
     if sharing.rank == 0:
-        write_weights(path, weights)
+        write_weights(path, weights, engine.module.config)
     write_rng_state(path, sharing.rank)
     sharing.barrier()
     write_marker(path, client, sharing)
@@ -328,48 +324,80 @@ def master_weights(engine, rank: int) -> Optional[Dict[str, torch.Tensor]]:
     return weights if rank == 0 else None
 
 
-
-def write_weights(ckpt: str, tensors: Dict[str, torch.Tensor]) -> None:
-    """The drafter's trainable weights (name -> full tensor) as fp32 safetensors in `ckpt`."""
+def write_weights(ckpt: str, tensors: Dict[str, torch.Tensor], cfg: DrafterConfig) -> None:
+    """The drafter's trainable weights (name -> full tensor) as fp32 safetensors in `ckpt`, checked (check_tensors)
+    before they are written: a checkpoint never holds weights its readers would refuse."""
     from safetensors.torch import save_file
 
-    save_file({k: v.detach().to("cpu", torch.float32).contiguous() for k, v in tensors.items()},
-              os.path.join(ckpt, WEIGHTS), metadata={"format": "pt"})
+    tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in tensors.items()}
+    check_tensors(cfg, tensors, os.path.join(ckpt, WEIGHTS), CheckpointError)
+    save_file(tensors, os.path.join(ckpt, WEIGHTS), metadata={"format": "pt"})
 
 
-def load_drafter_for_export(checkpoint: str, log: Callable[[str], None] = _stderr) -> Tuple[DFlashDrafter, str]:
+def load_drafter_for_export(checkpoint: str, log: Callable[[str], None] = stderr_line) -> Tuple[DFlashDrafter, str]:
     """The trained drafter of a run or checkpoint (select_checkpoint) and the verifier (target) path it was
     trained against: built from the marker's JSON drafter config and `drafter.safetensors`, never from
-    DeepSpeed's pickles. Frozen target tensors are not loaded: export writes trainable weights only."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
+    DeepSpeed's pickles, and only once the file's header backs the config (read_tensors). Frozen target tensors are
+    not loaded: export writes trainable weights only."""
     load_dir, tag = select_checkpoint(checkpoint, log)
     ckpt = os.path.join(load_dir, tag)
     client = read_client_state(load_dir, tag)
     try:
-        drafter = DFlashDrafter(DrafterConfig(**client["drafter"]))
+        cfg = DrafterConfig(**client["drafter"])
         verifier = client["verifier"]
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{ckpt}/{MARKER}: its drafter config or verifier is not one this dflash-fast "
                               f"builds ({type(e).__name__}: {e})") from None
-    try:
-        weights = load_file(os.path.join(ckpt, WEIGHTS))
-    except (OSError, SafetensorError) as e:
-        raise CheckpointError(f"{ckpt}/{WEIGHTS}: not readable safetensors ({e})") from None
-    expected = dict(drafter.named_parameters())
-    missing, extra = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
-    wrong = [f"{n} {list(weights[n].shape)} (config: {list(p.shape)})"
-             for n, p in expected.items() if n in weights and weights[n].shape != p.shape]
-    if missing or extra or wrong:
-        raise CheckpointError(
-            f"{ckpt}/{WEIGHTS} does not match its drafter config: missing {missing[:5]}, unexpected {extra[:5]}, "
-            f"wrong shapes {wrong[:5]}"
-        )
-    with torch.no_grad():
-        for name, p in expected.items():
-            p.copy_(weights[name])
+    weights = read_tensors([os.path.join(ckpt, WEIGHTS)], cfg, CheckpointError)
+    drafter = DFlashDrafter(cfg)
+    drafter.load_trainable(weights)
     return drafter, verifier
+
+
+# ---------------------------------------------------------------- DeepSpeed's states, read without running code
+
+
+def deepspeed_safe_globals() -> List[type]:
+    """The classes DeepSpeed pickles into its checkpoints beside tensors and plain containers (ZeRO-1/2/3 optimizer
+    states hold the stage, the loss scaler and the fp32 slice map; fp16 the dynamic scaler), as
+    torch.serialization.get_unsafe_globals_in_checkpoint lists them. Allow-listing a class lets torch's
+    weights-only unpickler make an instance and set its attributes; it never calls a function the file names."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def load_training_state(engine, load_dir: str, tag: str) -> None:
+    """Resume's read of DeepSpeed's model and optimizer states (engine.load_checkpoint) with every file unpickled
+    by torch.load(weights_only=True) and only `deepspeed_safe_globals` allowed: DeepSpeed's own loader would
+    unpickle them with weights_only=False, running any code a crafted file holds. A file holding anything else
+    is refused by name (CheckpointError)."""
+    import pickle
+
+    allowed = deepspeed_safe_globals()
+
+    def load(path: str, map_location=None):
+        try:
+            with torch.serialization.safe_globals(allowed):
+                return torch.load(path, map_location=map_location, weights_only=True)
+        except pickle.UnpicklingError as e:
+            found = re.search(r"Unsupported global: GLOBAL (\S+)|Unsupported operand (\S+)", str(e))
+            what = next((g for g in found.groups() if g), "") if found else str(e).splitlines()[0]
+            raise CheckpointError(
+                f"{path}: holds a pickled object that is not training state ({what}); resume loads DeepSpeed's "
+                f"files weights-only and never runs code from them: resume from a checkpoint this trainer wrote"
+            ) from None
+
+    checkpoint_engine = engine.checkpoint_engine
+    checkpoint_engine.load = load  # every DeepSpeed read of the checkpoint (model, ZeRO partitions) goes through it
+    try:
+        loaded, _ = engine.load_checkpoint(load_dir, tag, load_optimizer_states=True, load_lr_scheduler_states=True)
+    finally:
+        del checkpoint_engine.load
+    if loaded is None:
+        raise CheckpointError(f"DeepSpeed could not load the checkpoint {os.path.join(load_dir, tag)}")
 
 
 # ---------------------------------------------------------------- RNG state (JSON: no pickle)

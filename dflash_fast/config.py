@@ -326,6 +326,7 @@ def _numbers(node, prefix: str = ""):
 def validate(cfg: TrainConfig) -> None:
     """Ranges and choices; what needs the store or the target is checked by the trainer."""
     from dflash_fast import ops
+    from dflash_fast.drafter import MAX_BLOCK_SIZE
     from dflash_fast.eager import LOSS_KINDS, WEIGHTINGS
 
     for key, value in _numbers(cfg):
@@ -346,6 +347,11 @@ def validate(cfg: TrainConfig) -> None:
                "data.online.batch_tokens, data.online.topk and data.online.parity_every must be >= 1")
     _check(m.num_layers >= 1, f"model.num_layers={m.num_layers} must be >= 1")
     _check(m.block_size >= 2, f"model.block_size={m.block_size} must be >= 2 (slot 0 is the given token)")
+    _check(m.block_size <= MAX_BLOCK_SIZE,
+           f"model.block_size={m.block_size} is beyond {MAX_BLOCK_SIZE} (dflash_fast.drafter.MAX_BLOCK_SIZE)")
+    _check(m.mask_token_id is None or m.mask_token_id >= 0, f"model.mask_token_id={m.mask_token_id} must be >= 0")
+    _check(m.sliding_window is None or m.sliding_window >= 1,
+           f"model.sliding_window={m.sliding_window} must be >= 1 (or null: no sliding layer)")
     _check(
         m.layer_types is None or len(m.layer_types) == m.num_layers,
         f"model.layer_types has {len(m.layer_types or [])} entries for model.num_layers={m.num_layers}",
@@ -364,6 +370,13 @@ def validate(cfg: TrainConfig) -> None:
         f"tokens: set data.seq_len >= {m.block_size}",
     )
     _check(d.num_anchors >= 1, f"data.num_anchors={d.num_anchors} must be >= 1")
+    # An anchor a needs a + 1 inside the row (SPEC §3): a row of T tokens holds at most T - 1 anchors, and each is
+    # a block of B query rows in every layer, so anchors past that would only allocate padding.
+    _check(
+        d.num_anchors <= d.seq_len - 1,
+        f"data.num_anchors={d.num_anchors} is more than a row of data.seq_len={d.seq_len} tokens can hold "
+        f"({d.seq_len - 1} anchors: every anchor needs the next token in its row): lower data.num_anchors",
+    )
     _check(d.batch_rows >= 1, f"data.batch_rows={d.batch_rows} must be >= 1")
     _check(0 <= d.val_fraction < 1, f"data.val_fraction={d.val_fraction} must be in [0, 1)")
     _check(d.num_workers >= 0, f"data.num_workers={d.num_workers} must be >= 0")
@@ -391,6 +404,7 @@ def validate(cfg: TrainConfig) -> None:
     _check(0 <= s.warmup_ratio < 1, f"schedule.warmup_ratio={s.warmup_ratio} must be in [0, 1)")
     _check(0 <= s.min_lr_ratio <= 1, f"schedule.min_lr_ratio={s.min_lr_ratio} must be in [0, 1]")
     _check(s.steps > 0 or s.epochs > 0, "set schedule.steps > 0 or schedule.epochs > 0")
+    _check(s.epochs >= 0, f"schedule.epochs={s.epochs} must be >= 0")
     _check(s.steps >= 0, f"schedule.steps={s.steps} must be >= 0")
     _check(s.grad_accum >= 1, f"schedule.grad_accum={s.grad_accum} must be >= 1")
     _check(cfg.logging.every >= 1, f"logging.every={cfg.logging.every} must be >= 1")

@@ -9,8 +9,10 @@ The three hot ops go through `dflash_fast.ops`; everything else is plain torch.
 """
 import dataclasses
 import json
+import math
 import os
-from typing import Dict, List, NamedTuple, Optional, Union
+import sys
+from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Type, Union
 
 import torch
 import torch.nn as nn
@@ -33,6 +35,18 @@ ZERO_CENTRED_NORM_MODELS = (
     "gemma3",
     "gemma3_text",
 )
+# Sizes and counts of a DrafterConfig and the least value each may take: 1 for the sizes, 2 for the block (the given
+# token and one to draft), 0 for the mask token (a token id).
+SIZE_FIELDS = {
+    **dict.fromkeys(("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                     "vocab_size", "target_hidden_size", "target_num_layers", "max_position_embeddings",
+                     "num_layers"), 1),
+    "block_size": 2,
+    "mask_token_id": 0,
+}
+# The block is the one size no weight backs (every slot of every anchor is a query row): published DFlash drafters use
+# 16 and no verifier step accepts hundreds of drafted tokens, so a larger block is a typo or a forged file.
+MAX_BLOCK_SIZE = 256
 
 
 @dataclasses.dataclass
@@ -60,6 +74,9 @@ class DrafterConfig:
     target_model_type: str = ""
 
     def __post_init__(self):
+        problems = value_problems(dataclasses.asdict(self))
+        if problems:
+            raise ValueError("; ".join(problems))
         if self.layer_types is None:
             self.layer_types = ["full"] * self.num_layers
         if len(self.layer_types) != self.num_layers:
@@ -120,6 +137,206 @@ class DrafterConfig:
 
     def to_dict(self) -> Dict:
         return dataclasses.asdict(self)
+
+
+def is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def value_problems(values: Mapping) -> List[str]:
+    """What is wrong with the drafter fields in `values` (a DrafterConfig's, or an export's architecture with the
+    same names), one `field=value is not ...` line each: the one home of the drafter's value rules, for configs
+    built from a target, read from a checkpoint marker or from an export."""
+    problems = [
+        f"{field}={values[field]!r} is not an integer >= {least}"
+        for field, least in SIZE_FIELDS.items()
+        if field in values and (not is_int(values[field]) or values[field] < least)
+    ]
+    block = values.get("block_size")
+    if is_int(block) and block > MAX_BLOCK_SIZE:
+        problems.append(f"block_size={block} is beyond {MAX_BLOCK_SIZE} (MAX_BLOCK_SIZE: no weight bounds the block)")
+    eps = values.get("rms_norm_eps", 1e-6)
+    if not _is_number(eps) or not 0 < eps < 1:
+        problems.append(f"rms_norm_eps={eps!r} is not a number in (0, 1)")
+    window = values.get("sliding_window")
+    if window is not None and (not is_int(window) or window < 1):
+        problems.append(f"sliding_window={window!r} is not an integer >= 1")
+    rope = values.get("rope_parameters", {})
+    if not isinstance(rope, dict):
+        problems.append(f"rope_parameters={rope!r} is not an object")
+    else:
+        problems += rope_problems(rope)
+    return problems
+
+
+def rope_problems(rope: Mapping) -> List[str]:
+    """RoPE parameters that would give NaN, infinite or meaningless rotations: every number finite, rope_theta and
+    the scaling factors > 0, partial_rotary_factor in (0, 1]."""
+    problems = [f"rope_parameters.{k}={v!r} is not a finite number"
+                for k, v in rope.items() if isinstance(v, float) and not math.isfinite(v)]
+    theta = rope.get("rope_theta", 10000.0)
+    if not _is_number(theta) or theta <= 0:
+        problems.append(f"rope_parameters.rope_theta={theta!r} is not a number > 0")
+    for key in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "low_freq_factor",
+                "high_freq_factor", "attention_factor"):
+        if key in rope and rope[key] is not None and (not _is_number(rope[key]) or rope[key] <= 0):
+            problems.append(f"rope_parameters.{key}={rope[key]!r} is not a number > 0")
+    partial = rope.get("partial_rotary_factor", 1.0)
+    if not _is_number(partial) or not 0 < partial <= 1:
+        problems.append(f"rope_parameters.partial_rotary_factor={partial!r} is not a number in (0, 1]")
+    return problems
+
+
+def trainable_parameters(cfg: DrafterConfig) -> int:
+    """The number of trainable parameters DFlashDrafter(cfg) holds, computed from the sizes alone (nothing built)."""
+    h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    layer = 2 * h + 2 * d + h * (2 * q + 2 * kv) + 3 * h * i
+    return h * cfg.num_tapped * cfg.target_hidden_size + 2 * h + cfg.num_layers * layer
+
+
+TENSORS_PER_LAYER = 11  # input and post-attention norms, q/k/v/o, q and k norms, gate/up/down
+
+
+def trainable_shapes(cfg: DrafterConfig) -> Dict[str, Tuple[int, ...]]:
+    """name -> shape of every trainable parameter of DFlashDrafter(cfg), computed from the sizes alone."""
+    h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    shapes = {"fc.weight": (h, cfg.num_tapped * cfg.target_hidden_size), "hidden_norm.weight": (h,)}
+    for n in range(cfg.num_layers):
+        shapes.update({
+            f"layers.{n}.input_layernorm.weight": (h,),
+            f"layers.{n}.self_attn.q_proj.weight": (q, h),
+            f"layers.{n}.self_attn.k_proj.weight": (kv, h),
+            f"layers.{n}.self_attn.v_proj.weight": (kv, h),
+            f"layers.{n}.self_attn.o_proj.weight": (h, q),
+            f"layers.{n}.self_attn.q_norm.weight": (d,),
+            f"layers.{n}.self_attn.k_norm.weight": (d,),
+            f"layers.{n}.post_attention_layernorm.weight": (h,),
+            f"layers.{n}.mlp.gate_proj.weight": (i, h),
+            f"layers.{n}.mlp.up_proj.weight": (i, h),
+            f"layers.{n}.mlp.down_proj.weight": (h, i),
+        })
+    shapes["norm.weight"] = (h,)
+    return shapes
+
+
+# ---------------------------------------------------------------- the drafter's weights read from a file
+
+
+# The dtypes a drafter weight may be stored in (what exports and checkpoints write, and fp64).
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# A trained drafter weight stays within ~10^2; beyond this a file is more likely corrupt or edited than trained.
+LARGE_WEIGHT = 1e4
+
+
+class TensorInfo(NamedTuple):
+    """What a safetensors header says of one tensor, before its bytes are read."""
+
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+
+
+def stderr_line(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+def check_tensors(
+    cfg: DrafterConfig,
+    tensors: Mapping[str, Union[torch.Tensor, TensorInfo]],
+    where: str,
+    error: Type[Exception] = ValueError,
+    unused: Sequence[str] = (),
+    warn: Callable[[str], None] = stderr_line,
+) -> None:
+    """THE check of a drafter's trainable tensors read from (or written to) a file `where`, before they are used:
+    the parameter and tensor counts the config implies against those present (a config of 10^12 parameters or
+    10^5 layers is refused with the numbers, never built), then every name, shape and dtype, and for loaded
+    tensors (not `TensorInfo`s) every value finite. No name is exempt; `unused` names (tensors other tools store
+    beside the drafter, never read) need only a floating-point dtype. A weight beyond LARGE_WEIGHT in magnitude
+    gets one warning line naming the file and the tensor. Raises `error`, naming the file and every tensor that
+    fails."""
+    held = {name: t for name, t in tensors.items() if name not in unused}
+    implied, present = trainable_parameters(cfg), sum(math.prod(t.shape) for t in held.values())
+    count = (f"its config implies {implied:,} trainable parameters in {TENSORS_PER_LAYER * cfg.num_layers + 3} "
+             f"tensors ({cfg.num_layers} layers) but the file holds {present:,} in {len(held)} tensors")
+    if TENSORS_PER_LAYER * cfg.num_layers + 3 > len(held):  # layers the file cannot hold: not even listed
+        raise error(f"{where}: {count}: refused before building anything (the config was edited, or the weights "
+                    f"are not this config's)")
+    expected = trainable_shapes(cfg)
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected) - set(unused))
+    problems = [f"{count}: refused before building anything"] if implied > present else []
+    if missing or unexpected:
+        problems.append(f"missing {missing[:6]}, unexpected {unexpected[:6]}")
+    fc = tensors.get("fc.weight")
+    if fc is not None and len(fc.shape) == 2 and tuple(fc.shape) != expected["fc.weight"]:
+        problems.append(
+            f"fc.weight is {list(fc.shape)}: {fc.shape[1] / cfg.target_hidden_size:g} tapped layers of hidden size "
+            f"{cfg.target_hidden_size}, but the config lists {cfg.num_tapped} target layer ids {cfg.layer_ids} "
+            f"(expected {list(expected['fc.weight'])}); a drafter is never sliced to fit"
+        )
+    for name, t in tensors.items():
+        shape = expected.get(name)
+        if t.dtype not in WEIGHT_DTYPES:
+            problems.append(f"{name} has dtype {t.dtype}, not a floating-point weight (fp32, bf16, fp16 or fp64)")
+        elif shape is None:
+            continue
+        elif tuple(t.shape) != shape:
+            if name != "fc.weight" or len(t.shape) != 2:
+                problems.append(f"{name} is {list(t.shape)}, the config makes it {list(shape)}")
+        elif isinstance(t, torch.Tensor) and not torch.isfinite(t).all():
+            problems.append(f"{name} holds non-finite values (an fp16 export of weights beyond 65504 overflows)")
+    if problems:
+        raise error(f"{where}:\n  - " + "\n  - ".join(problems))
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and name in expected and t.numel():
+            largest = t.detach().abs().max().item()
+            if largest > LARGE_WEIGHT:
+                warn(f"warning: {where}: {name} holds a weight of magnitude {largest:.3g} (beyond {LARGE_WEIGHT:g}: "
+                     f"a corrupt or edited file?)")
+
+
+def read_tensors(
+    files: Sequence[str],
+    cfg: DrafterConfig,
+    error: Type[Exception] = ValueError,
+    unused: Sequence[str] = (),
+    where: Optional[str] = None,
+    warn: Callable[[str], None] = stderr_line,
+) -> Dict[str, torch.Tensor]:
+    """The drafter tensors of the safetensors `files` (shards of one set of weights, never unpickled), checked by
+    `check_tensors`: first the headers (shapes and dtypes, no tensor loaded), then the values. `unused` tensors
+    are not loaded. Errors name the file (`where` for the set as a whole)."""
+    from safetensors import SafetensorError, safe_open
+
+    headers = {}
+    for path in files:
+        try:
+            with safe_open(path, "pt") as f:
+                for key in f.keys():
+                    if key in headers:
+                        raise error(f"{path}: tensor {key} is stored twice")
+                    part = f.get_slice(key)
+                    headers[key] = TensorInfo(tuple(part.get_shape()), _DTYPES.get(part.get_dtype(), part.get_dtype()))
+        except (SafetensorError, OSError) as e:
+            raise error(f"{path} is not a readable safetensors file: {e}") from None
+    where = where or (files[0] if len(files) == 1 else ", ".join(files))
+    check_tensors(cfg, headers, where, error, unused, warn=lambda _: None)
+    tensors = {}
+    for path in files:
+        with safe_open(path, "pt") as f:
+            tensors.update({key: f.get_tensor(key) for key in f.keys() if key not in unused})
+    check_tensors(cfg, tensors, where, error, unused, warn)
+    return tensors
+
+
+# safetensors' dtype names -> torch's (others are kept as their name: never a weight dtype)
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
 def resolve_mask_token_id(vocab_size: int, mask_token_id: Optional[int] = None, tokenizer=None) -> int:
@@ -313,8 +530,11 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.rope = Rope(cfg)
-        self.register_buffer("embed_tokens", torch.zeros(cfg.vocab_size, h, dtype=frozen_dtype), persistent=False)
-        self.register_buffer("lm_head", torch.zeros(cfg.vocab_size, h, dtype=frozen_dtype), persistent=False)
+        # Zeros of the right shape and dtype that take no memory (one element, expanded) until set_frozen gives the
+        # target's: a config read from a file builds nothing its weights do not back.
+        placeholder = torch.zeros((), dtype=frozen_dtype).expand(cfg.vocab_size, h)
+        self.register_buffer("embed_tokens", placeholder, persistent=False)
+        self.register_buffer("lm_head", placeholder, persistent=False)
         self.register_buffer(
             "target_norm", torch.ones(h), persistent=False
         )  # effective weight (1 + w for zero-centred norms)
@@ -327,6 +547,12 @@ class DFlashDrafter(nn.Module):
             elif isinstance(m, RMSNorm):
                 nn.init.ones_(m.weight)
 
+    def load_trainable(self, weights: Dict[str, torch.Tensor]) -> None:
+        """Copy `weights` (name -> tensor, passed by check_tensors) into the trainable parameters."""
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                p.copy_(weights[name].to(p.dtype))
+
     def set_frozen(self, embed_tokens: torch.Tensor, lm_head: torch.Tensor, target_norm: torch.Tensor):
         """Copy the target's frozen tensors in (shapes [V, H], [V, H], [H])."""
         for name, value in (("embed_tokens", embed_tokens), ("lm_head", lm_head), ("target_norm", target_norm)):
@@ -335,7 +561,7 @@ class DFlashDrafter(nn.Module):
                 raise ValueError(
                     f"target {name} has shape {tuple(value.shape)}, the drafter expects {tuple(buf.shape)}"
                 )
-            buf.copy_(value)
+            setattr(self, name, value.detach().to(device=buf.device, dtype=buf.dtype))
 
     def context(self, hidden: torch.Tensor, noise_std: float = 0.0, seed: int = 0) -> torch.Tensor:
         """hidden [R, T, K, H_t] -> ctx [R, T, H] = hidden_norm(fc(concat_k hidden)) (SPEC §3)."""
@@ -495,6 +721,47 @@ FROZEN_NAMES = {
 }
 
 
+def target_tensor_files(target_path: str) -> Dict[str, str]:
+    """tensor name -> the safetensors file of the target at `target_path` that holds it (headers only)."""
+    from safetensors import safe_open
+
+    index_path = os.path.join(target_path, "model.safetensors.index.json")
+    if os.path.exists(index_path):
+        with open(index_path) as f:
+            return {k: os.path.join(target_path, v) for k, v in json.load(f)["weight_map"].items()}
+    single = os.path.join(target_path, "model.safetensors")
+    if not os.path.exists(single):
+        raise FileNotFoundError(f"{target_path} has neither model.safetensors nor model.safetensors.index.json")
+    with safe_open(single, "pt") as f:
+        return {k: single for k in f.keys()}
+
+
+def target_parameters(target_path: str) -> int:
+    """The parameter count of the target at `target_path`, from its safetensors headers (no tensor loaded)."""
+    from safetensors import safe_open
+
+    files = sorted(set(target_tensor_files(target_path).values()))
+    total = 0
+    for path in files:
+        with safe_open(path, "pt") as f:
+            total += sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    return total
+
+
+def check_drafter_fits_target(cfg: DrafterConfig, target_path: str) -> None:
+    """Refuse, before anything is built, a drafter whose sizes (copied from the target's config.json) imply more
+    trainable parameters than the target's own weights hold: a drafter is a fraction of its target, and a config
+    claiming intermediate_size 10^12 would otherwise allocate until the allocator fails."""
+    implied, present = trainable_parameters(cfg), target_parameters(target_path)
+    if implied > present:
+        raise ValueError(
+            f"{target_path}: a drafter of {implied:,} trainable parameters (its config.json's sizes: hidden_size "
+            f"{cfg.hidden_size}, intermediate_size {cfg.intermediate_size}, {cfg.num_attention_heads} heads, "
+            f"{cfg.num_layers} drafter layers) is larger than the target, whose safetensors hold {present:,}: "
+            f"check the target's config.json, or use fewer drafter layers (model.num_layers)"
+        )
+
+
 def load_frozen_tensors(
     target_path: str, dtype: torch.dtype = torch.float32, norm_kind: Optional[str] = None
 ) -> Dict[str, torch.Tensor]:
@@ -508,16 +775,7 @@ def load_frozen_tensors(
     with open(os.path.join(target_path, "config.json")) as f:
         config = json.load(f)
     text_config = config.get("text_config", config)
-    index_path = os.path.join(target_path, "model.safetensors.index.json")
-    if os.path.exists(index_path):
-        with open(index_path) as f:
-            where = {k: os.path.join(target_path, v) for k, v in json.load(f)["weight_map"].items()}
-    else:
-        single = os.path.join(target_path, "model.safetensors")
-        if not os.path.exists(single):
-            raise FileNotFoundError(f"{target_path} has neither model.safetensors nor model.safetensors.index.json")
-        with safe_open(single, "pt") as f:
-            where = {k: single for k in f.keys()}
+    where = target_tensor_files(target_path)
     out = {}
     for name, candidates in FROZEN_NAMES.items():
         key = next((c for c in candidates if c in where), None)
@@ -563,6 +821,7 @@ def build_drafter(
     cfg = DrafterConfig.from_target(
         target_config, layer_ids, resolve_mask_token_id(vocab, mask_token_id, tokenizer), **options
     )
+    check_drafter_fits_target(cfg, target_path)
     drafter = DFlashDrafter(cfg, frozen_dtype)
     drafter.set_frozen(**load_frozen_tensors(target_path, frozen_dtype, norm_kind=norm_kind))
     return drafter

@@ -27,14 +27,23 @@ import json
 import os
 import shutil
 import tempfile
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
 
 from dflash_fast import ops
 from dflash_fast.checkpoint import load_drafter_for_export
-from dflash_fast.drafter import DFlashDrafter, DrafterConfig, load_frozen_tensors
+from dflash_fast.drafter import (
+    DFlashDrafter,
+    DrafterConfig,
+    check_tensors,
+    is_int,
+    load_frozen_tensors,
+    read_tensors,
+    stderr_line,
+    value_problems,
+)
 from dflash_fast.errors import BOOL, INT, OBJECT, STR, ListOf, MapOf, Nullable, Obj, check_schema, read_mapping
 from dflash_fast.store import check_layer_ids, default_layer_ids, torch_dtype, write_json_atomic
 
@@ -498,36 +507,12 @@ def served_architectures(config: Dict) -> Dict[str, Dict]:
     return served
 
 
-# Fields of `ARCHITECTURE` that are counts or sizes, and the least value each may take: 1 for the sizes, 2 for the
-# block (the given token and one to draft), 0 for the mask token (a token id).
-POSITIVE_FIELDS = {
-    **dict.fromkeys(("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
-                     "vocab_size", "target_hidden_size", "max_position_embeddings", "num_layers"), 1),
-    "block_size": 2,
-    "mask_token_id": 0,
-}
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _check_values(arch: Dict) -> None:
-    """Refuse an architecture read from a file whose fields hold the wrong kind of value (a hand-edited
-    `"block_size": "16"` would otherwise build a drafter that fails far from the cause)."""
-    problems = [
-        f"{field}={arch[field]!r} is not an integer >= {least}"
-        for field, least in POSITIVE_FIELDS.items()
-        if not _is_int(arch[field]) or arch[field] < least
-    ]
-    eps = arch["rms_norm_eps"]
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
-        problems.append(f"rms_norm_eps={eps!r} is not a number in (0, 1)")
-    if not isinstance(arch["rope_parameters"], dict):
-        problems.append(f"rope_parameters={arch['rope_parameters']!r} is not an object")
-    bad_windows = [w for w in arch["layer_windows"] if w is not None and (not _is_int(w) or w < 1)]
-    if bad_windows:
-        problems.append(f"sliding_window={bad_windows[0]!r} is not an integer >= 1")
+    """Refuse an architecture read from a file whose fields hold the wrong kind of value or a meaningless one (a
+    hand-edited `"block_size": "16"` or `"rope_theta": -1` would otherwise build a drafter that fails far from the
+    cause): the drafter's own value rules (value_problems), each sliding window included."""
+    windows = dict.fromkeys(w for w in arch["layer_windows"] if w is not None)
+    problems = value_problems(arch) + [p for w in windows for p in value_problems({"sliding_window": w})]
     if problems:
         raise ExportError("config.json:\n  - " + "\n  - ".join(problems))
 
@@ -585,18 +570,19 @@ def config_from_export(config: Dict, target_config=None) -> DrafterConfig:
     served = served_architectures(config)
     engines = list(served)
     first = served[engines[0]]
+    for arch in served.values():  # before comparing: NaN differs from itself
+        _check_values(arch)
     problems = [line for line in mismatches(first, {e: served[e] for e in engines[1:]})]
     if problems:
         raise ExportError(
             f"{engines[0]} and {' / '.join(engines[1:])} would serve this export differently (the values before "
             f"'serves' are {engines[0]}'s):\n  - " + "\n  - ".join(problems)
         )
-    _check_values(first)
     ours = config.get("dflash_fast") or {}
     if not isinstance(ours, dict):
         raise ExportError(f"config.json: dflash_fast={ours!r} is not an object")
     target_layers = ours.get("target_num_layers") or config.get("num_target_layers")
-    if target_layers is not None and (not _is_int(target_layers) or target_layers < 1):
+    if target_layers is not None and (not is_int(target_layers) or target_layers < 1):
         raise ExportError(f"config.json: the target's layer count {target_layers!r} is not an integer >= 1")
     model_type = ours.get("target_model_type", "")
     if target_config is not None:
@@ -640,73 +626,41 @@ def trainable_state_dict(drafter: DFlashDrafter) -> Dict[str, torch.Tensor]:
     return {name: p.detach().contiguous() for name, p in drafter.named_parameters()}
 
 
-def read_weights(export_dir: str) -> Dict[str, torch.Tensor]:
-    """Every tensor of model.safetensors, or of the shards model.safetensors.index.json lists (never unpickled)."""
+def read_weights(
+    export_dir: str, cfg: DrafterConfig, warn: Callable[[str], None] = stderr_line
+) -> Dict[str, torch.Tensor]:
+    """The drafter tensors of model.safetensors, or of the shards model.safetensors.index.json lists (never
+    unpickled), checked against `cfg` by check_tensors: headers first (nothing loaded when the config implies more
+    parameters than the files hold), then the values. FROZEN_TENSORS stored beside them are not loaded."""
     from safetensors import SafetensorError, safe_open
 
     index = os.path.join(export_dir, WEIGHTS_INDEX)
-    weight_map = None
     if os.path.exists(index):
         weight_map = _read_json(index, WEIGHTS_INDEX_SCHEMA)["weight_map"]
         if not weight_map:
             raise ExportError(f"{index} has no weight_map object ({{tensor name: shard file}})")
-        files = sorted(set(weight_map.values()), key=str)
-        for name in files:
+        names = sorted(set(weight_map.values()), key=str)
+        for name in names:
             if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
                 raise ExportError(f"{index} lists the shard {name!r}: shards are file names inside {export_dir}")
-    elif os.path.exists(os.path.join(export_dir, WEIGHTS)):
-        files = [WEIGHTS]
-    else:
-        raise ExportError(f"{export_dir} has neither {WEIGHTS} nor {WEIGHTS_INDEX}")
-    weights = {}
-    for name in files:
-        path = os.path.join(export_dir, name)
-        try:
-            with safe_open(path, "pt") as f:
-                for key in f.keys():
-                    if key in weights:
-                        raise ExportError(f"{path}: tensor {key} is stored twice")
-                    weights[key] = f.get_tensor(key)
-        except (SafetensorError, OSError) as e:
-            raise ExportError(f"{path} is not a readable safetensors file: {e}") from None
-    if weight_map is not None:
-        misplaced = sorted(k for k in set(weights) | set(weight_map) if k not in weights or k not in weight_map)
+        files = [os.path.join(export_dir, name) for name in names]
+        stored = set()
+        for path in files:
+            try:
+                with safe_open(path, "pt") as f:
+                    stored |= set(f.keys())
+            except (SafetensorError, OSError) as e:
+                raise ExportError(f"{path} is not a readable safetensors file: {e}") from None
+        misplaced = sorted(stored ^ set(weight_map))
         if misplaced:
             raise ExportError(f"{index} and its shards disagree: {misplaced[:6]} are in one but not the other")
-    return weights
-
-
-def load_weights(drafter: DFlashDrafter, weights: Dict[str, torch.Tensor], where: str) -> None:
-    """Copy `weights` into the drafter's trainable parameters after checking every name, shape and value."""
-    cfg = drafter.config
-    expected = dict(drafter.named_parameters())
-    missing = sorted(set(expected) - set(weights))
-    unexpected = sorted(set(weights) - set(expected) - set(FROZEN_TENSORS))
-    problems = []
-    if missing or unexpected:
-        problems.append(f"missing {missing[:6]}, unexpected {unexpected[:6]}")
-    fc = weights.get("fc.weight")
-    if fc is not None and fc.dim() == 2 and tuple(fc.shape) != tuple(expected["fc.weight"].shape):
-        problems.append(
-            f"fc.weight is {list(fc.shape)}: {fc.shape[1] / cfg.target_hidden_size:g} tapped layers of hidden size "
-            f"{cfg.target_hidden_size}, but the config lists {cfg.num_tapped} target layer ids {cfg.layer_ids} "
-            f"(expected {list(expected['fc.weight'].shape)}); a drafter is never sliced to fit"
-        )
-    for name, p in expected.items():
-        w = weights.get(name)
-        if w is None or name == "fc.weight":
-            continue
-        if tuple(w.shape) != tuple(p.shape):
-            problems.append(f"{name} is {list(w.shape)}, the config makes it {list(p.shape)}")
-        elif not w.is_floating_point():
-            problems.append(f"{name} has dtype {w.dtype}, not a floating-point weight")
-        elif not torch.isfinite(w).all():
-            problems.append(f"{name} holds non-finite values (an fp16 export of weights beyond 65504 overflows)")
-    if problems:
-        raise ExportError(f"{where}:\n  - " + "\n  - ".join(problems))
-    with torch.no_grad():
-        for name, p in expected.items():
-            p.copy_(weights[name].to(p.dtype))
+        where = f"{index} (against its config.json)"
+    elif os.path.exists(os.path.join(export_dir, WEIGHTS)):
+        files = [os.path.join(export_dir, WEIGHTS)]
+        where = f"{files[0]} (against its config.json)"
+    else:
+        raise ExportError(f"{export_dir} has neither {WEIGHTS} nor {WEIGHTS_INDEX}")
+    return read_tensors(files, cfg, ExportError, unused=FROZEN_TENSORS, where=where, warn=warn)
 
 
 # The JSON shape of the keys each layout's readers take from config.json (errors.check_schema); the sizes inside
@@ -765,8 +719,9 @@ def load_exported(
     cfg = config_from_export(config, target_config)
     if target_config is not None:
         check_made_for(cfg, target_config, f"the drafter in {export_dir}")
+    weights = read_weights(export_dir, cfg)
     drafter = DFlashDrafter(cfg, frozen_dtype)
-    load_weights(drafter, read_weights(export_dir), f"{os.path.join(export_dir, WEIGHTS)} (against its config.json)")
+    drafter.load_trainable(weights)
     if target_path is not None:
         drafter.set_frozen(**load_frozen_tensors(target_path, frozen_dtype, norm_kind=norm_kind))
     return drafter
@@ -812,10 +767,13 @@ def gate(export_dir: str, trained: DrafterConfig, tensors: Dict[str, torch.Tenso
         lm_head=torch.randn(trained.vocab_size, trained.hidden_size, generator=g),
         target_norm=1 + 0.1 * torch.randn(trained.hidden_size, generator=g),
     )
+    check_tensors(trained, tensors, "the weights to export (in the export dtype)", ExportError)
     reference = DFlashDrafter(trained, frozen_dtype=torch.bfloat16)
-    load_weights(reference, tensors, "the weights to export (in the export dtype)")
-    served = DFlashDrafter(config_from_export(config), frozen_dtype=torch.bfloat16)
-    load_weights(served, read_weights(export_dir), f"{os.path.join(export_dir, WEIGHTS)} (against its config.json)")
+    reference.load_trainable(tensors)
+    served_config = config_from_export(config)
+    served_weights = read_weights(export_dir, served_config, warn=lambda _: None)  # warned of as `tensors`
+    served = DFlashDrafter(served_config, frozen_dtype=torch.bfloat16)
+    served.load_trainable(served_weights)
     for drafter in (reference, served):
         for name, value in frozen.items():
             setattr(drafter, name, value)

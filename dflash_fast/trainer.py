@@ -49,8 +49,15 @@ import yaml
 
 from dflash_fast import ops
 from dflash_fast.batches import derive_seed
-from dflash_fast.checkpoint import find_resume, restore_rng_state, resume_hint, save_checkpoint, set_aside_newer
-from dflash_fast.config import ConfigError, TrainConfig, load_config
+from dflash_fast.checkpoint import (
+    find_resume,
+    load_training_state,
+    restore_rng_state,
+    resume_hint,
+    save_checkpoint,
+    set_aside_newer,
+)
+from dflash_fast.config import TrainConfig, load_config
 from dflash_fast.data import TrainStream, data_identity, open_batches, open_source, to_device
 from dflash_fast.distributed import gathered_state, init_distributed, quiet_deepspeed, resolve_precision, sharing
 from dflash_fast.drafter import DrafterOutput, slot_targets
@@ -155,10 +162,7 @@ class Trainer:
         self.log(f"checkpoint {self.last_checkpoint}")
 
     def _resume(self, load_dir: str, tag: str, client: Dict) -> None:
-        loaded, _ = self.engine.load_checkpoint(load_dir, tag, load_optimizer_states=True,
-                                                load_lr_scheduler_states=True)
-        if loaded is None:
-            raise ConfigError(f"DeepSpeed could not load the checkpoint {os.path.join(load_dir, tag)}")
+        load_training_state(self.engine, load_dir, tag)
         self.step = self.saved_step = client["step"]
         self.stream = TrainStream(self.store, self.cfg, self.rank, self.world_size, self.with_last, client["epoch"],
                                   client["micro_batch"])

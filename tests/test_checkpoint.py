@@ -31,6 +31,7 @@ from dflash_fast.checkpoint import (
     MARKER,
     MARKER_FORMAT,
     WEIGHTS,
+    CheckpointError,
     load_drafter_for_export,
     read_marker,
     rng_state,
@@ -181,6 +182,22 @@ def test_resume_refuses_files_swapped_in_after_the_save_and_continues_exactly_fr
     a, b = exported(out), exported(base)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert os.path.isdir(ckpt(out, 3) + ".superseded") and verify_checkpoint(ckpt(out, 3)) == []
+
+
+@pytest.mark.parametrize("victim", ["mp_rank_00_model_states.pt", "optimizer states"])
+def test_resume_loads_deepspeeds_files_weights_only_and_refuses_a_pickle_even_under_a_forged_marker(
+    tiny, base, tmp_path, victim  # noqa: F811
+):
+    out = copy_run(base, tmp_path)
+    flag = tmp_path / "payload_ran"
+    path = optimizer_states(ckpt(out, 3)) if victim == "optimizer states" else os.path.join(ckpt(out, 3), victim)
+    plant(path, flag)
+    resign(ckpt(out, 3))  # the checksums now vouch for the payload: only the loader can refuse it
+    with pytest.raises(CheckpointError, match=rf"{os.path.basename(path)}: holds a pickled object that is not "
+                                              rf"training state \(\S*open\); resume loads DeepSpeed's files "
+                                              rf"weights-only"):
+        run(tiny, out, checkpoint__resume="latest", **STEPS)
+    assert not flag.exists(), "resume ran code from a DeepSpeed file"
 
 
 # ---------------------------------------------------------------- silent corruption

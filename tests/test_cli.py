@@ -118,7 +118,8 @@ def test_configs_that_cannot_train_are_refused_naming_the_key(override, message)
 
 
 def test_the_shortest_row_that_holds_a_block_is_accepted():
-    assert load_config(TINY_YAML, ["data.seq_len=8"]).data.seq_len == 8  # tiny.yaml: model.block_size 8
+    # tiny.yaml: model.block_size 8; a row of 8 tokens holds at most 7 anchors
+    assert load_config(TINY_YAML, ["data.seq_len=8", "data.num_anchors=7"]).data.seq_len == 8
 
 
 @pytest.mark.parametrize(
