@@ -32,7 +32,9 @@ never a copy (copy-on-write: writing into a tensor never reaches the file). A sh
 `<name>.tmp/` and renamed when every sequence is in, so a crash leaves at worst a `.tmp` directory that the next
 run deletes and redoes (as it redoes a shard whose files were since lost or truncated). Opening a store checks
 every file's size; `dflash-fast verify STORE` (`verify_store`) also checks every byte against the sha256 sums
-recorded at extraction: the manifest holds each index's sum, each index its files' sums.
+recorded at extraction: the manifest holds each index's sum, each index its files' sums. Names and counts read
+from the JSON files are data, never directions: every field has its declared type (MANIFEST_SCHEMA,
+INDEX_SCHEMA), a shard name is one directory inside `shards/` and each shard is listed once (`shard_dirs`).
 
 Layer ids (SPEC §1): layer id `l` is the output of decoder layer `l`,
 `0 <= l <= L-1`; in Hugging Face `outputs.hidden_states` that is
