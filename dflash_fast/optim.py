@@ -10,12 +10,14 @@
 """
 import json
 import math
+import os
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from dflash_fast.config import ConfigError, ScheduleConfig, TrainConfig
 from dflash_fast.drafter import DFlashDrafter
+from dflash_fast.errors import read_mapping
 
 # DeepSpeed JSON keys the YAML owns: one source of truth for every training hyperparameter.
 YAML_OWNED = {
@@ -35,14 +37,10 @@ YAML_OWNED = {
 
 def deepspeed_config(path: str, cfg: TrainConfig, precision: str) -> Dict:
     """The DeepSpeed JSON at `path` (ZeRO, offload, communication) completed from the YAML."""
-    try:
-        with open(path) as f:
-            ds = json.load(f)
-    except FileNotFoundError:
+    if not os.path.exists(path):
         raise ConfigError(f"deepspeed={path}: file not found (ships: configs/ds_zero1.json, ds_zero2.json, "
-                          f"ds_zero3.json, ds_zero3_offload.json)") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"deepspeed={path} is not valid JSON: {e}") from None
+                          f"ds_zero3.json, ds_zero3_offload.json)")
+    ds = read_mapping(path, json.load, json.JSONDecodeError, ConfigError, "JSON", "a DeepSpeed config object")
     for key, owner in YAML_OWNED.items():
         if key in ds and ds[key] != "auto":
             raise ConfigError(f"{path} sets {key!r}; set {owner} in the YAML config instead (it owns that value)")

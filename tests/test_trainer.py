@@ -149,6 +149,15 @@ def test_deepspeed_json_may_not_set_what_the_yaml_owns(tmp_path):
         deepspeed_config(str(path), load_config(TINY_YAML), "fp32")
 
 
+@pytest.mark.parametrize("text, message", [("[1, 2]", "holds a list, not a DeepSpeed config object"),
+                                           ("[" * 100_000, "is not valid JSON")])
+def test_a_deepspeed_json_that_is_no_object_is_one_config_error_naming_the_file(tmp_path, text, message):
+    path = tmp_path / "ds.json"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=f"{path} {message}"):
+        deepspeed_config(str(path), load_config(TINY_YAML), "fp32")
+
+
 def test_lr_warms_up_linearly_then_decays_by_cosine_to_the_floor():
     lrs = [lr_multiplier(k, 100, 4, "cosine", 0.1) for k in range(100)]
     assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
