@@ -7,6 +7,7 @@ stream of training micro-batches a resume continues exactly.
                    OnlineBatches (the target forward one micro-batch ahead)
     TrainStream    the training micro-batches, epoch after epoch, from a (epoch, micro-batch) position
     data_identity  what must not change between a checkpoint and its resume for that position to line up
+    to_device      a batch on the device, its hidden states in the compute dtype
 """
 from typing import Dict, Optional, Tuple
 

@@ -6,8 +6,9 @@
                 keeps the records up to its step and drops a torn last line (a run killed mid-write)
 
 A "train" record (train_record) holds the window's loss, kl, acc_1..acc_{B-1} and tau_offline, tokens_per_s and
-anchors_per_s, mean milliseconds per phase and per step, lr, grad_norm and peak_memory_mb; a "val" record the
-validation's metrics and batch count.
+anchors_per_s, mean milliseconds per phase and per step, lr, grad_norm and peak_memory_mb; a "val" record
+(val_record) the validation's metrics and batch count. On rank 0 a tqdm bar shows each step's loss, tau_offline
+and tokens per second (progress_bar, show_step).
 """
 import json
 import os

@@ -1,5 +1,7 @@
-"""optimizer.kind=muon: DeepSpeed's own Muon orthogonalises every trainable drafter matrix under each ZeRO stage,
-the norm weights take its auxiliary AdamW, the two pitfalls are refused, and stop + resume is exact."""
+"""optimizer.kind=muon: DeepSpeed's own Muon orthogonalises every trainable drafter matrix under each ZeRO stage
+(checked against DeepSpeed's muon_update and against an independent Newton-Schulz written here from the published
+algorithm), the norm weights take its auxiliary AdamW, the two pitfalls are refused, and stop + resume is exact.
+Weight decay, under AdamW and under Muon's AdamW half alike, reaches the matrices only, as DeepSpeed receives it."""
 import json
 import os
 
@@ -51,6 +53,68 @@ def reference_gradients(t: trainer.Trainer, cfg):
     return {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}, dict(ref.named_parameters())
 
 
+def newton_schulz(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """The orthogonalisation of Keller Jordan's Muon as published (github.com/KellerJordan/Muon): normalise by
+    the Frobenius norm, transpose a tall matrix, then `steps` quintic iterations X <- a X + (b A + c A^2) X with
+    A = X X^T and (a, b, c) = (3.4445, -4.7750, 2.0315). In float64, apart from any optimizer's code."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = g.double()
+    tall = x.shape[0] > x.shape[1]
+    x = x.T if tall else x
+    x = x / (x.norm() + 1e-7)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return (x.T if tall else x).float()
+
+
+def muon_step(grad: torch.Tensor, momentum: torch.Tensor, beta: float, lr: float) -> torch.Tensor:
+    """A matrix's change in one Muon step as published, with DeepSpeed's defaults (Nesterov, 5 iterations, no
+    weight decay): momentum <- beta momentum + (1 - beta) grad (in place), the Nesterov look-ahead
+    grad + beta (momentum - grad) orthogonalised, scaled by sqrt(max(1, rows / cols)), times -lr."""
+    momentum.mul_(beta).add_(grad, alpha=1 - beta)
+    look_ahead = grad + beta * (momentum - grad)
+    return -lr * newton_schulz(look_ahead) * max(1.0, grad.shape[0] / grad.shape[1]) ** 0.5
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3], ids=["zero0", "zero1", "zero3-partitioned"])
+def test_two_muon_steps_equal_an_independent_newton_schulz_with_nesterov_momentum(tiny, tmp_path, stage):  # noqa: F811
+    """Two steps from the same weights and batches, each matrix's change against muon_step above (no DeepSpeed
+    code): the second step carries the first one's momentum, so a Muon wired without momentum, with another
+    momentum, without Nesterov, at another lr or onto other matrices fails here."""
+    muon_lr, beta = 0.02, 0.95
+    cfg = load_config(TINY_YAML, settings(tiny, str(tmp_path / "run"), optimizer__kind="muon",
+                                          optimizer__muon_lr=muon_lr, optimizer__muon_momentum=beta,
+                                          optimizer__grad_clip=0, schedule__warmup_ratio=0, schedule__kind="constant",
+                                          schedule__steps=2, deepspeed=ds_json(tmp_path, stage)))
+    distributed.quiet_deepspeed()
+    t = trainer.Trainer(cfg, *distributed.init_distributed())
+    torch.manual_seed(cfg.seed)
+    ref = build_drafter(t.target, [1, 2], cfg.model.mask_token_id, num_layers=1, block_size=cfg.model.block_size)
+    d = cfg.data
+    batches = iter(make_loader(t.store, d.seq_len, d.num_anchors, d.batch_rows, cfg.seed, 0, 1, 0, "train",
+                               val_fraction=d.val_fraction, split_seed=d.split_seed, with_last=True))
+    momenta = {}
+    for step in (1, 2):
+        before = gathered(t.engine)
+        ref.zero_grad()
+        with torch.no_grad():
+            for name, p in ref.named_parameters():
+                if name in before:
+                    p.copy_(before[name])
+        ref(next(batches), loss_kind=t.loss_kind, gamma=cfg.loss.gamma, noise_std=0.0, seed=0).loss.backward()
+        t.train_step()
+        after = gathered(t.engine)
+        grads = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
+        matrices = [n for n, w in before.items() if w.dim() == 2]
+        assert len(matrices) == 8, matrices  # fc and the layer's q, k, v, o, gate, up, down projections
+        for name in matrices:
+            expected = muon_step(grads[name], momenta.setdefault(name, torch.zeros_like(grads[name])), beta, muon_lr)
+            torch.testing.assert_close(after[name] - before[name], expected, rtol=0,
+                                       atol=1e-3 * expected.abs().max().item(),
+                                       msg=f"ZeRO-{stage} step {step} {name}: not the published Muon step")
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3], ids=["zero0", "zero1", "zero2", "zero3-partitioned"])
 def test_newton_schulz_ran_on_every_drafter_matrix(tiny, tmp_path, stage):  # noqa: F811
     """One step from the same weights and batch: each matrix moved by -muon_lr * NS(momentum(g)), the
@@ -83,6 +147,42 @@ def test_newton_schulz_ran_on_every_drafter_matrix(tiny, tmp_path, stage):  # no
         else:  # AdamW's first step moves every element by lr * g / (|g| + eps)
             torch.testing.assert_close(step, -adam_lr * g / (g.abs() + cfg.optimizer.eps), rtol=1e-3, atol=1e-7,
                                        msg=f"ZeRO-{stage} {name}: not AdamW's first step")
+
+
+def optimizer_groups(engine):
+    """(use_muon, weight_decay, parameter names) of each param group DeepSpeed's optimizer steps with. ZeRO-1/2
+    flatten a group's parameters; their optimizer keeps which ones each group holds (bit16_groups)."""
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    groups = engine.basic_optimizer.param_groups
+    members = getattr(engine.optimizer, "bit16_groups", None) or [g["params"] for g in groups]
+    assert len(members) == len(groups)
+    return [(g.get("use_muon"), g["weight_decay"], sorted(names[id(p)] for p in params))
+            for g, params in zip(groups, members)]
+
+
+@pytest.mark.parametrize("kind,stage", [("adamw", 0), ("adamw", 2), ("muon", 0), ("muon", 1)])
+def test_weight_decay_reaches_every_matrix_and_never_a_norm_weight(tiny, tmp_path, kind, stage):  # noqa: F811
+    """optimizer.weight_decay > 0: the param groups DeepSpeed's optimizer holds decay exactly the trainable
+    matrices; the norm weights (hidden_norm, the layer norms, q/k norms, the final norm) sit in groups of weight
+    decay 0: under AdamW, and under Muon in its auxiliary AdamW half (the matrices in its Muon half)."""
+    cfg = load_config(TINY_YAML, settings(tiny, str(tmp_path / "run"), optimizer__kind=kind,
+                                          optimizer__weight_decay=0.1, optimizer__grad_clip=0,
+                                          deepspeed=ds_json(tmp_path, stage)))
+    distributed.quiet_deepspeed()
+    t = trainer.Trainer(cfg, *distributed.init_distributed())
+    trainable = {n: p for n, p in t.engine.module.named_parameters() if p.requires_grad}
+    matrices = {n for n, p in trainable.items() if p.dim() == 2}
+    norms = set(trainable) - matrices
+    assert {"hidden_norm.weight", "norm.weight", "layers.0.input_layernorm.weight"} <= norms and len(matrices) == 8
+    groups = optimizer_groups(t.engine)
+    held = [n for _, _, names in groups for n in names]
+    assert sorted(held) == sorted(trainable), "every trainable parameter in exactly one group"
+    decayed = {n for _, decay, names in groups if decay == 0.1 for n in names}
+    undecayed = {n for _, decay, names in groups if decay == 0.0 for n in names}
+    assert decayed == matrices and undecayed == norms, groups
+    if kind == "muon":
+        assert {n for use_muon, _, names in groups if use_muon for n in names} == matrices
+        assert {n for use_muon, _, names in groups if use_muon is False for n in names} == norms
 
 
 def test_muon_refuses_matrices_that_deepspeed_would_give_adamw(tiny, tmp_path, monkeypatch):  # noqa: F811
