@@ -12,25 +12,28 @@ Math (per drafter row n; s = drafter logits, t = teacher logits, fp32-accumulate
     ce_data l = lse(s) - s_y, y = dataset label
     kl_topk l = -(sum_i p_i (s_{id_i} - lse(s)) + p_rest (lse_{v not in ids}(s) - lse(s)))
     dl/ds_v = c q_v - target_v, q = softmax(s), c = sum of the target mass (1 except kl_topk)
+    tv, lk, lk_hybrid, rkl, jsd: functions of q, p and alpha = sum_v min(p_v, q_v) (eager.dense_row_losses);
+    their gradients in `_dense_grad`. alpha [N] comes out for every kind (eager.LossOutput).
     row weight w_n = weights_n, or weights_n * D-PACE_n (eager.dpace_weights, from the confidence
     exp(s_y - lse(s)) of the label y the loss reports as teacher_argmax); loss = sum_n w_n l_n / denom.
 
 Passes, for each chunk of C drafter rows (C sized so that the chunk's buffers fit CHUNK_BYTES: 1024
 rows at V = 151936 in bf16, see `chunk_rows`; a multiple of the D-PACE block, so that every block is
 inside one chunk). U_c = the distinct teacher rows the chunk's rows
-point at (kl and ce against argmax(t)): a teacher position shared by overlapping blocks is computed
+point at (the dense kinds and ce against argmax(t)): a teacher position shared by overlapping blocks is computed
 once per chunk, not once per slot.
   1. `rms_norm_forward` (kernels/_common.py): xd of the chunk and xt of its U_c teacher rows, O((C + U_c) H).
   2. `_logits_fwd_kernel`: the GEMM [xd ; xt] @ W^T -> fp32 logits [C + U_c, V] kept for the chunk (t
-     only for kl: ce needs only argmax(t)), and per (row, vocab tile of LOGITS_BLOCK_V ids) the tile's
+     only for the dense kinds: ce needs only argmax(t)), and per (row, vocab tile of LOGITS_BLOCK_V ids) the tile's
      max, sum of exp(x - max) and first argmax. Grouped tile order: the programs of one vocab tile for
      every row tile are consecutive, so one wave reads each W tile from HBM once and the chunk's
      activations stay in L2.
   3. `_softmax_merge_fwd_kernel`: the partials of each row -> lse and first argmax (torch.argmax ties).
   4. `_dlogits_bwd_kernel`, one pass over each row of the stored logits (two with kl_topk, whose
-     lse over the ids that are not in the top-k is needed before the gradient): sum_v p_v s_v and
-     sum_v p_v t_v for kl, and, when an input needs a gradient, dl/ds = c q - target formed in fp32
-     and rounded to the input dtype, into a [C, V] chunk (without the row weight, which would push
+     lse over the ids that are not in the top-k is needed before the gradient, and with tv, lk,
+     lk_hybrid, rkl, jsd, whose gradients need alpha, sum_{q<p} q or their divergence first): the row
+     sums (sum_v p_v s_v, KL(p||q), alpha, ...), and, when an input needs a gradient, dl/ds formed in
+     fp32 and rounded to the input dtype, into a [C, V] chunk (without the row weight, which would push
      fp16 entries into underflow). Skipped for ce and ce_data without gradients.
   5. The D-PACE weights of the chunk's blocks (torch, O(C)), from lse and the stored s at the label.
   6. `_matmul_bwd_kernel`: dxd = dlogits @ W [C, H] fp32 (K = V), then `rms_norm_backward` ->
@@ -39,7 +42,8 @@ once per chunk, not once per slot.
      dW for every column tile before the next, so each dlogits tile is read once).
 
 FLOPs, in GEMM units of 2 N V H (~10.2 TFLOP at N = 8192, H = 4096, V = 151936):
-  kl, ce against argmax(t): 1 (s) + U/N (t, U = sum_c U_c: ~0.35 N at the reference rows) + 1 (dxd)
+  kl, tv, lk, lk_hybrid, rkl, jsd, ce against argmax(t): 1 (s) + U/N (t, U = sum_c U_c: ~0.35 N at the
+  reference rows) + 1 (dxd); tv ... jsd add one read of the chunk's stored logits, no GEMM
   ce with stored labels, ce_data, kl_topk: 1 + 1 = 2;  +1 each when lm_head trains (dW)
   without a gradient: 1 + U/N, or 1.
   eager: kl 3 (+1), ce 2 (+1), but it streams [N, V] fp32 tensors a dozen times.
@@ -236,8 +240,9 @@ def _log_mix(b_lq, b_lp):
 
 @triton.jit
 def _teacher_sums(b_s, b_t, b_lse_s, b_lse_t, m_x, KIND: tl.constexpr):
-    """One [BLOCK_N, BLOCK_V] tile's share of its rows' teacher sums (q = e^(s - lse(s)), p = e^(t - lse(t))):
-    sum p s, KL(p||q), alpha = sum min(p, q), below = sum q [q < p] (not for kl), and for rkl sum q (log q - log p)
+    """One [BLOCK_N, BLOCK_V] tile's share of its rows' teacher sums for a dense kind other than kl (which sums
+    in its gradient pass), with q = e^(s - lse(s)), p = e^(t - lse(t)):
+    sum p s, KL(p||q), alpha = sum min(p, q), below = sum q [q < p], and for rkl sum q (log q - log p)
     or for jsd sum q (log q - log m), sum p (log p - log m), each with its weights' sum (sum q, sum p): the
     divergence is their ratio, which cancels the rounding of lse(s) and lse(t) (absolute fp32 numbers: at
     logits in the thousands sum q is 1 only to ~1e-4, times log-ratios in the thousands); zeros for what the
@@ -254,8 +259,7 @@ def _teacher_sums(b_s, b_t, b_lse_s, b_lse_t, m_x, KIND: tl.constexpr):
     b_div_p = tl.zeros_like(b_ps)
     b_q_sum = tl.zeros_like(b_ps)
     b_p_sum = tl.zeros_like(b_ps)
-    if KIND != "kl":
-        b_below = tl.sum(b_q * _below(b_q, b_p), 1)
+    b_below = tl.sum(b_q * _below(b_q, b_p), 1)
     if KIND == "rkl":
         b_div_q = tl.sum(b_q * (b_lq - b_lp), 1)
         b_q_sum = tl.sum(b_q, 1)
@@ -269,29 +273,39 @@ def _teacher_sums(b_s, b_t, b_lse_s, b_lse_t, m_x, KIND: tl.constexpr):
 
 
 @triton.jit
-def _dense_grad(b_s, b_t, b_lse_s, b_lse_t, b_alpha, b_below, b_div_q, m_x, KIND: tl.constexpr):
+def _dense_grad(b_s, b_t, b_lse_s, b_lse_t, b_below, b_div_q, b_tv_scale, b_lam, m_x, KIND: tl.constexpr):
     """dl/ds of one tile for a dense kind other than kl, from its rows' sums (`_teacher_sums`; b_div_q: KL(q||p)
-    for rkl, KL(q||m) for jsd, each as the ratio of its sums):
-      tv  q (below - [q < p]),  lk  tv / alpha (0 where alpha < LK_MIN_ALPHA),
-      lk_hybrid  lam (q - p) + (1 - lam) tv with lam = e^(-eta alpha),
-      rkl  q (log q - log p - KL(q||p)),  jsd  q (log q - log m - KL(q||m)) / 2."""
+    for rkl, KL(q||m) for jsd, each as the ratio of its sums) and `_row_scales`:
+      rkl  q (log q - log p - KL(q||p)),  jsd  q (log q - log m - KL(q||m)) / 2,
+      tv, lk, lk_hybrid  tv_scale q (below - [q < p]) + lam (q - p)."""
     b_lq = b_s - b_lse_s[:, None]
     b_lp = b_t - b_lse_t[:, None]
     b_q = tl.exp(b_lq)
-    b_p = tl.where(m_x, tl.exp(b_lp), 0.0)
     if KIND == "rkl":
         b_grad = b_q * (b_lq - b_lp - b_div_q[:, None])
     elif KIND == "jsd":
         b_grad = 0.5 * b_q * (b_lq - _log_mix(b_lq, b_lp) - b_div_q[:, None])
     else:
-        b_grad = b_q * (b_below[:, None] - _below(b_q, b_p))
-        if KIND == "lk":
-            b_live = b_alpha >= _LK_MIN_ALPHA
-            b_grad *= tl.where(b_live, 1.0 / tl.where(b_live, b_alpha, 1.0), 0.0)[:, None]
+        b_p = tl.where(m_x, tl.exp(b_lp), 0.0)
+        b_grad = b_tv_scale[:, None] * b_q * (b_below[:, None] - _below(b_q, b_p))
         if KIND == "lk_hybrid":
-            b_lam = tl.exp(b_alpha * -_LK_HYBRID_ETA)[:, None]
-            b_grad = b_lam * (b_q - b_p) + (1.0 - b_lam) * b_grad
+            b_grad += b_lam[:, None] * (b_q - b_p)
     return b_grad
+
+
+@triton.jit
+def _row_scales(b_alpha, KIND: tl.constexpr):
+    """(tv_scale, lam) of the TV-family gradients: tv (1, 0); lk (1 / alpha, 0), 0 where alpha < LK_MIN_ALPHA
+    (the clamp); lk_hybrid (1 - lam, lam) with lam = e^(-eta alpha)."""
+    b_tv_scale = tl.full(b_alpha.shape, 1.0, tl.float32)
+    b_lam = tl.zeros_like(b_alpha)
+    if KIND == "lk":
+        b_live = b_alpha >= _LK_MIN_ALPHA
+        b_tv_scale = tl.where(b_live, 1.0 / tl.where(b_live, b_alpha, 1.0), 0.0)
+    if KIND == "lk_hybrid":
+        b_lam = tl.exp(b_alpha * -_LK_HYBRID_ETA)
+        b_tv_scale = 1.0 - b_lam
+    return b_tv_scale, b_lam
 
 
 @triton.autotune(configs=_ROW_TILES, key=["V", "HAS_TEACHER", "HAS_REST", "WRITE_GRAD", "KIND"])
@@ -362,6 +376,7 @@ def _dlogits_bwd_kernel(
                 b_div_q = b_div_q / tl.where(m_n, b_q_sum, 1.0)
             if KIND == "jsd":
                 b_div_p = b_div_p / tl.where(m_n, b_p_sum, 1.0)
+            b_tv_scale, b_lam = _row_scales(b_alpha, KIND)
     if HAS_REST:
         b_max = tl.full([BLOCK_N], float("-inf"), tl.float32)
         b_sum = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -389,14 +404,14 @@ def _dlogits_bwd_kernel(
             b_grad = b_mass[:, None] * tl.exp(b_s - b_lse_s[:, None])
             if HAS_TEACHER:
                 b_t = tl.load(logits_ptr + o_t + o_v[None, :], mask=m_x, other=0.0)
-                if KIND == "kl":  # one pass: the sums along with the gradient
-                    b_grad -= tl.where(m_x, tl.exp(b_t - b_lse_t[:, None]), 0.0)
-                    d_ps, d_kl, d_alpha, _, _, _, _, _ = _teacher_sums(b_s, b_t, b_lse_s, b_lse_t, m_x, KIND)
-                    b_ps += d_ps
-                    b_kl += d_kl
-                    b_alpha += d_alpha
+                if KIND == "kl":  # one pass: the sums along with the gradient (b_grad is q: c = 1)
+                    b_prob = tl.where(m_x, tl.exp(b_t - b_lse_t[:, None]), 0.0)
+                    b_ps += tl.sum(b_prob * b_s, 1)
+                    b_kl += tl.sum(b_prob * b_t, 1)  # sum p t: KL(p||q) = sum p t - lse(t) - sum p s + lse(s)
+                    b_alpha += tl.sum(tl.minimum(b_prob, tl.where(m_x, b_grad, 0.0)), 1)
+                    b_grad -= b_prob
                 else:
-                    b_grad = _dense_grad(b_s, b_t, b_lse_s, b_lse_t, b_alpha, b_below, b_div_q, m_x, KIND)
+                    b_grad = _dense_grad(b_s, b_t, b_lse_s, b_lse_t, b_below, b_div_q, b_tv_scale, b_lam, m_x, KIND)
             if WRITE_GRAD:
                 b_none = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.int1)
                 b_grad, b_top = _sparse_target(b_grad, b_none, ids_ptr, mass_ptr, o_n, m_n, o_v, NUM_IDS)
@@ -405,6 +420,8 @@ def _dlogits_bwd_kernel(
                     b_grad -= b_rest[:, None] * tl.exp(b_off)
                 tl.store(dlogits_ptr + o_s + o_v[None, :], b_grad.to(dlogits_ptr.dtype.element_ty), mask=m_x)
     if HAS_TEACHER:
+        if KIND == "kl":
+            b_kl = b_kl - b_lse_t - b_ps + b_lse_s
         tl.store(out_ptr + o_n, b_ps, mask=m_n)
         tl.store(out_ptr + N + o_n, b_kl, mask=m_n)
         tl.store(out_ptr + 3 * N + o_n, b_alpha, mask=m_n)

@@ -222,6 +222,13 @@ def test_kl_topk_is_the_hand_written_rest_mass_formula(backend):
     torch.testing.assert_close(out.kl.double(), kl.detach() / 20.0, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(grad.double(), h.grad, rtol=1e-4, atol=1e-6)
     assert torch.equal(out.teacher_argmax, inputs["topk_ids"][:, 0])
+    # alpha against the stored teacher: the k ids, then the rest mass as one bucket against 1 - sum_i q_i.
+    q = torch.softmax(logits.detach(), -1)
+    for n in range(N):
+        p = [math.exp(float(z - inputs["topk_lse"][n])) for z in inputs["topk_logits"][n]]
+        q_top = [float(q[n, int(v)]) for v in inputs["topk_ids"][n]]
+        alpha = sum(min(a, b) for a, b in zip(p, q_top)) + min(1 - sum(p), 1 - sum(q_top))
+        assert abs(out.alpha[n].item() - alpha) < 1e-5, (n, out.alpha[n].item(), alpha)
 
 
 # The dense kinds, against speculators 0.9.0's loss formulas written as loops (tests/oracles.py `divergence`):
