@@ -276,3 +276,15 @@ def test_dense_kinds_equal_the_speculators_losses_written_as_loops(backend, kind
     assert grad_err <= tol["grad"], grad_err
     assert (out.alpha.cpu().double() - alpha).abs().max() <= tol["alpha"]
     assert 0.02 < alpha.min() and alpha.max() < 0.95, "the check needs overlaps away from 0 and 1"
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_alpha_against_a_hard_label_is_the_drafters_probability_of_it(backend):
+    """ce and ce_data score against a point mass at the label y: alpha = sum_v min([v = y], q_v) = q_y."""
+    inputs = loss_inputs()
+    labels = torch.randint(0, VOCAB, (N,), generator=torch.Generator().manual_seed(3))
+    dev = device_of(backend)
+    args = [inputs[k].to(dev) for k in ("h", "norm_weight", "lm_head_weight", "weights")]
+    out = BACKENDS[backend][1](*args, "ce_data", 20.0, EPS, eager.Teacher(labels=labels.to(dev)))
+    q = torch.softmax(drafter_logits(inputs), -1)
+    torch.testing.assert_close(out.alpha.cpu().double(), q[torch.arange(N), labels], rtol=1e-5, atol=1e-6)
