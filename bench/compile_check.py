@@ -24,7 +24,7 @@ PTX and the launch (`bench/static_facts.py`):
 
     python bench/compile_check.py        # everything: bf16, fp16, fp32; reference, long, ragged shapes; every config
     python bench/compile_check.py --dtypes bf16 --shapes reference --configs first \
-        --cases 'noise=0$|causal=False|kl_topk'   # each kernel once: what tests/test_compile_check.py runs
+        --cases 'noise=0$|causal=False|kl_topk| kl$| tv$| lk$|lk_hybrid|rkl|jsd'   # tests/test_compile_check.py
     python bench/compile_check.py --arch 90 --out bench/results --fail-on-spills
 
 Writes <out>/compile_check_<triton version>.{json,md} (default out: bench/results) and prints the
@@ -412,6 +412,7 @@ def lm_head_loss_cases(mod, s, dtype) -> Dict[str, Callable[[], None]]:
         "ce_data": lambda: step("ce_data"),
         "kl, D-PACE": lambda: step("kl", dpace=True),
         "kl, lm_head trained": lambda: step("kl", train_head=True),
+        **{kind: (lambda kind=kind: step(kind)) for kind in ("tv", "lk", "lk_hybrid", "rkl", "jsd")},
     }
 
 

@@ -22,7 +22,9 @@ that code) and nothing runs. Each recorded launch becomes
 Torch operations between launches are counted the same way from their tensors (bytes read and written,
 once each) and the peak memory of the call is the most bytes its own allocations hold at once, leaving
 out the tensors it returns. Per case, the sum of the launch times is compared with the GEMM floor of
-PERF.md: 3 units for `kl` and teacher `ce`, 2 for `ce` with stored labels, `ce_data` and `kl_topk`.
+PERF.md: 3 units for `kl` and teacher `ce`, 2 for `ce` with stored labels, `ce_data` and `kl_topk`; the other
+dense kinds (`tv`, `lk`, `lk_hybrid`, `rkl`, `jsd`) need the teacher's logits as `kl` does: 3 units, the same
+GEMMs as `kl` (their extra row pass over the chunk's stored logits is HBM traffic, no GEMM).
 Each launch takes the fastest config the model finds among those that compile without spills (the
 autotuner's pick if the model were the GPU). Results: <out>/lm_head_model_<triton>.{json,md} (one row
 per case) and <out>/lm_head_model_<triton>_kernels.{json,md} (one row per kernel and config).
@@ -56,7 +58,8 @@ SMALL = dict(H=256, V=4099, B=16, A=32, T=192, docs=2, rows=(1,))
 TOPK = 8
 EPS = 1e-6
 # The floor of PERF.md in GEMM units, per case.
-FLOOR = {"kl": 3, "ce(teacher argmax)": 3, "ce(labels)": 2, "ce_data": 2, "kl_topk": 2}
+DENSE = ("tv", "lk", "lk_hybrid", "rkl", "jsd")  # scored against the full teacher, as kl
+FLOOR = {"kl": 3, "ce(teacher argmax)": 3, "ce(labels)": 2, "ce_data": 2, "kl_topk": 2, **{kind: 3 for kind in DENSE}}
 
 
 # ---------------------------------------------------------------- what each launch costs
@@ -140,8 +143,9 @@ def cost_softmax_merge(a) -> Cost:
 
 
 def cost_dlogits(a) -> Cost:
-    """One program per BLOCK_N rows: step 1 (kl_topk) reads the rows for the rest lse, step 2 reads them (and
-    each row's teacher row, shared by the drafter rows of a wave that point at it) and writes dlogits."""
+    """One program per BLOCK_N rows: step 1 (kl_topk) reads the rows for the rest lse, or (a dense kind other than
+    kl) the rows and their teacher rows for the row sums; the last step reads them (and each row's teacher row,
+    shared by the drafter rows of a wave that point at it) and writes dlogits."""
     n, v, bn = a["N"], a["V"], a["BLOCK_N"]
     teacher = a["teacher_row_ptr"].values if a["HAS_TEACHER"] else None
     tiles, programs = {}, []
@@ -149,7 +153,9 @@ def cost_dlogits(a) -> Cost:
         own = tuple(("s", i) for i in range(lo, min(lo + bn, n)))
         shared = tuple(("t", teacher[i]) for i in range(lo, min(lo + bn, n))) if teacher else ()
         steps = [own] if a["HAS_REST"] else []
-        if a["HAS_TEACHER"] or a["WRITE_GRAD"]:
+        if a["HAS_TEACHER"] and a["KIND"] != "kl":
+            steps.append(own + shared)
+        if a["WRITE_GRAD"] or (a["HAS_TEACHER"] and a["KIND"] == "kl"):
             steps.append(own + shared)
         programs.append(steps)
         tiles.update({key: 4.0 * v for key in own + shared})
@@ -408,7 +414,7 @@ def case_call(mod, kind: str, s: Dict, rows: int, dtype, dpace: bool) -> Callabl
     n, h, v = rows * s["A"] * s["B"], s["H"], s["V"]
     mask, index = training_rows(s, rows)
     empty = lambda *shape, dt=dtype: torch.empty(shape, dtype=dt)  # noqa: E731
-    if kind in ("kl", "ce(teacher argmax)"):
+    if kind in ("kl", "ce(teacher argmax)") + DENSE:
         teacher = Teacher(last=empty(rows * s["T"], h), final_norm_weight=empty(h), index=index)
     elif kind in ("ce(labels)", "ce_data"):
         teacher = Teacher(labels=torch.zeros(n, dtype=torch.long))
@@ -421,7 +427,7 @@ def case_call(mod, kind: str, s: Dict, rows: int, dtype, dpace: bool) -> Callabl
 
 
 CASES = [("kl", False), ("ce(teacher argmax)", False), ("ce(labels)", False), ("ce_data", False), ("kl_topk", False),
-         ("kl", True)]
+         ("kl", True)] + [(kind, False) for kind in DENSE]
 
 
 def model_case(mod, recorder: LaunchRecorder, kind, dpace, s, rows, dtype, kernel_rows: List[Dict]) -> Dict:
@@ -545,7 +551,8 @@ def main(argv=None) -> List[Dict]:
     meta = dict(
         shapes=f"{shape}, N = rows x A x B for rows in {s['rows']}, {args.dtype}; lm_head frozen (the drafter's case)",
         gpu="H200 as PERF.md: 790 TFLOP/s dense bf16 (measured), 4.3 TB/s, 132 SMs, 50 MB L2, 228 KB smem per SM",
-        unit="one GEMM unit = 2 N V H FLOPs; floor: 3 units for kl and teacher ce, 2 for the others",
+        unit="one GEMM unit = 2 N V H FLOPs; floor: 3 units for kl, the other dense kinds and teacher ce, 2 for the "
+             "others",
         ms="sum over launches of max(FLOPs at 790 TFLOP/s over whole waves, HBM bytes at 4.3 TB/s), plus host ops",
         peak_extra_gb="most bytes the call's own allocations hold at once, its returned tensors left out",
         kernel_sha256=kernel_sha256,

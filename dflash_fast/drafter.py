@@ -515,6 +515,7 @@ class DrafterOutput(NamedTuple):
     draft_argmax: torch.Tensor  # [R, A, B]
     teacher_argmax: torch.Tensor  # [R, A, B] (the teacher's argmax at p - 1)
     slot_mask: torch.Tensor  # [R, A, B] bool
+    alpha: torch.Tensor  # [R, A, B] fp32: each slot's acceptance estimate sum_v min(p_v, q_v) (eager.LossOutput)
 
 
 class DFlashDrafter(nn.Module):
@@ -671,7 +672,12 @@ class DFlashDrafter(nn.Module):
         )
         teacher_argmax = stored_argmax if stored_argmax is not None and loss_kind == "ce_data" else out.teacher_argmax
         return DrafterOutput(
-            out.loss, out.kl, out.draft_argmax.view(r, a, b), teacher_argmax.view(r, a, b), targets.slot_mask
+            out.loss,
+            out.kl,
+            out.draft_argmax.view(r, a, b),
+            teacher_argmax.view(r, a, b),
+            targets.slot_mask,
+            out.alpha.view(r, a, b),
         )
 
     @torch.no_grad()
@@ -698,13 +704,15 @@ class DFlashDrafter(nn.Module):
 
 def slot_metrics(out: DrafterOutput) -> Dict[str, torch.Tensor]:
     """Sums for SPEC §6 metrics (reduce across ranks, then divide): acc_hits/acc_count [B] per slot,
-    tau_sum (sum over valid blocks of 1 + leading matches), blocks (valid block count)."""
+    alpha_sum [B] (acceptance estimates of the valid slots, over acc_count), tau_sum (sum over valid blocks
+    of 1 + leading matches), blocks (valid block count)."""
     match = (out.draft_argmax == out.teacher_argmax) & out.slot_mask
     valid_block = out.slot_mask[..., 1]  # an anchor is eligible only if slot 1 is trainable (SPEC §3)
     leading = match[..., 1:].long().cumprod(-1).sum(-1)
     return {
         "acc_hits": match.flatten(0, 1).sum(0).float(),
         "acc_count": out.slot_mask.flatten(0, 1).sum(0).float(),
+        "alpha_sum": (out.alpha * out.slot_mask).flatten(0, 1).sum(0).float(),
         "tau_sum": ((1 + leading) * valid_block).sum().float(),
         "blocks": valid_block.sum().float(),
     }

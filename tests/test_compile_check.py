@@ -23,7 +23,8 @@ from bench import compile_diff, static_facts
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The reduced run: bf16, the reference shape, the first config of each autotune list, and the cases
-# that together launch every kernel once (~20 compiles). The full run is `python bench/compile_check.py`.
+# that together launch every kernel once and every loss kind's row pass (~30 compiles). The full run is
+# `python bench/compile_check.py`.
 QUICK = [
     "--dtypes",
     "bf16",
@@ -32,7 +33,7 @@ QUICK = [
     "--configs",
     "first",
     "--cases",
-    "noise=0$|causal=False|kl_topk",
+    "noise=0$|causal=False|kl_topk| kl$| tv$| lk$|lk_hybrid|rkl|jsd",  # every variant of the loss's row pass
 ]
 
 

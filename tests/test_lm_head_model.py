@@ -1,5 +1,6 @@
 """bench/lm_head_model.py, the design model of the fused lm_head loss, on small shapes: every default path
-stays within its GEMM-unit budget (3 for kl and teacher ce, 2 for the others) and no autotune config a
+stays within its GEMM-unit budget (3 for the dense kinds and teacher ce, 2 for the others; tv, lk, lk_hybrid,
+rkl and jsd exactly kl's) and no autotune config a
 default path runs spills registers in bf16 when compiled for sm_90. Like tests/test_compile_check.py it
 needs the triton wheel's ptxas and fails, not skips, without it. The wave model's pieces are checked here
 too, on cases small enough to count by hand."""
@@ -15,7 +16,8 @@ sys.path.insert(0, REPO)
 
 from bench.lm_head_model import H200, Cost, grouped, hbm_bytes, programs_per_sm  # noqa: E402
 
-UNIT_BUDGET = {"kl": 3, "ce(teacher argmax)": 3, "ce(labels)": 2, "ce_data": 2, "kl_topk": 2, "kl, D-PACE": 3}
+UNIT_BUDGET = {"kl": 3, "ce(teacher argmax)": 3, "ce(labels)": 2, "ce_data": 2, "kl_topk": 2, "kl, D-PACE": 3,
+               **{kind: 3 for kind in ("tv", "lk", "lk_hybrid", "rkl", "jsd")}}
 
 
 def test_default_paths_stay_within_their_unit_budget_and_never_spill(tmp_path):
@@ -32,6 +34,8 @@ def test_default_paths_stay_within_their_unit_budget_and_never_spill(tmp_path):
         assert 1.9 <= row["units"] <= UNIT_BUDGET[case], (case, row["units"])
         assert row["spilling_configs"] == 0, f"{case}: a bf16 config spills (see {tmp_path}/{name}_kernels.md)"
     assert rows["kl"]["units"] < 2.6, "kl computes its teacher once per distinct position, not once per slot"
+    for kind in ("tv", "lk", "lk_hybrid", "rkl", "jsd"):  # the row pass they add over kl is no GEMM
+        assert rows[kind]["units"] == rows["kl"]["units"], (kind, rows[kind]["units"])
     with open(tmp_path / f"{name}_kernels.json") as f:
         kernels = json.load(f)["rows"]
     assert {r["kernel"] for r in kernels} >= {"_logits_fwd_kernel", "_dlogits_bwd_kernel", "_matmul_bwd_kernel"}

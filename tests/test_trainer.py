@@ -246,6 +246,32 @@ def test_loss_weighting_dpace_reaches_the_loss(tiny, tmp_path, monkeypatch):
     assert losses(out)[1] != pytest.approx(losses(decay)[1], rel=1e-3)
 
 
+def test_loss_kind_reaches_the_loss_and_alpha_per_slot_is_logged(tiny, tmp_path, monkeypatch):
+    """loss.kind=tv trains through ops.lm_head_loss, and metrics.jsonl holds alpha_j: the mean over the valid slots
+    j of the loss's per-row acceptance estimate (LossOutput.alpha), next to the KL metric of the dense kinds."""
+    from dflash_fast import ops
+
+    seen = []
+    loss_fn = ops.lm_head_loss
+
+    def spy(*args):
+        result = loss_fn(*args)
+        seen.append((args[4], args[3].detach().clone(), result.alpha.detach().clone()))
+        return result
+
+    monkeypatch.setattr(ops, "lm_head_loss", spy)
+    out = str(tmp_path / "tv")
+    run(tiny, out, schedule__steps=2, loss__kind="tv")
+    assert len(seen) == 2 and all(kind == "tv" for kind, _, _ in seen)
+    _, weights, alpha = seen[0]  # step 1: one micro-batch
+    mask = (weights > 0).view(-1, BLOCK)
+    expected = (alpha.view(-1, BLOCK) * mask).sum(0) / mask.sum(0)
+    record = records(out)[0]
+    assert [record[f"alpha_{j}"] for j in range(1, BLOCK)] == pytest.approx(expected[1:].tolist(), rel=1e-5)
+    assert 0 < min(expected[1:]) and max(expected[1:]) < 1
+    assert record["kl"] is not None
+
+
 def test_tensorboard_holds_the_metrics_jsonl_scalars(tiny, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
