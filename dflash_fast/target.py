@@ -156,7 +156,7 @@ def model_class(auto, config):
 # Config fields of models whose logits are not lm_head(final_norm(last)): the teacher that training recomputes
 # from `last` would silently differ from the model's.
 LOGIT_TRANSFORMS = {
-    "final_logit_softcapping": "soft-caps its logits (tanh)",
+    "final_logit_softcapping": "soft-caps its logits with tanh",
     "logit_scale": "scales its logits",
     "logits_scaling": "divides its logits by a constant",
     "output_multiplier_scale": "scales its logits",
@@ -236,10 +236,10 @@ def check_fits(target, device: torch.device, compute_dtype: torch.dtype, skipped
     if needed is not None and needed > have:
         dtype = str(compute_dtype).replace("torch.", "")
         raise UserError(
-            f"target {target}: its weights take {needed / 2**30:.1f} GiB in {dtype} but {device} has "
-            f"{have / 2**30:.1f} GiB; the Hugging Face path loads the whole target on one device. A target this "
-            f"size needs the engine-served path (`--engine vllm`), which is planned and not implemented yet; "
-            f"see docs/targets.md"
+            f"target {target}: its weights take {needed:,} bytes ({needed / 2**30:.1f} GiB) in {dtype} but {device} "
+            f"has {have:,} bytes ({have / 2**30:.1f} GiB); the Hugging Face path loads the whole target on one "
+            f"device. A target this size needs the engine-served path (`--engine vllm`), which is planned and not "
+            f"implemented yet; see docs/targets.md"
         )
 
 
