@@ -217,8 +217,13 @@ def weight_bytes(target, compute_dtype: torch.dtype, skipped: Sequence[str] = ()
     total = 0
     for path in files:
         with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
+            head = f.read(8)
+            try:
+                header = json.loads(f.read(struct.unpack("<Q", head)[0]) if len(head) == 8 else b"")
+            except ValueError:  # JSONDecodeError, UnicodeDecodeError
+                header = None
+        if not isinstance(header, dict):
+            raise ValueError(f"{path} is not a safetensors file (its header does not parse): the checkpoint is damaged")
         for name, info in header.items():
             if name == "__metadata__" or any(re.search(p, name) for p in skipped):
                 continue

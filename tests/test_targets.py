@@ -44,7 +44,7 @@ def test_train_export_eval_end_to_end_is_greedy_exact(tmp_path, arch):
     assert not result["interrupted"]
     prompts = write_jsonl(tmp_path / "prompts.jsonl",
                           [{"conversations": [{"role": "user", "content": p}]} for p in PROMPTS])
-    report = evaluate(target, str(prompts), result["export"], max_new_tokens=24, progress=False)
+    report = evaluate(target, str(prompts), result["export"], max_new_tokens=16, offline=False, progress=False)
     assert report["prompts"] == 2 and report["greedy_mismatches"] == 0 and report["new_tokens"] > 0
     assert json.loads((out / "export" / "config.json").read_text())["aux_hidden_state_layer_ids"] == [2, 4]
 
@@ -91,6 +91,14 @@ def test_the_size_check_counts_the_weights_the_model_loads(tmp_path, arch):
     assert weight_bytes(target, torch.bfloat16, skipped) == 2 * params
     if arch == "qwen3_5_vl":
         assert weight_bytes(target, torch.float32) > 4 * params, "the checkpoint holds a vision tower"
+
+
+def test_a_damaged_safetensors_header_is_named_not_a_traceback(qwen3, tmp_path):
+    damaged = tmp_path / "damaged"
+    shutil.copytree(qwen3, damaged)
+    (damaged / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    with pytest.raises(ValueError, match=r"model.safetensors is not a safetensors file \(its header does not parse\)"):
+        weight_bytes(str(damaged), torch.float32)
 
 
 def test_a_target_whose_logits_are_not_lm_head_of_norm_is_refused_with_the_reason(qwen3, tmp_path, monkeypatch):
