@@ -118,25 +118,57 @@ class InputStats:
         }
 
 
+REASONING_KEYS = ("thinking", "reasoning_content")
+MEDIA_KEYS = ("images", "image", "videos", "video", "pixel_values")
+IMAGES_UNSUPPORTED = ("image and video inputs are not supported yet: extraction feeds the target text only "
+                      "(multimodal checkpoints included), so remove them from the data")
+
+
+def has_image(content) -> bool:
+    """A turn's content in the multimodal message format with an image or video part."""
+    return isinstance(content, list) and any(
+        isinstance(part, dict) and (part.get("type") in ("image", "image_url", "input_image", "video")
+                                    or "image" in part or "image_url" in part)
+        for part in content)
+
+
 class ChatTokenizer:
     """Tokenizes the three JSONL formats; builds the assistant-only loss mask of conversations.
 
     The mask of assistant turn `i` covers the text between the rendered prefix
     `messages[:i]` + generation prompt and the rendered prefix `messages[:i+1]`:
-    the reply and the template's end-of-turn marker, never the role header.
+    everything the target generates after the generation prompt (its reasoning
+    when the turn carries `thinking` / `reasoning_content`, channel headers such
+    as harmony's, the reply and the end-of-turn marker), never the role header.
     Templates that re-render earlier turns differently (e.g. dropping reasoning
     from old turns) break that prefix property; then the reply's content (or,
     when the template dropped it, the part after `</think>`) is located in the
-    full rendering and extended by the template's end-of-turn text.
+    full rendering, reaches back to the end of the generation prompt before it,
+    and is extended by the template's end-of-turn text or the special token
+    that closes it (harmony's `<|end|>`, where the last turn has `<|return|>`).
     """
 
     def __init__(self, tokenizer, vocab_size: int):
         self.tok = tokenizer
         self.vocab_size = vocab_size
         self._turn_suffix = None
+        self._generation_prompt = None
+        self._special = sorted((t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
+                                if t.special), key=len, reverse=True)
 
     def _render(self, messages, generation_prompt=False) -> str:
         return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+    def generation_prompt(self) -> str:
+        """The text add_generation_prompt appends, e.g. '<|im_start|>assistant\n' or harmony's '<|start|>assistant'."""
+        if self._generation_prompt is None:
+            chat = [{"role": "user", "content": "hi"}]
+            try:
+                bare, prompted = self._render(chat), self._render(chat, generation_prompt=True)
+            except Exception:  # a template that refuses this chat: no generation prompt to reach back to
+                bare, prompted = "", ""
+            self._generation_prompt = prompted[len(bare):] if prompted.startswith(bare) else ""
+        return self._generation_prompt
 
     def turn_suffix(self) -> str:
         """The text a template emits after an assistant reply's content, e.g. '<|im_end|>\\n'."""
@@ -173,8 +205,12 @@ class ChatTokenizer:
             if start < 0:
                 raise Skip("assistant turn not found in the chat template's output")
             end = start + len(content)
-            if text.startswith(self.turn_suffix(), end):
-                end += len(self.turn_suffix())
+            prompt = self.generation_prompt()
+            header = text.rfind(prompt, cursor, start) if prompt else -1
+            if header >= 0:  # what the target generated before the content (harmony's channel header) trains too
+                start = header + len(prompt)
+            closing = next((t for t in self._special if text.startswith(t, end)), "")
+            end += len(self.turn_suffix()) if text.startswith(self.turn_suffix(), end) else len(closing)
             spans.append((start, end))
             cursor = end
         return spans
@@ -191,12 +227,19 @@ class ChatTokenizer:
             role = ROLE_ALIASES.get(role, role)
             if role not in KNOWN_ROLES:
                 raise Skip(f"unknown role {role!r}")
+            if has_image(content):
+                raise BadLine(f"turn {i} holds an image; {IMAGES_UNSUPPORTED}")
             if not isinstance(content, str):
                 raise Skip("turn content is not text")
-            problem = text_problem(content)
-            if problem:
-                raise BadLine(f"the content of turn {i} {problem}")
-            messages.append({"role": role, "content": content})
+            message = {"role": role, "content": content}
+            if role == "assistant":
+                # Reasoning as the template takes it: `thinking` (gpt-oss's analysis channel), `reasoning_content`.
+                message.update((k, t[k]) for k in REASONING_KEYS if isinstance(t.get(k), str))
+            for key, value in message.items():
+                problem = text_problem(value)
+                if problem:
+                    raise BadLine(f"the {key} of turn {i} {problem}")
+            messages.append(message)
         if not any(m["role"] == "assistant" for m in messages):
             raise Skip("no assistant turn")
         if not getattr(self.tok, "is_fast", False):
@@ -232,6 +275,9 @@ class ChatTokenizer:
     def record(self, record) -> Example:
         if not isinstance(record, dict):
             raise BadLine("a line must be a JSON object")
+        media = [k for k in MEDIA_KEYS if k in record]
+        if media:
+            raise BadLine(f"the record holds {media[0]!r}; {IMAGES_UNSUPPORTED}")
         if "conversations" in record:
             return self.conversation(record["conversations"])
         if "text" in record:

@@ -69,7 +69,7 @@ def scripted_proposer(model, right_per_block):
     return propose
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5", "gpt_oss"])  # gpt-oss: sliding layers of window 8
 def test_speculative_greedy_equals_hf_generate(targets, arch):
     model, tok = load(targets(arch))
     drafter = random_drafter(targets(arch))

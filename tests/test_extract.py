@@ -4,6 +4,7 @@ Targets are tiny random models built in code (tests/tiny_targets.py), run in
 fp32 and stored in fp32 so that "equal" means bit-equal where the forward is
 the same.
 """
+import functools
 import json
 import os
 import re
@@ -25,12 +26,25 @@ from dflash_fast.store import MANIFEST, HiddenStateStore, ShardWriter, dequantiz
 
 NUM_LAYERS = 6
 LAYER_IDS = [0, 2, 4, 5]  # includes the first and the last decoder layer
+# The extraction contract holds for every architecture docs/targets.md lists as tested.
+CONTRACT_ARCHS = ["qwen3", "llama", "qwen3_5", "qwen3_moe", "gpt_oss", "qwen3_vl", "qwen3_5_vl"]
+
+
+class Targets(dict):
+    """arch -> a tiny saved target, built on first use."""
+
+    def __init__(self, root):
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, arch):
+        self[arch] = make_tiny_target(self.root / arch, arch, num_layers=NUM_LAYERS)
+        return self[arch]
 
 
 @pytest.fixture(scope="module")
 def targets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("targets")
-    return {arch: make_tiny_target(root / arch, arch, num_layers=NUM_LAYERS) for arch in ("qwen3", "llama", "qwen3_5")}
+    return Targets(tmp_path_factory.mktemp("targets"))
 
 
 @pytest.fixture(scope="module")
@@ -43,16 +57,29 @@ def run_extract(target, data, out, **kw):
     return extract(target, data, out, **kw)
 
 
-def hf_forward(target, input_ids, tie_last=True):
-    """Reference: the plain HF forward of one unpadded sequence -> (hidden_states, logits)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+@functools.lru_cache(maxsize=4)
+def reference_model(target, tie_last=True):
+    """The plain HF model of `target`; a multimodal checkpoint as shipped: the whole `...ForConditionalGeneration`."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     config = AutoConfig.from_pretrained(target)
-    config.tie_last_hidden_states = tie_last
-    model = AutoModelForCausalLM.from_pretrained(target, config=config, dtype=torch.float32).eval()
+    config.tie_last_hidden_states = config.get_text_config().tie_last_hidden_states = tie_last
+    multimodal = config.architectures[0].endswith("ForConditionalGeneration")
+    auto = AutoModelForImageTextToText if multimodal else AutoModelForCausalLM
+    return auto.from_pretrained(target, config=config, dtype=torch.float32).eval()
+
+
+def hf_forward(target, input_ids, tie_last=True):
+    """Reference: the plain HF forward of one unpadded sequence (text only) -> (hidden_states, logits, model)."""
+    model = reference_model(str(target), tie_last)
     with torch.no_grad():
         out = model(input_ids=input_ids.long()[None], output_hidden_states=True, use_cache=False)
     return [h[0] for h in out.hidden_states], out.logits[0], model
+
+
+def decoder(model):
+    """The decoder (embeddings, layers, final norm) of a causal LM or of a multimodal model."""
+    return getattr(model.model, "language_model", model.model)
 
 
 def all_files(root):
@@ -67,7 +94,7 @@ def all_files(root):
 
 # ---------------------------------------------------------------- what is stored
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_5"])
+@pytest.mark.parametrize("arch", CONTRACT_ARCHS)
 def test_stored_hidden_is_hf_hidden_states_at_id_plus_one(targets, data, tmp_path, arch):
     # batch_tokens=1: every sequence runs alone, unpadded, exactly like the reference forward.
     run_extract(targets[arch], data, tmp_path, batch_tokens=1)
@@ -84,27 +111,29 @@ def test_stored_hidden_is_hf_hidden_states_at_id_plus_one(targets, data, tmp_pat
         assert not torch.allclose(item["hidden"][:, -1], states[NUM_LAYERS], atol=1e-3)
 
 
-def test_last_is_the_pre_norm_residual_of_the_final_layer_not_an_intermediate_one(targets, data, tmp_path):
-    run_extract(targets["qwen3"], data, tmp_path, batch_tokens=1)
+@pytest.mark.parametrize("arch", ["qwen3", "gpt_oss", "qwen3_vl"])
+def test_last_is_the_pre_norm_residual_of_the_final_layer_not_an_intermediate_one(targets, data, tmp_path, arch):
+    run_extract(targets[arch], data, tmp_path, batch_tokens=1)
     store = HiddenStateStore(tmp_path)
     assert store.manifest["last_is_pre_norm"] is True and store.manifest["has_last"] is True
     item = store[1]
-    raw_states, logits, model = hf_forward(targets["qwen3"], item["input_ids"], tie_last=False)
+    raw_states, logits, model = hf_forward(targets[arch], item["input_ids"], tie_last=False)
     assert torch.equal(item["last"], raw_states[NUM_LAYERS])
     assert not torch.allclose(item["last"], raw_states[NUM_LAYERS - 1], atol=1e-3)
     # The teacher is the last layer's: an intermediate layer through norm + lm_head predicts other tokens.
     with torch.no_grad():
-        wrong = model.lm_head(model.model.norm(raw_states[NUM_LAYERS - 1]))
+        wrong = model.lm_head(decoder(model).norm(raw_states[NUM_LAYERS - 1]))
     assert torch.equal(item["teacher_topk_ids"][:, 0].long(), logits.argmax(-1))
     assert (wrong.argmax(-1) != logits.argmax(-1)).float().mean() > 0.2
 
 
-def test_teacher_topk_and_lse_are_those_of_the_model_logits(targets, data, tmp_path):
-    run_extract(targets["qwen3"], data, tmp_path, batch_tokens=1, topk=5)
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "gpt_oss"])
+def test_teacher_topk_and_lse_are_those_of_the_model_logits(targets, data, tmp_path, arch):
+    run_extract(targets[arch], data, tmp_path, batch_tokens=1, topk=5)
     store = HiddenStateStore(tmp_path)
     for i in range(len(store)):
         item = store[i]
-        _, logits, model = hf_forward(targets["qwen3"], item["input_ids"])
+        _, logits, model = hf_forward(targets[arch], item["input_ids"])
         values, ids = logits.topk(5, dim=-1)
         assert torch.equal(item["teacher_topk_logits"], values)
         assert torch.equal(item["teacher_topk_ids"].long(), ids)
@@ -112,14 +141,16 @@ def test_teacher_topk_and_lse_are_those_of_the_model_logits(targets, data, tmp_p
         assert (item["teacher_topk_logits"].diff(dim=-1) <= 0).all()
 
 
-@pytest.mark.parametrize("arch, kind", [("qwen3", "rmsnorm"), ("qwen3_5", "rmsnorm_zero_centred")])
+@pytest.mark.parametrize("arch, kind", [("qwen3", "rmsnorm"), ("qwen3_5", "rmsnorm_zero_centred"),
+                                        ("qwen3_moe", "rmsnorm"), ("gpt_oss", "rmsnorm"), ("qwen3_vl", "rmsnorm"),
+                                        ("qwen3_5_vl", "rmsnorm_zero_centred")])
 def test_lm_head_of_final_norm_of_last_reproduces_the_logits(targets, data, tmp_path, arch, kind):
     run_extract(targets[arch], data, tmp_path)
     store = HiddenStateStore(tmp_path)
     norm = store.manifest["final_norm"]
     assert norm["kind"] == kind
     _, logits, model = hf_forward(targets[arch], store[2]["input_ids"])
-    scale = final_norm_weight(model.model.norm.weight.detach(), norm["kind"])
+    scale = final_norm_weight(decoder(model).norm.weight.detach(), norm["kind"])
     with torch.no_grad():
         recomputed = model.lm_head(rms_norm(store[2]["last"], scale, norm["eps"]))
     torch.testing.assert_close(recomputed, logits, rtol=1e-5, atol=1e-5)
@@ -137,18 +168,18 @@ def test_hybrid_qwen3_next_extracts_on_cpu(tmp_path, data):
     assert torch.equal(item["teacher_topk_ids"][:, 0].long(), logits.argmax(-1))
 
 
-def test_batched_equals_one_by_one(targets, data, tmp_path):
-    for arch in ("qwen3", "qwen3_5"):
-        run_extract(targets[arch], data, tmp_path / f"{arch}-single", batch_tokens=1)
-        run_extract(targets[arch], data, tmp_path / f"{arch}-batched", batch_tokens=4096)
-        single, batched = HiddenStateStore(tmp_path / f"{arch}-single"), HiddenStateStore(tmp_path / f"{arch}-batched")
-        assert len(single) == len(batched) == 10
-        for i in range(len(single)):
-            a, b = single[i], batched[i]
-            assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
-            for name in ("hidden", "last", "teacher_topk_logits", "teacher_lse"):
-                torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=2e-5, msg=f"{arch} {name} item {i}")
-            assert torch.equal(a["teacher_topk_ids"][:, 0], b["teacher_topk_ids"][:, 0])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5", "qwen3_moe", "gpt_oss", "qwen3_vl"])
+def test_batched_equals_one_by_one(targets, data, tmp_path, arch):
+    run_extract(targets[arch], data, tmp_path / f"{arch}-single", batch_tokens=1)
+    run_extract(targets[arch], data, tmp_path / f"{arch}-batched", batch_tokens=4096)
+    single, batched = HiddenStateStore(tmp_path / f"{arch}-single"), HiddenStateStore(tmp_path / f"{arch}-batched")
+    assert len(single) == len(batched) == 10
+    for i in range(len(single)):
+        a, b = single[i], batched[i]
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
+        for name in ("hidden", "last", "teacher_topk_logits", "teacher_lse"):
+            torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=2e-5, msg=f"{arch} {name} item {i}")
+        assert torch.equal(a["teacher_topk_ids"][:, 0], b["teacher_topk_ids"][:, 0])
 
 
 def test_no_last_drops_last_only(targets, data, tmp_path):

@@ -1,5 +1,6 @@
 """Tiny random targets built in code: a byte-level BPE tokenizer and small Qwen3 /
-Llama / Qwen3-Next / Qwen3.5 causal LMs saved like a hub checkpoint.
+Llama / Qwen3-Next / Qwen3.5 / Qwen3-MoE / gpt-oss causal LMs, and Qwen3-VL / Qwen3.5 multimodal checkpoints
+(`...ForConditionalGeneration`, vision tower included), saved like a hub checkpoint.
 
 Nothing is downloaded. Everything is seeded, so the same call writes the same
 files. The models are small enough that extracting a few hundred tokens takes a
@@ -14,6 +15,7 @@ import textwrap
 import torch
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+HARMONY_TOKENS = ["<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>"]
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -22,7 +24,36 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-ARCHS = ("qwen3", "llama", "qwen3_next", "qwen3_5")
+# gpt-oss's harmony format as its published chat template renders a conversation without tools: a system
+# message of metadata, the first system turn as the developer's instructions, the last assistant turn with its
+# reasoning (`thinking`, analysis channel) and answer (final channel) ending in <|return|>, earlier assistant
+# turns as their final channel only, ending in <|end|>; the generation prompt is `<|start|>assistant`.
+HARMONY_TEMPLATE = (
+    "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n"
+    "Knowledge cutoff: 2024-06\nCurrent date: {{ strftime_now('%Y-%m-%d') }}\n\n"
+    "Reasoning: {{ reasoning_effort | default('medium') }}\n\n"
+    "# Valid channels: analysis, commentary, final. Channel must be included for every message.<|end|>"
+    "{% set loop_messages = messages %}"
+    "{% if messages[0]['role'] in ('system', 'developer') %}{% set loop_messages = messages[1:] %}"
+    "<|start|>developer<|message|># Instructions\n\n{{ messages[0]['content'] }}\n\n<|end|>{% endif %}"
+    "{% for message in loop_messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{% if '<|channel|>' in message['content'] %}"
+    "{{ raise_exception('pass the analysis in thinking and the answer in content, without <|channel|> tags') }}"
+    "{% endif %}"
+    "{% if loop.last and not add_generation_prompt %}"
+    "{% if 'thinking' in message %}<|start|>assistant<|channel|>analysis<|message|>{{ message['thinking'] }}"
+    "<|end|>{% endif %}"
+    "<|start|>assistant<|channel|>final<|message|>{{ message['content'] }}<|return|>"
+    "{% else %}<|start|>assistant<|channel|>final<|message|>{{ message['content'] }}<|end|>{% endif %}"
+    "{% elif message['role'] == 'user' %}<|start|>user<|message|>{{ message['content'] }}<|end|>"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
+)
+
+ARCHS = ("qwen3", "llama", "qwen3_next", "qwen3_5", "qwen3_moe", "gpt_oss", "qwen3_vl", "qwen3_5_vl")
+# Checkpoints shipped as `...ForConditionalGeneration` (vision tower + language model), used as text targets.
+MULTIMODAL = ("qwen3_vl", "qwen3_5_vl")
 
 
 def _training_text():
@@ -40,11 +71,12 @@ def _training_text():
     return lines
 
 
-def make_tokenizer(directory, vocab_size=384):
-    """Train a byte-level BPE tokenizer with a ChatML template and save it to `directory`.
+def make_tokenizer(directory, vocab_size=384, chat_format="chatml"):
+    """Train a byte-level BPE tokenizer with a chat template and save it to `directory`.
 
-    Returns the `PreTrainedTokenizerFast`. Special tokens: `<|endoftext|>` (pad),
-    `<|im_start|>`, `<|im_end|>` (eos, ends every chat turn).
+    Returns the `PreTrainedTokenizerFast`. chat_format "chatml": special tokens `<|endoftext|>` (pad),
+    `<|im_start|>`, `<|im_end|>` (eos, ends every chat turn). "harmony" (gpt-oss): `<|endoftext|>` (pad),
+    `<|start|>`, `<|end|>`, `<|message|>`, `<|channel|>`, `<|return|>` (eos, ends a reply), `<|call|>`.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -54,16 +86,16 @@ def make_tokenizer(directory, vocab_size=384):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=HARMONY_TOKENS if chat_format == "harmony" else SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(_training_text(), trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        eos_token="<|im_end|>",
+        eos_token="<|return|>" if chat_format == "harmony" else "<|im_end|>",
         pad_token="<|endoftext|>",
-        chat_template=CHAT_TEMPLATE,
+        chat_template=HARMONY_TEMPLATE if chat_format == "harmony" else CHAT_TEMPLATE,
     )
     os.makedirs(directory, exist_ok=True)
     tokenizer.save_pretrained(directory)
@@ -78,8 +110,8 @@ def tiny_sizes(hidden_size):
 
 
 def _config(arch, vocab_size, num_layers, hidden_size, pad_token_id, eos_token_id, tie_word_embeddings):
-    from transformers import LlamaConfig, Qwen3Config, Qwen3NextConfig
-    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+    from transformers import GptOssConfig, LlamaConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig, Qwen3VLConfig
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5Config, Qwen3_5TextConfig
 
     common = dict(
         vocab_size=vocab_size,
@@ -95,6 +127,24 @@ def _config(arch, vocab_size, num_layers, hidden_size, pad_token_id, eos_token_i
         return Qwen3Config(**common)
     if arch == "llama":
         return LlamaConfig(**common)
+    moe = dict(num_experts_per_tok=2, moe_intermediate_size=hidden_size // 2)
+    if arch == "qwen3_moe":
+        # output_router_logits as a training config would leave it: extraction must not depend on it.
+        return Qwen3MoeConfig(num_experts=4, decoder_sparse_step=1, output_router_logits=True, **moe, **common)
+    if arch == "gpt_oss":
+        # Attention sinks, sliding (window 8, shorter than the test sequences) and full layers in turn, YaRN RoPE
+        # with gpt-oss's factor 32 over 4096 positions.
+        common.update(intermediate_size=hidden_size, max_position_embeddings=4096 * 32)
+        return GptOssConfig(num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                            layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
+                                         for i in range(num_layers)], **common)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden_size,
+                  deepstack_visual_indexes=[0])
+    if arch == "qwen3_vl":
+        text = {k: v for k, v in common.items() if k != "tie_word_embeddings"}
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 5e6, "mrope_section": [2, 3, 3],
+                                   "mrope_interleaved": True}
+        return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=tie_word_embeddings)
     # Hybrid: linear-attention (gated delta net) layers with a full-attention layer every 2nd.
     hybrid = dict(
         linear_num_key_heads=2,
@@ -114,6 +164,11 @@ def _config(arch, vocab_size, num_layers, hidden_size, pad_token_id, eos_token_i
         )
     if arch == "qwen3_5":
         return Qwen3_5TextConfig(**hybrid, **common)
+    if arch == "qwen3_5_vl":
+        text = {k: v for k, v in common.items() if k != "tie_word_embeddings"}
+        vision.pop("deepstack_visual_indexes")
+        return Qwen3_5Config(text_config={**hybrid, **text}, vision_config=vision,
+                             tie_word_embeddings=tie_word_embeddings)
     raise ValueError(f"unknown tiny arch {arch!r}; choose one of {ARCHS}")
 
 
@@ -125,11 +180,12 @@ def tiny_model(arch="qwen3", num_layers=6, hidden_size=64, vocab_size=384, seed=
     zero-centred norms of Qwen3-Next/Qwen3.5), so a norm applied twice, or with
     the wrong centring, changes the numbers and is caught by tests.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     config = _config(arch, vocab_size, num_layers, hidden_size, pad_token_id, eos_token_id, tie_word_embeddings)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    auto = AutoModelForImageTextToText if arch in MULTIMODAL else AutoModelForCausalLM
+    model = auto.from_config(config, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -141,7 +197,8 @@ def tiny_model(arch="qwen3", num_layers=6, hidden_size=64, vocab_size=384, seed=
 def make_tiny_target(directory, arch="qwen3", num_layers=6, hidden_size=64, vocab_size=384, seed=0):
     """Build `tiny_model(arch, ...)` with a tokenizer of `vocab_size`, save both (safetensors); return `directory`."""
     directory = str(directory)
-    tokenizer = make_tokenizer(directory, vocab_size=vocab_size)
+    chat_format = "harmony" if arch == "gpt_oss" else "chatml"
+    tokenizer = make_tokenizer(directory, vocab_size=vocab_size, chat_format=chat_format)
     model = tiny_model(arch, num_layers, hidden_size, len(tokenizer), seed, tokenizer.pad_token_id,
                        tokenizer.eos_token_id)
     model.save_pretrained(directory, safe_serialization=True)
