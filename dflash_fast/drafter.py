@@ -5,6 +5,10 @@ attending to [ctx ; block], the target's frozen embedding, final norm and lm_hea
     block ids [R, A*B] --embed--> x --N layers (q from x; k/v from [ctx ; x])--> x
     x --norm, lm_head, loss vs teacher at p-1--> loss, argmaxes
 
+DSpark (SPEC §8, `markov_rank > 0` or `confidence_head`): the same backbone plus the heads of
+`dflash_fast.dspark`; the Markov bias rides in the lm_head loss (eager.Markov), the confidence head is
+trained against the acceptance rate the loss returns.
+
 The three hot ops go through `dflash_fast.ops`; everything else is plain torch.
 """
 import dataclasses
@@ -17,7 +21,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dflash_fast import ops
-from dflash_fast.eager import DPace, Teacher, needs_last, rms_norm
+from dflash_fast.dspark import MARKOV_HEAD_TYPES, ConfidenceHead, MarkovHead
+from dflash_fast.eager import DPace, Markov, Teacher, needs_last, rms_norm
 from dflash_fast.store import final_norm_weight
 
 LAYER_KINDS = ("full", "sliding")
@@ -58,6 +63,12 @@ class DrafterConfig:
     sliding_window: Optional[int] = None
     causal_in_block: Union[bool, List[bool]] = False  # one flag for every layer, or one per layer (kept as a list)
     target_model_type: str = ""
+    # DSpark (SPEC §8); the defaults are DFlash.
+    sample_from_anchor: bool = False  # slot j predicts the token at a + j + 1 (slot 0 included)
+    markov_rank: int = 0  # r of the Markov bias W2 W1[prev]; 0 = no Markov head
+    markov_head_type: str = "vanilla"  # vanilla | gated | rnn
+    confidence_head: bool = False
+    confidence_head_with_markov: bool = True  # the confidence head reads [hidden, W1[prev]], not hidden alone
 
     def __post_init__(self):
         if self.layer_types is None:
@@ -83,6 +94,18 @@ class DrafterConfig:
             )
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask token id {self.mask_token_id} is outside the embedding (0..{self.vocab_size - 1})")
+        if self.markov_rank < 0 or self.markov_head_type not in MARKOV_HEAD_TYPES:
+            raise ValueError(
+                f"markov_rank={self.markov_rank} must be >= 0 and markov_head_type={self.markov_head_type!r} one of "
+                f"{MARKOV_HEAD_TYPES}"
+            )
+        if self.confidence_head and self.confidence_head_with_markov and not self.markov_rank:
+            raise ValueError("confidence_head_with_markov needs the Markov head: set markov_rank > 0 or the flag false")
+
+    @property
+    def first_slot(self) -> int:
+        """The first slot that predicts a token: 0 with sample_from_anchor, else 1 (slot 0 is given)."""
+        return 0 if self.sample_from_anchor else 1
 
     @property
     def num_tapped(self) -> int:
@@ -244,37 +267,45 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def position_weights(block_size: int, gamma: float) -> torch.Tensor:
-    """SPEC §5: w_0 = 0, w_j = exp(-(j - 1) / gamma) -> [B]."""
+def position_weights(block_size: int, gamma: float, sample_from_anchor: bool = False) -> torch.Tensor:
+    """SPEC §5: w_0 = 0, w_j = exp(-(j - 1) / gamma) -> [B]; with sample_from_anchor (SPEC §8) every slot
+    predicts and the decay starts at slot 0: w_j = exp(-j / gamma)."""
     j = torch.arange(block_size, dtype=torch.float32)
+    if sample_from_anchor:
+        return torch.exp(-j / gamma)
     return torch.where(j >= 1, torch.exp(-(j - 1) / gamma), torch.zeros(()))
 
 
 class Targets(NamedTuple):
     """Where every slot's teacher lives. All [R, A, B]."""
 
-    slot_mask: torch.Tensor  # bool: trained and scored (slot >= 1, valid anchor, in row, same document, loss_mask)
-    position: torch.Tensor  # p = a + j, clamped into the row
-    teacher_row: torch.Tensor  # p - 1, clamped into the row
+    slot_mask: torch.Tensor  # bool: trained and scored (slot predicts, valid anchor, in row, same document, loss_mask)
+    position: torch.Tensor  # the predicted position (p = a + j, or p + 1 with sample_from_anchor), clamped into the row
+    teacher_row: torch.Tensor  # the predicted position - 1, clamped into the row
+    prev_position: torch.Tensor  # DSpark's previous token: predicted position - 1, slot 0 its own (>= a), in the row
 
 
-def slot_targets(batch: Dict[str, torch.Tensor], block_size: int) -> Targets:
-    """SPEC §5: slot j of the block at anchor a sits at p = a + j and is scored against the teacher at p - 1."""
+def slot_targets(batch: Dict[str, torch.Tensor], block_size: int, sample_from_anchor: bool = False) -> Targets:
+    """SPEC §5: slot j of the block at anchor a sits at p = a + j, predicts the token at p and is scored against
+    the teacher at p - 1; slot 0 (the given token) never trains. With sample_from_anchor (SPEC §8) slot j
+    predicts the token at p + 1, slot 0 included, against the teacher at p. The masks apply to the predicted
+    position."""
     anchors, valid = batch["anchors"], batch["anchor_valid"]
     t = batch["input_ids"].shape[1]
     j = torch.arange(block_size, device=anchors.device)
-    p = anchors[:, :, None] + j
+    p = anchors[:, :, None] + j + int(sample_from_anchor)
     in_row = p.clamp(max=t - 1)
     gather = lambda src: src.gather(1, in_row.flatten(1)).view(in_row.shape)
     anchor_doc = batch["document_ids"].gather(1, anchors)[:, :, None]
     mask = (
-        (j >= 1)
+        (j >= (0 if sample_from_anchor else 1))
         & valid[:, :, None]
         & (p < t)
         & (gather(batch["document_ids"]) == anchor_doc)
         & gather(batch["loss_mask"].bool())
     )
-    return Targets(mask, in_row, (p - 1).clamp(0, t - 1))
+    prev = torch.maximum(p - 1, anchors[:, :, None]).clamp(max=t - 1)
+    return Targets(mask, in_row, (p - 1).clamp(0, t - 1), prev)
 
 
 def teacher_index(targets: Targets, seq_len: int) -> torch.Tensor:
@@ -296,12 +327,17 @@ class DrafterOutput(NamedTuple):
     loss: torch.Tensor
     kl: Optional[torch.Tensor]
     draft_argmax: torch.Tensor  # [R, A, B]
-    teacher_argmax: torch.Tensor  # [R, A, B] (the teacher's argmax at p - 1)
+    teacher_argmax: torch.Tensor  # [R, A, B] (the teacher's argmax at the predicted position - 1)
     slot_mask: torch.Tensor  # [R, A, B] bool
+    first_slot: int = 1  # the first slot that predicts (DrafterConfig.first_slot)
+    confidence_loss: Optional[torch.Tensor] = None  # DSpark: the confidence BCE (before confidence_alpha)
+    accept: Optional[torch.Tensor] = None  # DSpark: [R, A, B] acceptance rate sum_v min(q_v, p_v) (no gradient)
+    confidence: Optional[torch.Tensor] = None  # DSpark: [R, A, B] the confidence head's probability (no gradient)
 
 
 class DFlashDrafter(nn.Module):
-    """Trainable: fc, hidden_norm, layers, norm. Frozen buffers: embed_tokens, lm_head, target_norm."""
+    """Trainable: fc, hidden_norm, layers, norm (and DSpark's markov_head, confidence_head). Frozen buffers:
+    embed_tokens, lm_head, target_norm."""
 
     def __init__(self, cfg: DrafterConfig, frozen_dtype: torch.dtype = torch.float32):
         """`frozen_dtype`: the dtype of embed_tokens and lm_head ([V, H] each); target_norm stays fp32."""
@@ -318,14 +354,26 @@ class DFlashDrafter(nn.Module):
         self.register_buffer(
             "target_norm", torch.ones(h), persistent=False
         )  # effective weight (1 + w for zero-centred norms)
+        self.markov_head = (
+            MarkovHead(cfg.vocab_size, cfg.markov_rank, h, cfg.markov_head_type) if cfg.markov_rank else None
+        )
+        self.confidence_head = (
+            ConfidenceHead(h + (cfg.markov_rank if cfg.confidence_head_with_markov else 0))
+            if cfg.confidence_head
+            else None
+        )
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02):
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, std=std)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
             elif isinstance(m, RMSNorm):
                 nn.init.ones_(m.weight)
+        if self.markov_head is not None:
+            self.markov_head.reset_parameters(std)
 
     def set_frozen(self, embed_tokens: torch.Tensor, lm_head: torch.Tensor, target_norm: torch.Tensor):
         """Copy the target's frozen tensors in (shapes [V, H], [V, H], [H])."""
@@ -392,21 +440,32 @@ class DFlashDrafter(nn.Module):
         seed: int = 0,
         weighting: str = "decay",
         dpace_alpha: float = 0.5,
+        confidence_alpha: float = 1.0,
     ) -> DrafterOutput:
         """Training forward on a collated batch (keys as in dflash_fast.batches).
 
         weighting: "decay" (SPEC §5 position weights with `gamma`) or "dpace" (D-PACE with `dpace_alpha`,
-        computed inside the loss from the drafter's confidence).
+        computed inside the loss from the drafter's confidence). DSpark (SPEC §8): loss = the main loss on the
+        Markov-biased logits + confidence_alpha x the confidence head's BCE against the acceptance rate,
+        weighted with the decay whatever `weighting` is.
         """
         cfg = self.config
         anchors = batch["anchors"]
         r, a = anchors.shape
         b = cfg.block_size
         x = self.batch_states(batch, noise_std, seed)
-        targets = slot_targets(batch, b)
+        targets = slot_targets(batch, b, cfg.sample_from_anchor)
         dpace = DPace(dpace_alpha, b) if weighting == "dpace" else None
-        weights = targets.slot_mask.float() if dpace else position_weights(b, gamma).to(x.device) * targets.slot_mask
+        decay = position_weights(b, gamma, cfg.sample_from_anchor).to(x.device) * targets.slot_mask
+        weights = targets.slot_mask.float() if dpace else decay
         n = r * a * b
+        markov, markov_feature = None, None
+        if self.markov_head is not None or self.confidence_head is not None:
+            hidden = self.norm(x).view(r, a, b, -1)  # the lm_head's input, which the heads read
+        if self.markov_head is not None:
+            e, markov_feature = self.markov_head(gather_rows(batch["input_ids"], targets.prev_position).view(r, a, b),
+                                                 hidden)
+            markov = Markov(e.reshape(n, -1).to(x.dtype), self.markov_head.markov_w2.weight.to(x.dtype))
         stored_argmax = (
             gather_rows(batch["teacher_topk_ids"], targets.teacher_row)[:, 0] if "teacher_topk_ids" in batch else None
         )
@@ -442,16 +501,37 @@ class DFlashDrafter(nn.Module):
             cfg.rms_norm_eps,
             teacher,
             dpace,
+            markov=markov,
+            accept=self.confidence_head is not None,
         )
         teacher_argmax = stored_argmax if stored_argmax is not None and loss_kind == "ce_data" else out.teacher_argmax
+        loss, confidence_loss, confidence = out.loss, None, None
+        if self.confidence_head is not None:
+            with_markov = cfg.confidence_head_with_markov
+            features = torch.cat([hidden, markov_feature], dim=-1) if with_markov else hidden
+            logit = self.confidence_head(features).float().reshape(n)
+            bce = F.binary_cross_entropy_with_logits(logit, out.accept, reduction="none")
+            confidence_loss = (bce * decay.reshape(n)).sum() / targets.slot_mask.sum().clamp(min=1)
+            loss = loss + confidence_alpha * confidence_loss
+            confidence = torch.sigmoid(logit.detach()).view(r, a, b)
         return DrafterOutput(
-            out.loss, out.kl, out.draft_argmax.view(r, a, b), teacher_argmax.view(r, a, b), targets.slot_mask
+            loss,
+            out.kl,
+            out.draft_argmax.view(r, a, b),
+            teacher_argmax.view(r, a, b),
+            targets.slot_mask,
+            cfg.first_slot,
+            confidence_loss,
+            None if out.accept is None else out.accept.view(r, a, b),
+            confidence,
         )
 
     @torch.no_grad()
     def propose(self, hidden: torch.Tensor, anchor_token: int) -> torch.Tensor:
         """Inference for one sequence: hidden [T, K, H_t] of positions 0..T-1 (all the target has
-        processed), anchor token at position T -> greedy guesses for positions T+1..T+B-1 [B-1]."""
+        processed), anchor token at position T -> greedy guesses for positions T+1..T+B-1 [B-1]
+        (T+1..T+B [B] with sample_from_anchor). With a Markov head the block is drafted slot by slot,
+        each slot's bias from the token drafted for the position before its own (the anchor's token first)."""
         t = hidden.shape[0]
         dev = hidden.device
         ctx = self.context(hidden[None].to(self.fc.weight.dtype))
@@ -466,16 +546,28 @@ class DFlashDrafter(nn.Module):
             torch.ones(1, 1, dtype=torch.bool, device=dev),
             one_document,
         )
-        logits = F.linear(self.norm(x[0, 1:]), self.lm_head.to(x.dtype))
-        return logits.argmax(-1)
+        hidden_normed = self.norm(x[0])  # [B, H]
+        logits = F.linear(hidden_normed, self.lm_head.to(x.dtype))
+        first = self.config.first_slot
+        if self.markov_head is None:
+            return logits[first:].argmax(-1)
+        head, shift = self.markov_head, int(self.config.sample_from_anchor)
+        tokens = [torch.tensor(anchor_token, device=dev)]  # tokens[m]: the token at position T + m
+        state = hidden_normed.new_zeros(head.rank)
+        for k in range(self.config.block_size):
+            e, state = head.step(head.markov_w1(tokens[max(k + shift - 1, 0)]).to(x.dtype), hidden_normed[k], state)
+            if k >= first:
+                tokens.append((logits[k] + head.markov_w2(e)).argmax())
+        return torch.stack(tokens[1:])
 
 
 def slot_metrics(out: DrafterOutput) -> Dict[str, torch.Tensor]:
     """Sums for SPEC §6 metrics (reduce across ranks, then divide): acc_hits/acc_count [B] per slot,
     tau_sum (sum over valid blocks of 1 + leading matches), blocks (valid block count)."""
     match = (out.draft_argmax == out.teacher_argmax) & out.slot_mask
-    valid_block = out.slot_mask[..., 1]  # an anchor is eligible only if slot 1 is trainable (SPEC §3)
-    leading = match[..., 1:].long().cumprod(-1).sum(-1)
+    first = out.first_slot
+    valid_block = out.slot_mask[..., first]  # an anchor is eligible only if its first predicting slot trains (SPEC §3)
+    leading = match[..., first:].long().cumprod(-1).sum(-1)
     return {
         "acc_hits": match.flatten(0, 1).sum(0).float(),
         "acc_count": out.slot_mask.flatten(0, 1).sum(0).float(),

@@ -187,14 +187,27 @@ class DPace(NamedTuple):
     block_size: int
 
 
+class Markov(NamedTuple):
+    """The DSpark Markov bias (SPEC §8) as a rank-r extension of the lm_head GEMM: the drafter logits of row n
+    are lm_head(norm(h_n)) + w2 @ e_n, i.e. [norm(h_n), e_n] against [lm_head, w2].
+
+    e: [N, r] the row's rank-r vector (vanilla: W1[prev]; gated, rnn: their transform of it), in h.dtype;
+    w2: [V, r] in h.dtype. Both receive gradients through the loss."""
+
+    e: torch.Tensor
+    w2: torch.Tensor
+
+
 class LossOutput(NamedTuple):
     """loss: scalar (differentiable); kl: scalar KL(p||q) metric for kl kinds, else None;
-    draft_argmax, teacher_argmax: [N] int64 (teacher_argmax is the label the loss used)."""
+    draft_argmax, teacher_argmax: [N] int64 (teacher_argmax is the label the loss used);
+    accept: [N] fp32 sum_v min(q_v, p_v) = 1 - TV(q, p) of every row (no gradient) when asked for, else None."""
 
     loss: torch.Tensor
     kl: Optional[torch.Tensor]
     draft_argmax: torch.Tensor
     teacher_argmax: torch.Tensor
+    accept: Optional[torch.Tensor] = None
 
 
 def dpace_weights(confidence: torch.Tensor, mask: torch.Tensor, dpace: DPace) -> torch.Tensor:
@@ -218,11 +231,29 @@ def check_loss_inputs(
     kind: str,
     teacher: Teacher,
     dpace: Optional[DPace],
+    markov: Optional[Markov] = None,
+    accept: bool = False,
 ) -> None:
     """Shapes, dtypes and the inputs each kind needs, for the eager loss and the kernel alike."""
     n, hid = h.shape if h.dim() == 2 else (None, None)
     if kind not in LOSS_KINDS:
         raise ValueError(f"loss kind {kind!r} is not one of {LOSS_KINDS}")
+    if accept and not needs_last(kind, teacher.labels is not None):
+        raise ValueError(
+            f"the acceptance rate sum_v min(q_v, p_v) needs the full teacher distribution: loss kind {kind!r} "
+            f"with {'stored labels' if teacher.labels is not None else 'stored top-k'} has none; use kl (or ce "
+            f"without stored labels) and a store with `last`"
+        )
+    if markov is not None and (
+        markov.e.dim() != 2 or markov.e.shape[0] != h.shape[0] or markov.w2.dim() != 2
+        or markov.w2.shape != (lm_head_weight.shape[0], markov.e.shape[1])
+        or markov.e.dtype != h.dtype or markov.w2.dtype != h.dtype
+    ):
+        raise ValueError(
+            f"markov.e must be [N, r] and markov.w2 [V, r] in {h.dtype} (N = {h.shape[0]}, V = "
+            f"{lm_head_weight.shape[0]}); got {tuple(markov.e.shape)} {markov.e.dtype} and "
+            f"{tuple(markov.w2.shape)} {markov.w2.dtype}"
+        )
     if h.dim() != 2 or lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != hid:
         raise ValueError(
             f"h must be [N, H] and lm_head_weight [V, H]; got {tuple(h.shape)} and {tuple(lm_head_weight.shape)}"
@@ -276,6 +307,8 @@ def lm_head_loss(
     eps: float,
     teacher: Teacher,
     dpace: Optional[DPace] = None,
+    markov: Optional[Markov] = None,
+    accept: bool = False,
 ) -> LossOutput:
     """Drafter norm + lm_head + loss against the teacher (SPEC §5), materialised logits.
 
@@ -291,9 +324,14 @@ def lm_head_loss(
       ce_data -- hard CE against teacher.labels [N] (the dataset tokens).
       kl_topk -- soft CE against the stored top-k teacher: p_i = exp(topk_logits - topk_lse)
                  over topk_ids [N, k] plus the rest mass 1 - sum p_i on "every other token".
+    markov (DSpark, SPEC §8): the drafter logits are lm_head(norm(h)) + markov.w2 @ markov.e (`Markov`).
+    accept: also return the acceptance rate sum_v min(q_v, p_v) of every row (kinds with the full teacher).
     """
-    check_loss_inputs(h, norm_weight, lm_head_weight, weights, kind, teacher, dpace)
-    logits = F.linear(rms_norm(h, norm_weight, eps), lm_head_weight).float()  # [N, V]
+    check_loss_inputs(h, norm_weight, lm_head_weight, weights, kind, teacher, dpace, markov, accept)
+    logits = F.linear(rms_norm(h, norm_weight, eps), lm_head_weight)
+    if markov is not None:
+        logits = logits + F.linear(markov.e, markov.w2)
+    logits = logits.float()  # [N, V]
     logq = torch.log_softmax(logits, dim=-1)
     kl_row = None
     if needs_last(kind, teacher.labels is not None):
@@ -333,4 +371,8 @@ def lm_head_loss(
     denom = torch.as_tensor(normalizer, dtype=torch.float32, device=h.device).clamp(min=1)
     loss = (per_row * row_weight).sum() / denom
     kl = None if kl_row is None else (kl_row * row_weight).sum() / denom
-    return LossOutput(loss, kl, logits.argmax(-1), teacher_argmax)
+    accept_row = None
+    if accept:
+        with torch.no_grad():
+            accept_row = torch.minimum(logq.exp(), torch.softmax(teacher_logits, dim=-1)).sum(-1)
+    return LossOutput(loss, kl, logits.argmax(-1), teacher_argmax, accept_row)

@@ -544,7 +544,7 @@ class Trainer:
             except ExportError as e:
                 raise ConfigError(f"{e}\nthis run ends with an export that no serving engine would serve as it "
                                   f"trained: change the drafter, or set export=false") from None
-        self.block_size = drafter.config.block_size
+        self.block_size, self.sample_from_anchor = drafter.config.block_size, drafter.config.sample_from_anchor
 
         ds = deepspeed_config(cfg.deepspeed, cfg, self.precision)
         # No register_external_parameter for fc, hidden_norm and norm (read by DFlashDrafter.forward, not by their
@@ -824,6 +824,7 @@ class Trainer:
             seed=seed,
             weighting=loss.weighting,
             dpace_alpha=loss.dpace_alpha,
+            confidence_alpha=loss.confidence_alpha,
         )
 
     def train_step(self) -> Tuple[Sums, Dict[str, float], Optional[float]]:
@@ -835,7 +836,7 @@ class Trainer:
         times = dict.fromkeys(("fetch", "forward", "backward", "optimizer"), 0.0)
         t = time.perf_counter()
         micro = [next(self.stream) for _ in range(gas)]
-        counts = [int(slot_targets(b, self.block_size).slot_mask.sum()) for b in micro]
+        counts = [int(slot_targets(b, self.block_size, self.sample_from_anchor).slot_mask.sum()) for b in micro]
         total = torch.tensor(float(sum(counts)), dtype=torch.float64, device=self.device)
         dist.all_reduce(total)
         total = max(float(total), 1.0)
