@@ -14,7 +14,7 @@ The three hot ops go through `dflash_fast.ops`; everything else is plain torch.
 import dataclasses
 import json
 import os
-from typing import Dict, List, NamedTuple, Optional, Union
+from typing import Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -459,13 +459,7 @@ class DFlashDrafter(nn.Module):
         decay = position_weights(b, gamma, cfg.sample_from_anchor).to(x.device) * targets.slot_mask
         weights = targets.slot_mask.float() if dpace else decay
         n = r * a * b
-        markov, markov_feature = None, None
-        if self.markov_head is not None or self.confidence_head is not None:
-            hidden = self.norm(x).view(r, a, b, -1)  # the lm_head's input, which the heads read
-        if self.markov_head is not None:
-            e, markov_feature = self.markov_head(gather_rows(batch["input_ids"], targets.prev_position).view(r, a, b),
-                                                 hidden)
-            markov = Markov(e.reshape(n, -1).to(x.dtype), self.markov_head.markov_w2.weight.to(x.dtype))
+        markov, confidence_logit = self.dspark_heads(x, gather_rows(batch["input_ids"], targets.prev_position))
         stored_argmax = (
             gather_rows(batch["teacher_topk_ids"], targets.teacher_row)[:, 0] if "teacher_topk_ids" in batch else None
         )
@@ -506,10 +500,8 @@ class DFlashDrafter(nn.Module):
         )
         teacher_argmax = stored_argmax if stored_argmax is not None and loss_kind == "ce_data" else out.teacher_argmax
         loss, confidence_loss, confidence = out.loss, None, None
-        if self.confidence_head is not None:
-            with_markov = cfg.confidence_head_with_markov
-            features = torch.cat([hidden, markov_feature], dim=-1) if with_markov else hidden
-            logit = self.confidence_head(features).float().reshape(n)
+        if confidence_logit is not None:
+            logit = confidence_logit.float()
             bce = F.binary_cross_entropy_with_logits(logit, out.accept, reduction="none")
             confidence_loss = (bce * decay.reshape(n)).sum() / targets.slot_mask.sum().clamp(min=1)
             loss = loss + confidence_alpha * confidence_loss
@@ -525,6 +517,34 @@ class DFlashDrafter(nn.Module):
             None if out.accept is None else out.accept.view(r, a, b),
             confidence,
         )
+
+    def dspark_heads(self, x: torch.Tensor, prev_ids: torch.Tensor) -> Tuple[Optional[Markov], Optional[torch.Tensor]]:
+        """DSpark's heads on pre-norm block states x [R, A*B, H] with the previous tokens prev_ids [R*A*B]
+        (Targets.prev_position's) -> (the Markov bias as the loss takes it, or None; confidence logits [R*A*B]
+        or None). Both heads read the lm_head's input norm(x)."""
+        if self.markov_head is None and self.confidence_head is None:
+            return None, None
+        r, b = x.shape[0], self.config.block_size
+        hidden = self.norm(x).view(r, -1, b, x.shape[-1])
+        markov, feature = None, None
+        if self.markov_head is not None:
+            e, feature = self.markov_head(prev_ids.view(hidden.shape[:-1]), hidden)
+            markov = Markov(e.reshape(-1, e.shape[-1]).to(x.dtype), self.markov_head.markov_w2.weight.to(x.dtype))
+        if self.confidence_head is None:
+            return markov, None
+        features = torch.cat([hidden, feature], dim=-1) if self.config.confidence_head_with_markov else hidden
+        return markov, self.confidence_head(features).reshape(-1)
+
+    def block_logits(self, batch: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Materialised fp32 logits of every slot [R, A*B, V], Markov bias (from the ground-truth previous tokens)
+        included, and the confidence logits [R, A*B] or None: for the export gate, not for training."""
+        x = self.batch_states(batch)
+        targets = slot_targets(batch, self.config.block_size, self.config.sample_from_anchor)
+        markov, confidence = self.dspark_heads(x, gather_rows(batch["input_ids"], targets.prev_position))
+        logits = F.linear(self.norm(x), self.lm_head.to(x.dtype))
+        if markov is not None:
+            logits = logits + F.linear(markov.e, markov.w2).view(logits.shape)
+        return logits.float(), None if confidence is None else confidence.float().view(x.shape[:2])
 
     @torch.no_grad()
     def propose(self, hidden: torch.Tensor, anchor_token: int) -> torch.Tensor:

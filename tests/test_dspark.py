@@ -211,3 +211,66 @@ def test_dspark_config_keys_are_checked_at_the_edge():
     ):
         with pytest.raises(ConfigError, match=what):
             load_config(None, base + bad)
+
+
+# ---------------------------------------------------------------- export: speculators' dspark type, vLLM's dspark
+
+
+def written(out):
+    import json
+
+    from dflash_fast.export import read_weights
+
+    with open(f"{out}/config.json") as f:
+        return json.load(f), read_weights(out)
+
+
+@pytest.mark.parametrize("sample_from_anchor", [True, False], ids=["from_anchor", "dflash_alignment"])
+def test_dspark_export_passes_the_gate_and_rebuilds_as_vllm_reads_it(tmp_path, sample_from_anchor):
+    from dflash_fast.export import export_drafter, load_exported
+
+    d = dspark_drafter("vanilla", sample_from_anchor)
+    out = export_drafter(d, str(tmp_path / "export"), "tiny-target", torch.float32)
+    config, weights = written(out)
+    assert config["speculators_model_type"] == "dspark" and config["architectures"] == ["DSparkDraftModel"]
+    assert config["sample_from_anchor"] is sample_from_anchor and config["markov_rank"] == 8
+    assert config["markov_head_type"] == "vanilla" and config["enable_confidence_head"] is True
+    assert config["confidence_head_with_markov"] is True and config["aux_hidden_state_layer_ids"] == [1, 2, 3]
+    tokens = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+    assert tokens == (B if sample_from_anchor else B - 1)
+    assert weights["markov_head.markov_w1.weight"].shape == weights["markov_head.markov_w2.weight"].shape == (V, 8)
+    assert weights["confidence_head.proj.weight"].shape == (1, d.config.hidden_size + 8)
+    assert weights["confidence_head.proj.bias"].shape == (1,)
+    back = load_exported(out)
+    back.set_frozen(d.embed_tokens, d.lm_head, d.target_norm)
+    batch = random_batch(t=20, **ORACLE_BATCH)
+    (want, want_conf), (got, got_conf) = d.block_logits(batch), back.block_logits(batch)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_conf, want_conf)
+    assert torch.equal(back.propose(batch["hidden"][0, :9], 5), d.propose(batch["hidden"][0, :9], 5))
+
+
+def test_the_gate_compares_the_markov_bias_and_the_confidence(tmp_path, monkeypatch):
+    """A written Markov W2 or confidence weight that differs from the trained one fails the gate."""
+    from dflash_fast import export
+
+    for name in ("markov_head.markov_w2.weight", "confidence_head.proj.weight"):
+        real_save = __import__("safetensors.torch", fromlist=["save_file"]).save_file
+
+        def save_bumped(tensors, path, metadata=None, name=name):
+            real_save({k: v + 0.5 if k == name else v for k, v in tensors.items()}, path, metadata=metadata)
+
+        monkeypatch.setattr("safetensors.torch.save_file", save_bumped)
+        with pytest.raises(export.ExportError, match="other logits"):
+            export.export_drafter(dspark_drafter(), str(tmp_path / "export"), "t", torch.float32)
+        monkeypatch.undo()
+
+
+@pytest.mark.parametrize("head_type", ["gated", "rnn"])
+def test_a_markov_head_vllm_does_not_serve_is_never_exported(tmp_path, head_type):
+    from dflash_fast.export import ExportError, export_drafter
+
+    with pytest.raises(ExportError, match="markov_head_type: trained '" + head_type):
+        export_drafter(dspark_drafter(head_type), str(tmp_path / "export"), "t", torch.float32)
+    with pytest.raises(ExportError, match="markov_rank"):
+        export_drafter(dspark_drafter(), str(tmp_path / "z"), "t", torch.float32, fmt="zlab")
