@@ -322,7 +322,7 @@ def validate(cfg: TrainConfig) -> None:
     """Ranges and choices; what needs the store or the target is checked by the trainer."""
     from dflash_fast import ops
     from dflash_fast.dspark import MARKOV_HEAD_TYPES
-    from dflash_fast.eager import LOSS_KINDS, WEIGHTINGS
+    from dflash_fast.eager import DENSE_KINDS, LOSS_KINDS, WEIGHTINGS
 
     for key, value in _numbers(cfg):
         _check(math.isfinite(value), f"{key}={value} is not a finite number")
@@ -370,9 +370,9 @@ def validate(cfg: TrainConfig) -> None:
     _check(not (m.confidence_head and m.confidence_head_with_markov and m.markov_rank == 0),
            "model.confidence_head_with_markov=true needs the Markov head: set model.markov_rank > 0 "
            "(DSpark's default 256) or model.confidence_head_with_markov=false")
-    _check(not m.confidence_head or cfg.loss.kind in ("auto", "kl", "ce"),
+    _check(not m.confidence_head or cfg.loss.kind in ("auto",) + DENSE_KINDS,
            f"model.confidence_head=true trains against the acceptance rate sum_v min(q_v, p_v), which needs the full "
-           f"teacher: loss.kind={cfg.loss.kind!r} has none; use loss.kind=kl (a store with `last`)")
+           f"teacher: loss.kind={cfg.loss.kind!r} has none; use one of {DENSE_KINDS} (a store with `last`)")
     _check(cfg.loss.confidence_alpha >= 0, f"loss.confidence_alpha={cfg.loss.confidence_alpha} must be >= 0")
     kinds = ("auto",) + LOSS_KINDS
     _check(cfg.loss.kind in kinds, f"loss.kind={cfg.loss.kind!r} is not one of {kinds}")

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from dflash_fast import ops
 from dflash_fast.dspark import MARKOV_HEAD_TYPES, ConfidenceHead, MarkovHead
-from dflash_fast.eager import DPace, Markov, Teacher, needs_last, rms_norm
+from dflash_fast.eager import DENSE_KINDS, DPace, Markov, Teacher, needs_last, rms_norm
 from dflash_fast.store import final_norm_weight
 
 LAYER_KINDS = ("full", "sliding")
@@ -329,9 +329,9 @@ class DrafterOutput(NamedTuple):
     draft_argmax: torch.Tensor  # [R, A, B]
     teacher_argmax: torch.Tensor  # [R, A, B] (the teacher's argmax at the predicted position - 1)
     slot_mask: torch.Tensor  # [R, A, B] bool
+    alpha: torch.Tensor  # [R, A, B] fp32: each slot's acceptance estimate sum_v min(p_v, q_v) (eager.LossOutput)
     first_slot: int = 1  # the first slot that predicts (DrafterConfig.first_slot)
     confidence_loss: Optional[torch.Tensor] = None  # DSpark: the confidence BCE (before confidence_alpha)
-    accept: Optional[torch.Tensor] = None  # DSpark: [R, A, B] acceptance rate sum_v min(q_v, p_v) (no gradient)
     confidence: Optional[torch.Tensor] = None  # DSpark: [R, A, B] the confidence head's probability (no gradient)
 
 
@@ -459,6 +459,11 @@ class DFlashDrafter(nn.Module):
         decay = position_weights(b, gamma, cfg.sample_from_anchor).to(x.device) * targets.slot_mask
         weights = targets.slot_mask.float() if dpace else decay
         n = r * a * b
+        if self.confidence_head is not None and loss_kind not in DENSE_KINDS:
+            raise ValueError(
+                f"the confidence head learns the acceptance rate sum_v min(q_v, p_v) against the full teacher: loss "
+                f"kind {loss_kind!r} has none; use one of {DENSE_KINDS} (a store with `last`)"
+            )
         markov, confidence_logit = self.dspark_heads(x, gather_rows(batch["input_ids"], targets.prev_position))
         stored_argmax = (
             gather_rows(batch["teacher_topk_ids"], targets.teacher_row)[:, 0] if "teacher_topk_ids" in batch else None
@@ -496,13 +501,12 @@ class DFlashDrafter(nn.Module):
             teacher,
             dpace,
             markov=markov,
-            accept=self.confidence_head is not None,
         )
         teacher_argmax = stored_argmax if stored_argmax is not None and loss_kind == "ce_data" else out.teacher_argmax
         loss, confidence_loss, confidence = out.loss, None, None
         if confidence_logit is not None:
             logit = confidence_logit.float()
-            bce = F.binary_cross_entropy_with_logits(logit, out.accept, reduction="none")
+            bce = F.binary_cross_entropy_with_logits(logit, out.alpha, reduction="none")
             confidence_loss = (bce * decay.reshape(n)).sum() / targets.slot_mask.sum().clamp(min=1)
             loss = loss + confidence_alpha * confidence_loss
             confidence = torch.sigmoid(logit.detach()).view(r, a, b)
@@ -512,9 +516,9 @@ class DFlashDrafter(nn.Module):
             out.draft_argmax.view(r, a, b),
             teacher_argmax.view(r, a, b),
             targets.slot_mask,
+            out.alpha.view(r, a, b),
             cfg.first_slot,
             confidence_loss,
-            None if out.accept is None else out.accept.view(r, a, b),
             confidence,
         )
 
@@ -583,7 +587,8 @@ class DFlashDrafter(nn.Module):
 
 def slot_metrics(out: DrafterOutput) -> Dict[str, torch.Tensor]:
     """Sums for SPEC §6 metrics (reduce across ranks, then divide): acc_hits/acc_count [B] per slot,
-    tau_sum (sum over valid blocks of 1 + leading matches), blocks (valid block count)."""
+    alpha_sum [B] (acceptance estimates of the valid slots, over acc_count), tau_sum (sum over valid blocks
+    of 1 + leading matches), blocks (valid block count)."""
     match = (out.draft_argmax == out.teacher_argmax) & out.slot_mask
     first = out.first_slot
     valid_block = out.slot_mask[..., first]  # an anchor is eligible only if its first predicting slot trains (SPEC §3)
@@ -591,6 +596,7 @@ def slot_metrics(out: DrafterOutput) -> Dict[str, torch.Tensor]:
     return {
         "acc_hits": match.flatten(0, 1).sum(0).float(),
         "acc_count": out.slot_mask.flatten(0, 1).sum(0).float(),
+        "alpha_sum": (out.alpha * out.slot_mask).flatten(0, 1).sum(0).float(),
         "tau_sum": ((1 + leading) * valid_block).sum().float(),
         "blocks": valid_block.sum().float(),
     }

@@ -6,6 +6,7 @@ mask, the loss materialises `[N, V]` logits. Every function here has the exact
 signature of its kernel in `dflash_fast/kernels/<op>.py`; `dflash_fast.ops`
 chooses between them.
 """
+import math
 from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -147,18 +148,25 @@ def anchored_attention(
     return out.reshape(r, n_q, hq, d).to(q.dtype)
 
 
-LOSS_KINDS = ("kl", "ce", "ce_data", "kl_topk")
+# The kinds scored against the full teacher distribution p = softmax(lm_head(final_norm(last))): the soft
+# cross-entropy, and the divergences speculators 0.9.0 trains with (losses/eager.py): total variation, negative
+# log-acceptance "LK", LK-hybrid (arXiv 2602.23881), reverse KL, Jensen-Shannon.
+DENSE_KINDS = ("kl", "tv", "lk", "lk_hybrid", "rkl", "jsd")
+LOSS_KINDS = ("kl", "ce", "ce_data", "kl_topk", "tv", "lk", "lk_hybrid", "rkl", "jsd")
 WEIGHTINGS = ("decay", "dpace")
+LK_MIN_ALPHA = 1e-5  # lk: -log(max(alpha, LK_MIN_ALPHA)); no gradient below it (speculators' clamp)
+LK_HYBRID_ETA = 3.0  # lk_hybrid: lambda = exp(-eta sg[alpha]), the paper's best setting
 
 
 def has_kl(kind: str) -> bool:
-    """The loss kind is a soft cross-entropy, so its KL(p||q) is a metric: kl and kl_topk."""
-    return kind in ("kl", "kl_topk")
+    """The loss kind has a soft teacher, so KL(p||q) is a metric: kl_topk and every dense kind."""
+    return kind == "kl_topk" or kind in DENSE_KINDS
 
 
 def needs_last(kind: str, stored_labels: bool) -> bool:
-    """The loss kind scores against the full teacher lm_head(final_norm(last)): kl, and ce without stored labels."""
-    return kind == "kl" or (kind == "ce" and not stored_labels)
+    """The loss kind scores against the full teacher lm_head(final_norm(last)): the dense kinds, and ce without
+    stored labels."""
+    return kind in DENSE_KINDS or (kind == "ce" and not stored_labels)
 
 
 class Teacher(NamedTuple):
@@ -199,15 +207,18 @@ class Markov(NamedTuple):
 
 
 class LossOutput(NamedTuple):
-    """loss: scalar (differentiable); kl: scalar KL(p||q) metric for kl kinds, else None;
-    draft_argmax, teacher_argmax: [N] int64 (teacher_argmax is the label the loss used);
-    accept: [N] fp32 sum_v min(q_v, p_v) = 1 - TV(q, p) of every row (no gradient) when asked for, else None."""
+    """loss: scalar (differentiable); kl: scalar KL(p||q) metric for the kinds with a soft teacher (`has_kl`),
+    else None; draft_argmax, teacher_argmax: [N] int64 (teacher_argmax is the label the loss used);
+    alpha: [N] fp32, no gradient, every row (masked ones too): the acceptance estimate of each row, the
+    overlap sum_v min(p_v, q_v) = 1 - TV(p, q) of the drafter's q = softmax(s) with the teacher p the kind
+    scores against: softmax(t) for the dense kinds, the point mass at the label for ce and ce_data (alpha =
+    q_label, D-PACE's confidence), the stored top-k ids plus one "every other token" bucket for kl_topk."""
 
     loss: torch.Tensor
     kl: Optional[torch.Tensor]
     draft_argmax: torch.Tensor
     teacher_argmax: torch.Tensor
-    accept: Optional[torch.Tensor] = None
+    alpha: torch.Tensor
 
 
 def dpace_weights(confidence: torch.Tensor, mask: torch.Tensor, dpace: DPace) -> torch.Tensor:
@@ -232,18 +243,11 @@ def check_loss_inputs(
     teacher: Teacher,
     dpace: Optional[DPace],
     markov: Optional[Markov] = None,
-    accept: bool = False,
 ) -> None:
     """Shapes, dtypes and the inputs each kind needs, for the eager loss and the kernel alike."""
     n, hid = h.shape if h.dim() == 2 else (None, None)
     if kind not in LOSS_KINDS:
         raise ValueError(f"loss kind {kind!r} is not one of {LOSS_KINDS}")
-    if accept and not needs_last(kind, teacher.labels is not None):
-        raise ValueError(
-            f"the acceptance rate sum_v min(q_v, p_v) needs the full teacher distribution: loss kind {kind!r} "
-            f"with {'stored labels' if teacher.labels is not None else 'stored top-k'} has none; use kl (or ce "
-            f"without stored labels) and a store with `last`"
-        )
     if markov is not None and (
         markov.e.dim() != 2 or markov.e.shape[0] != h.shape[0] or markov.w2.dim() != 2
         or markov.w2.shape != (lm_head_weight.shape[0], markov.e.shape[1])
@@ -297,6 +301,37 @@ def check_loss_inputs(
         )
 
 
+def dense_row_losses(kind: str, logq: torch.Tensor, logp: torch.Tensor):
+    """Per-row loss [N] (differentiable in logq), KL(p||q) [N] and alpha [N] of a dense kind, from the drafter's
+    and the teacher's log-probabilities [N, V] (fp32). With alpha = sum_v min(p_v, q_v) = 1 - TV(p, q):
+
+      kl        -sum_v p_v log q_v                     (the soft CE: KL(p||q) + H(p))
+      tv        1 - alpha                              (speculators tv_loss)
+      lk        -log(max(alpha, LK_MIN_ALPHA))          (neg_log_acceptance_loss)
+      lk_hybrid lam KL(p||q) + (1 - lam)(1 - alpha), lam = exp(-LK_HYBRID_ETA sg[alpha])  (lk_hybrid_loss)
+      rkl       KL(q||p) = sum_v q_v (log q_v - log p_v) (reverse_kl_div_loss)
+      jsd       (KL(p||m) + KL(q||m)) / 2, m = (p + q) / 2 (js_div_loss)
+    """
+    p, q = logp.exp(), logq.exp()
+    alpha = torch.minimum(p, q).sum(-1)
+    kl = (p * (logp - logq)).sum(-1)
+    if kind == "kl":
+        per_row = -(p * logq).sum(-1)
+    elif kind == "tv":
+        per_row = 1 - alpha
+    elif kind == "lk":
+        per_row = -alpha.clamp_min(LK_MIN_ALPHA).log()
+    elif kind == "lk_hybrid":
+        lam = torch.exp(-LK_HYBRID_ETA * alpha.detach())
+        per_row = lam * kl + (1 - lam) * (1 - alpha)
+    elif kind == "rkl":
+        per_row = (q * (logq - logp)).sum(-1)
+    else:
+        logm = torch.logaddexp(logq, logp) - math.log(2.0)
+        per_row = 0.5 * ((p * (logp - logm)).sum(-1) + (q * (logq - logm)).sum(-1))
+    return per_row, kl.detach(), alpha.detach()
+
+
 def lm_head_loss(
     h: torch.Tensor,
     norm_weight: torch.Tensor,
@@ -308,7 +343,6 @@ def lm_head_loss(
     teacher: Teacher,
     dpace: Optional[DPace] = None,
     markov: Optional[Markov] = None,
-    accept: bool = False,
 ) -> LossOutput:
     """Drafter norm + lm_head + loss against the teacher (SPEC §5), materialised logits.
 
@@ -325,25 +359,24 @@ def lm_head_loss(
       kl_topk -- soft CE against the stored top-k teacher: p_i = exp(topk_logits - topk_lse)
                  over topk_ids [N, k] plus the rest mass 1 - sum p_i on "every other token".
     markov (DSpark, SPEC §8): the drafter logits are lm_head(norm(h)) + markov.w2 @ markov.e (`Markov`).
-    accept: also return the acceptance rate sum_v min(q_v, p_v) of every row (kinds with the full teacher).
+      tv, lk, lk_hybrid, rkl, jsd -- against p = softmax(t) as kl (`dense_row_losses`).
+    alpha: see `LossOutput`.
     """
-    check_loss_inputs(h, norm_weight, lm_head_weight, weights, kind, teacher, dpace, markov, accept)
+    check_loss_inputs(h, norm_weight, lm_head_weight, weights, kind, teacher, dpace, markov)
     logits = F.linear(rms_norm(h, norm_weight, eps), lm_head_weight)
     if markov is not None:
         logits = logits + F.linear(markov.e, markov.w2)
     logits = logits.float()  # [N, V]
     logq = torch.log_softmax(logits, dim=-1)
-    kl_row = None
+    kl_row = alpha = None
     if needs_last(kind, teacher.labels is not None):
         with torch.no_grad():
             teacher_logits = F.linear(rms_norm(teacher.last, teacher.final_norm_weight, eps), lm_head_weight).float()
             if teacher.index is not None:
                 teacher_logits = teacher_logits[teacher.index]  # [N, V]
         teacher_argmax = teacher_logits.argmax(-1)
-        if kind == "kl":
-            logp = torch.log_softmax(teacher_logits, dim=-1)
-            per_row = -(logp.exp() * logq).sum(-1)
-            kl_row = (logp.exp() * (logp - logq.detach())).sum(-1)
+        if kind in DENSE_KINDS:
+            per_row, kl_row, alpha = dense_row_losses(kind, logq, torch.log_softmax(teacher_logits, dim=-1))
         else:
             per_row = -logq.gather(1, teacher_argmax[:, None])[:, 0]
     elif kind in ("ce", "ce_data"):
@@ -364,15 +397,15 @@ def lm_head_loss(
             plogp = torch.where(p > 0, p * p.clamp(min=1e-38).log(), torch.zeros_like(p)).sum(-1)
             plogp = plogp + torch.where(p_rest > 0, p_rest * p_rest.clamp(min=1e-38).log(), torch.zeros_like(p_rest))
             kl_row = plogp + per_row.detach()
+            alpha = torch.minimum(p, logq_top.exp()).sum(-1) + torch.minimum(p_rest, logq_rest.exp())
+    # The drafter's probability of the label: D-PACE's confidence, and alpha against a point-mass teacher.
+    label = teacher_argmax.clamp(0, logits.shape[1] - 1)[:, None]
+    confidence = logq.detach().gather(1, label)[:, 0].exp()
+    alpha = confidence if alpha is None else alpha
     row_weight = weights.float()
     if dpace is not None:
-        label = teacher_argmax.clamp(0, logits.shape[1] - 1)[:, None]
-        row_weight = row_weight * dpace_weights(logq.detach().gather(1, label)[:, 0].exp(), row_weight > 0, dpace)
+        row_weight = row_weight * dpace_weights(confidence, row_weight > 0, dpace)
     denom = torch.as_tensor(normalizer, dtype=torch.float32, device=h.device).clamp(min=1)
     loss = (per_row * row_weight).sum() / denom
     kl = None if kl_row is None else (kl_row * row_weight).sum() / denom
-    accept_row = None
-    if accept:
-        with torch.no_grad():
-            accept_row = torch.minimum(logq.exp(), torch.softmax(teacher_logits, dim=-1)).sum(-1)
-    return LossOutput(loss, kl, logits.argmax(-1), teacher_argmax, accept_row)
+    return LossOutput(loss, kl, logits.argmax(-1), teacher_argmax, alpha)

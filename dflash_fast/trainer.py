@@ -391,7 +391,7 @@ class TrainStream:
 class Sums:
     """Sums that ranks add together before anything is divided (SPEC §6).
 
-    loss_sum = sum(l * w * mask), kl_sum likewise, slots = sum(mask); acc_hits/acc_count [B];
+    loss_sum = sum(l * w * mask), kl_sum likewise, slots = sum(mask); acc_hits/acc_count/alpha_sum [B];
     tau_sum, blocks; tokens (row positions), anchors (valid); nonfinite, stop: flags (> 0 on any rank).
     """
 
@@ -399,7 +399,7 @@ class Sums:
 
     def __init__(self, block_size: int, device):
         self.b = block_size
-        self.v = torch.zeros(len(self.NAMES) + 2 * block_size, dtype=torch.float64, device=device)
+        self.v = torch.zeros(len(self.NAMES) + 3 * block_size, dtype=torch.float64, device=device)
 
     def __getitem__(self, name: str) -> float:
         return float(self.v[self.NAMES.index(name)])
@@ -418,7 +418,8 @@ class Sums:
         self.add("slots", count)
         m = slot_metrics(out)
         self.v[n : n + self.b] += m["acc_hits"].double()
-        self.v[n + self.b :] += m["acc_count"].double()
+        self.v[n + self.b : n + 2 * self.b] += m["acc_count"].double()
+        self.v[n + 2 * self.b :] += m["alpha_sum"].double()
         self.add("tau_sum", m["tau_sum"])
         self.add("blocks", m["blocks"])
         self.add("tokens", batch["input_ids"].numel())
@@ -433,15 +434,18 @@ class Sums:
         return self
 
     def metrics(self, with_kl: bool) -> Dict[str, Optional[float]]:
-        """loss, kl (kl kinds), acc_1..acc_{B-1} (None where no slot was valid), tau_offline."""
+        """loss, kl (kinds with a soft teacher), acc_1..acc_{B-1} and alpha_1..alpha_{B-1} (mean acceptance
+        estimate per slot; None where no slot was valid), tau_offline."""
         n = len(self.NAMES)
         slots = max(self["slots"], 1.0)
         out = {"loss": self["loss_sum"] / slots}
         if with_kl:
             out["kl"] = self["kl_sum"] / slots
-        hits, counts = self.v[n : n + self.b].tolist(), self.v[n + self.b :].tolist()
+        hits, counts, alphas = self.v[n:].view(3, self.b).tolist()
         for j in range(1, self.b):
             out[f"acc_{j}"] = hits[j] / counts[j] if counts[j] else None
+        for j in range(1, self.b):
+            out[f"alpha_{j}"] = alphas[j] / counts[j] if counts[j] else None
         out["tau_offline"] = self["tau_sum"] / self["blocks"] if self["blocks"] else None
         return out
 

@@ -73,7 +73,18 @@ from dflash_fast.kernels._common import (
     rms_norm_forward,
 )
 
-from dflash_fast.eager import DPace, LossOutput, Teacher, check_loss_inputs, dpace_weights, has_kl, needs_last
+from dflash_fast.eager import (
+    DENSE_KINDS,
+    LK_HYBRID_ETA,
+    LK_MIN_ALPHA,
+    DPace,
+    LossOutput,
+    Teacher,
+    check_loss_inputs,
+    dpace_weights,
+    has_kl,
+    needs_last,
+)
 
 # Bytes of one chunk's buffers (fp32 logits of its rows and their teacher rows, dlogits): 1.5 GiB on a GPU;
 # 16-row chunks under the interpreter, so that small tests cross chunk boundaries.
@@ -93,6 +104,13 @@ _MATMUL_TILES = autotune_configs(
     [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (64, 128, 64, 4, 4)],
     (64, 64, 64, 4, 1),
 )
+# Triton kernels read module globals only as constexprs.
+_LOG2 = tl.constexpr(math.log(2.0))
+_LK_MIN_ALPHA = tl.constexpr(LK_MIN_ALPHA)
+_LK_HYBRID_ETA = tl.constexpr(LK_HYBRID_ETA)
+# The rows of `_dlogits_bwd_kernel`'s out [OUT_ROWS, N]: sum p s, KL(p||q), lse_rest, alpha, below, and the
+# divergences of rkl (KL(q||p)) and jsd (KL(q||m), KL(p||m)).
+OUT_ROWS = 7
 _ROW_TILES = autotune_configs(
     ("BLOCK_N", "BLOCK_V"), [(1, 2048, 4, 2), (1, 1024, 4, 2), (4, 1024, 4, 2)], (16, 256, 4, 1)
 )
@@ -203,7 +221,80 @@ def _sparse_target(b_grad, b_top, ids_ptr, mass_ptr, o_n, m_n, o_v, NUM_IDS):
     return b_grad, b_top
 
 
-@triton.autotune(configs=_ROW_TILES, key=["V", "HAS_TEACHER", "HAS_REST", "WRITE_GRAD"])
+@triton.jit
+def _below(b_q, b_p):
+    """d min(p, q) / d q: 1 where q < p, 1/2 at a tie (torch.minimum's gradient), else 0."""
+    return tl.where(b_q < b_p, 1.0, tl.where(b_q == b_p, 0.5, 0.0))
+
+
+@triton.jit
+def _log_mix(b_lq, b_lp):
+    """log m = log((q + p) / 2) from log q and log p, shifted by their maximum: the JSD mixture."""
+    b_hi = tl.maximum(b_lq, b_lp)
+    return b_hi + tl.log(tl.exp(b_lq - b_hi) + tl.exp(b_lp - b_hi)) - _LOG2
+
+
+@triton.jit
+def _teacher_sums(b_s, b_t, b_lse_s, b_lse_t, m_x, KIND: tl.constexpr):
+    """One [BLOCK_N, BLOCK_V] tile's share of its rows' teacher sums (q = e^(s - lse(s)), p = e^(t - lse(t))):
+    sum p s, KL(p||q), alpha = sum min(p, q), below = sum q [q < p] (not for kl), and for rkl sum q (log q - log p)
+    or for jsd sum q (log q - log m), sum p (log p - log m), each with its weights' sum (sum q, sum p): the
+    divergence is their ratio, which cancels the rounding of lse(s) and lse(t) (absolute fp32 numbers: at
+    logits in the thousands sum q is 1 only to ~1e-4, times log-ratios in the thousands); zeros for what the
+    kind does not use."""
+    b_lq = b_s - b_lse_s[:, None]
+    b_lp = b_t - b_lse_t[:, None]
+    b_q = tl.where(m_x, tl.exp(b_lq), 0.0)
+    b_p = tl.where(m_x, tl.exp(b_lp), 0.0)
+    b_ps = tl.sum(b_p * b_s, 1)
+    b_kl = tl.sum(b_p * (b_lp - b_lq), 1)
+    b_alpha = tl.sum(tl.minimum(b_p, b_q), 1)
+    b_below = tl.zeros_like(b_ps)
+    b_div_q = tl.zeros_like(b_ps)
+    b_div_p = tl.zeros_like(b_ps)
+    b_q_sum = tl.zeros_like(b_ps)
+    b_p_sum = tl.zeros_like(b_ps)
+    if KIND != "kl":
+        b_below = tl.sum(b_q * _below(b_q, b_p), 1)
+    if KIND == "rkl":
+        b_div_q = tl.sum(b_q * (b_lq - b_lp), 1)
+        b_q_sum = tl.sum(b_q, 1)
+    if KIND == "jsd":
+        b_lm = _log_mix(b_lq, b_lp)
+        b_div_q = tl.sum(b_q * (b_lq - b_lm), 1)
+        b_div_p = tl.sum(b_p * (b_lp - b_lm), 1)
+        b_q_sum = tl.sum(b_q, 1)
+        b_p_sum = tl.sum(b_p, 1)
+    return b_ps, b_kl, b_alpha, b_below, b_div_q, b_div_p, b_q_sum, b_p_sum
+
+
+@triton.jit
+def _dense_grad(b_s, b_t, b_lse_s, b_lse_t, b_alpha, b_below, b_div_q, m_x, KIND: tl.constexpr):
+    """dl/ds of one tile for a dense kind other than kl, from its rows' sums (`_teacher_sums`; b_div_q: KL(q||p)
+    for rkl, KL(q||m) for jsd, each as the ratio of its sums):
+      tv  q (below - [q < p]),  lk  tv / alpha (0 where alpha < LK_MIN_ALPHA),
+      lk_hybrid  lam (q - p) + (1 - lam) tv with lam = e^(-eta alpha),
+      rkl  q (log q - log p - KL(q||p)),  jsd  q (log q - log m - KL(q||m)) / 2."""
+    b_lq = b_s - b_lse_s[:, None]
+    b_lp = b_t - b_lse_t[:, None]
+    b_q = tl.exp(b_lq)
+    b_p = tl.where(m_x, tl.exp(b_lp), 0.0)
+    if KIND == "rkl":
+        b_grad = b_q * (b_lq - b_lp - b_div_q[:, None])
+    elif KIND == "jsd":
+        b_grad = 0.5 * b_q * (b_lq - _log_mix(b_lq, b_lp) - b_div_q[:, None])
+    else:
+        b_grad = b_q * (b_below[:, None] - _below(b_q, b_p))
+        if KIND == "lk":
+            b_live = b_alpha >= _LK_MIN_ALPHA
+            b_grad *= tl.where(b_live, 1.0 / tl.where(b_live, b_alpha, 1.0), 0.0)[:, None]
+        if KIND == "lk_hybrid":
+            b_lam = tl.exp(b_alpha * -_LK_HYBRID_ETA)[:, None]
+            b_grad = b_lam * (b_q - b_p) + (1.0 - b_lam) * b_grad
+    return b_grad
+
+
+@triton.autotune(configs=_ROW_TILES, key=["V", "HAS_TEACHER", "HAS_REST", "WRITE_GRAD", "KIND"])
 @triton.jit
 def _dlogits_bwd_kernel(
     logits_ptr,
@@ -219,25 +310,58 @@ def _dlogits_bwd_kernel(
     HAS_TEACHER: tl.constexpr,
     HAS_REST: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
+    KIND: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    """Row sums and dl/ds of N drafter rows from the stored logits: dlogits[n, v] = c q_v - target_v.
+    """Row sums and dl/ds of N drafter rows from the stored logits.
 
-    logits: [*, V] fp32, drafter row n at row n, its teacher (HAS_TEACHER) at row teacher_row[n];
+    logits: [*, V] fp32, drafter row n at row n, its teacher (HAS_TEACHER: a dense KIND) at row teacher_row[n];
     row: [4, N] fp32 = lse(s), lse(t), c, p_rest; ids, mass: [N, NUM_IDS] sparse target mass (stored
-    top-k, or the label with mass 1); the dense teacher adds softmax(t), the rest (HAS_REST) p_rest
-    e^(s - lse_rest) off the ids. out: [3, N] fp32 = sum_v p_v s_v, sum_v p_v t_v (HAS_TEACHER),
-    lse_rest = lse over the ids not in ids (HAS_REST).
+    top-k, or the label with mass 1). out: [7, N] fp32 (`OUT_ROWS`): with a teacher sum p s, KL(p||q), alpha,
+    below (`_teacher_sums`), KL(q||p) (rkl) or KL(q||m), KL(p||m) (jsd); lse_rest = lse over the ids not in ids
+    (HAS_REST).
+    dlogits[n, v]: kl, ce, kl_topk: c q_v - target_v (target: the sparse mass, softmax(t) for kl, and for
+    HAS_REST p_rest e^(s - lse_rest) off the ids); the other dense kinds: `_dense_grad`, after a first pass
+    over the row for the sums it needs.
     """
     o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     o_s = o_n.to(tl.int64)[:, None] * V
     b_lse_s = tl.load(row_ptr + o_n, mask=m_n, other=0.0)
     b_mass = tl.load(row_ptr + 2 * N + o_n, mask=m_n, other=0.0)
+    b_ps = tl.zeros([BLOCK_N], dtype=tl.float32)
+    b_kl = tl.zeros([BLOCK_N], dtype=tl.float32)
+    b_alpha = tl.zeros([BLOCK_N], dtype=tl.float32)
+    b_below = tl.zeros([BLOCK_N], dtype=tl.float32)
+    b_div_q = tl.zeros([BLOCK_N], dtype=tl.float32)
+    b_div_p = tl.zeros([BLOCK_N], dtype=tl.float32)
+    b_q_sum = tl.zeros([BLOCK_N], dtype=tl.float32)
+    b_p_sum = tl.zeros([BLOCK_N], dtype=tl.float32)
     if HAS_TEACHER:
         o_t = tl.load(teacher_row_ptr + o_n, mask=m_n, other=0).to(tl.int64)[:, None] * V
         b_lse_t = tl.load(row_ptr + N + o_n, mask=m_n, other=0.0)
+        if KIND != "kl":  # the gradient needs the row's sums: a pass for them first
+            for v0 in range(0, V, BLOCK_V):
+                o_v = v0 + tl.arange(0, BLOCK_V)
+                m_x = m_n[:, None] & (o_v < V)[None, :]
+                b_s = tl.load(logits_ptr + o_s + o_v[None, :], mask=m_x, other=0.0)
+                b_t = tl.load(logits_ptr + o_t + o_v[None, :], mask=m_x, other=0.0)
+                d_ps, d_kl, d_alpha, d_below, d_div_q, d_div_p, d_q_sum, d_p_sum = _teacher_sums(
+                    b_s, b_t, b_lse_s, b_lse_t, m_x, KIND
+                )
+                b_ps += d_ps
+                b_kl += d_kl
+                b_alpha += d_alpha
+                b_below += d_below
+                b_div_q += d_div_q
+                b_div_p += d_div_p
+                b_q_sum += d_q_sum
+                b_p_sum += d_p_sum
+            if KIND == "rkl" or KIND == "jsd":
+                b_div_q = b_div_q / tl.where(m_n, b_q_sum, 1.0)
+            if KIND == "jsd":
+                b_div_p = b_div_p / tl.where(m_n, b_p_sum, 1.0)
     if HAS_REST:
         b_max = tl.full([BLOCK_N], float("-inf"), tl.float32)
         b_sum = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -257,9 +381,7 @@ def _dlogits_bwd_kernel(
         b_rest = tl.load(row_ptr + 3 * N + o_n, mask=m_n, other=0.0)
         b_rest = tl.where(b_lse_r == float("-inf"), 0.0, b_rest)  # no id outside the top-k: no rest term
         b_lse_r = tl.where(b_lse_r == float("-inf"), 0.0, b_lse_r)
-    if HAS_TEACHER or WRITE_GRAD:
-        b_ps = tl.zeros([BLOCK_N], dtype=tl.float32)
-        b_pt = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if WRITE_GRAD or (HAS_TEACHER and KIND == "kl"):
         for v0 in range(0, V, BLOCK_V):
             o_v = v0 + tl.arange(0, BLOCK_V)
             m_x = m_n[:, None] & (o_v < V)[None, :]
@@ -267,10 +389,14 @@ def _dlogits_bwd_kernel(
             b_grad = b_mass[:, None] * tl.exp(b_s - b_lse_s[:, None])
             if HAS_TEACHER:
                 b_t = tl.load(logits_ptr + o_t + o_v[None, :], mask=m_x, other=0.0)
-                b_prob = tl.where(m_x, tl.exp(b_t - b_lse_t[:, None]), 0.0)
-                b_grad -= b_prob
-                b_ps += tl.sum(b_prob * b_s, 1)
-                b_pt += tl.sum(b_prob * b_t, 1)
+                if KIND == "kl":  # one pass: the sums along with the gradient
+                    b_grad -= tl.where(m_x, tl.exp(b_t - b_lse_t[:, None]), 0.0)
+                    d_ps, d_kl, d_alpha, _, _, _, _, _ = _teacher_sums(b_s, b_t, b_lse_s, b_lse_t, m_x, KIND)
+                    b_ps += d_ps
+                    b_kl += d_kl
+                    b_alpha += d_alpha
+                else:
+                    b_grad = _dense_grad(b_s, b_t, b_lse_s, b_lse_t, b_alpha, b_below, b_div_q, m_x, KIND)
             if WRITE_GRAD:
                 b_none = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.int1)
                 b_grad, b_top = _sparse_target(b_grad, b_none, ids_ptr, mass_ptr, o_n, m_n, o_v, NUM_IDS)
@@ -278,9 +404,13 @@ def _dlogits_bwd_kernel(
                     b_off = tl.where(b_top, float("-inf"), b_s - b_lse_r[:, None])  # s <= lse_rest off the ids
                     b_grad -= b_rest[:, None] * tl.exp(b_off)
                 tl.store(dlogits_ptr + o_s + o_v[None, :], b_grad.to(dlogits_ptr.dtype.element_ty), mask=m_x)
-        if HAS_TEACHER:
-            tl.store(out_ptr + o_n, b_ps, mask=m_n)
-            tl.store(out_ptr + N + o_n, b_pt, mask=m_n)
+    if HAS_TEACHER:
+        tl.store(out_ptr + o_n, b_ps, mask=m_n)
+        tl.store(out_ptr + N + o_n, b_kl, mask=m_n)
+        tl.store(out_ptr + 3 * N + o_n, b_alpha, mask=m_n)
+        tl.store(out_ptr + 4 * N + o_n, b_below, mask=m_n)
+        tl.store(out_ptr + 5 * N + o_n, b_div_q, mask=m_n)
+        tl.store(out_ptr + 6 * N + o_n, b_div_p, mask=m_n)
 
 
 @triton.autotune(configs=_MATMUL_TILES, key=["NC", "ACCUMULATE", "HAS_SCALE"], restore_value=["c_ptr"])
@@ -421,15 +551,17 @@ def dlogits_backward(
     rows: torch.Tensor,
     dlogits: Optional[torch.Tensor],
     has_rest: bool,
+    kind: str,
 ) -> torch.Tensor:
     """Pass 4 over the chunk's stored logits [>= N, V]; rows [4, N], ids and mass [N, k] as in `_dlogits_bwd_kernel`.
 
-    teacher_of: [N] row of logits holding each drafter row's teacher, or None; dlogits: the [N, V] chunk
-    to write, or None. Returns [3, N] fp32: sum_v p_v s_v, sum_v p_v t_v, lse_rest.
+    teacher_of: [N] row of logits holding each drafter row's teacher (the dense kinds), or None; dlogits: the
+    [N, V] chunk to write, or None. Returns [OUT_ROWS, N] fp32 as the kernel's out (rows it does not write
+    are undefined).
     """
     n = rows.shape[1]
     v = logits.shape[1]
-    out = torch.empty(3, n, dtype=torch.float32, device=logits.device)
+    out = torch.empty(OUT_ROWS, n, dtype=torch.float32, device=logits.device)
     _dlogits_bwd_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
         logits,
         teacher_of if teacher_of is not None else ids,
@@ -444,6 +576,7 @@ def dlogits_backward(
         HAS_TEACHER=teacher_of is not None,
         HAS_REST=has_rest,
         WRITE_GRAD=dlogits is not None,
+        KIND=kind,
     )
     return out
 
@@ -500,10 +633,10 @@ def chunk_target(
     lse_s, device = lse[:c], lse.device
     ones, zeros = torch.ones_like(lse_s), torch.zeros_like(lse_s)
     no_ids = torch.zeros(c, 0, dtype=torch.int64, device=device)
-    if chunk.teacher_of is not None:  # kl, or ce against argmax(t): teacher rows follow the drafter rows
+    if chunk.teacher_of is not None:  # a dense kind, or ce against argmax(t): teacher rows follow the drafter rows
         teacher_of = chunk.teacher_of + c
         label = argmax[teacher_of]
-        if kind == "kl":
+        if kind in DENSE_KINDS:
             rows = torch.stack([lse_s, lse[teacher_of], ones, zeros])
             return Target(label, no_ids, no_ids.float(), rows, teacher_of)
         rows = torch.stack([lse_s, zeros, ones, zeros])
@@ -518,21 +651,37 @@ def chunk_target(
     return Target(ids[:, 0], ids, p, torch.stack([lse_s, zeros, p.sum(-1) + p_rest, p_rest]), None)
 
 
-def row_losses(kind: str, target: Target, s_label: torch.Tensor, s_ids: torch.Tensor, sums: torch.Tensor):
-    """Per-row loss [C] and KL [C] or None from the chunk's statistics; s_label = s at target.label,
-    s_ids = s at target.ids [C, k], sums from `dlogits_backward`."""
+def row_losses(kind: str, target: Target, s_label: torch.Tensor, s_ids: torch.Tensor, sums: Optional[torch.Tensor]):
+    """Per-row loss [C], KL [C] or None, and alpha [C] (`LossOutput`) from the chunk's statistics; s_label = s at
+    target.label, s_ids = s at target.ids [C, k], sums from `dlogits_backward` (None for ce and ce_data)."""
     lse_s = target.rows[0]
-    if kind == "kl":
-        return lse_s - sums[0], sums[1] - target.rows[1] - sums[0] + lse_s
+    if kind in DENSE_KINDS:  # the formulas of eager.dense_row_losses
+        kl, alpha = sums[1], sums[3]
+        if kind == "kl":
+            per_row = lse_s - sums[0]
+        elif kind == "tv":
+            per_row = 1 - alpha
+        elif kind == "lk":
+            per_row = -alpha.clamp_min(LK_MIN_ALPHA).log()
+        elif kind == "lk_hybrid":
+            lam = torch.exp(-LK_HYBRID_ETA * alpha)
+            per_row = lam * kl + (1 - lam) * (1 - alpha)
+        elif kind == "rkl":
+            per_row = sums[5]
+        else:
+            per_row = 0.5 * (sums[5] + sums[6])
+        return per_row, kl, alpha
     if kind in ("ce", "ce_data"):
-        return lse_s - s_label, None
+        return lse_s - s_label, None, torch.exp(s_label - lse_s)
     p, p_rest = target.mass, target.rows[3]
     zeros = torch.zeros_like(lse_s)
     rest_ok = (p_rest > 0) & torch.isfinite(sums[2])
     per_row = -((p * (s_ids - lse_s[:, None])).sum(-1) + torch.where(rest_ok, p_rest * (sums[2] - lse_s), zeros))
     plogp = torch.where(p > 0, p * p.clamp(min=1e-38).log(), torch.zeros_like(p)).sum(-1)
     plogp = plogp + torch.where(p_rest > 0, p_rest * p_rest.clamp(min=1e-38).log(), zeros)
-    return per_row, plogp + per_row
+    q_rest = torch.where(torch.isfinite(sums[2]), torch.exp(sums[2] - lse_s), zeros)  # no id left: no rest bucket
+    alpha = torch.minimum(p, torch.exp(s_ids - lse_s[:, None])).sum(-1) + torch.minimum(p_rest, q_rest)
+    return per_row, plogp + per_row, alpha
 
 
 def lm_head_loss_forward(h, norm_weight, lm_head_weight, weights, kind, normalizer, eps, teacher, dpace=None,
@@ -540,8 +689,9 @@ def lm_head_loss_forward(h, norm_weight, lm_head_weight, weights, kind, normaliz
     """Loss, metrics and, for the inputs flagged in need_grads (h, norm_weight, lm_head_weight), d loss.
 
     Arguments (types, shapes) as in `lm_head_loss`. Returns (loss [], kl [] or None, draft_argmax [N],
-    teacher_argmax [N], grads): the gradients of h [N, H], norm_weight [H], lm_head_weight [V, H], each None
-    when not flagged.
+    teacher_argmax [N], alpha [N] fp32, grads): alpha is each row's acceptance estimate (`LossOutput`, the
+    DSpark confidence target); grads the gradients of h [N, H], norm_weight [H], lm_head_weight [V, H], each
+    None when not flagged.
     """
     check_loss_inputs(h, norm_weight, lm_head_weight, weights, kind, teacher, dpace)
     check_device("lm_head_loss", h, lm_head_weight)
@@ -550,17 +700,19 @@ def lm_head_loss_forward(h, norm_weight, lm_head_weight, weights, kind, normaliz
     v, device = weight.shape[0], h.device
     full = needs_last(kind, teacher.labels is not None)
     need_dx, need_any = need_grads[0] or need_grads[1], any(need_grads)
-    rows = chunk_rows(n, v, h.element_size(), full and kind == "kl", dpace.block_size if dpace else 1)
+    dense = kind in DENSE_KINDS  # the chunk keeps its teacher rows' logits too
+    rows = chunk_rows(n, v, h.element_size(), dense, dpace.block_size if dpace else 1)
     index = None
     if full:
         index = teacher.index if teacher.index is not None else torch.arange(n, device=device)
     plan = chunk_plan(n, rows, index, teacher.last.shape[0] if full else 0)
     teacher_max = max((len(c.teacher_rows) for c in plan if c.teacher_rows is not None), default=0)
-    logits_buf = torch.empty(rows + (teacher_max if kind == "kl" else 0), v, dtype=torch.float32, device=device)
+    logits_buf = torch.empty(rows + (teacher_max if dense else 0), v, dtype=torch.float32, device=device)
     dlogits_buf = torch.empty(rows, v, dtype=h.dtype, device=device) if need_any else None
     denom = torch.as_tensor(normalizer, dtype=torch.float32, device=device).clamp(min=1)
     per_row = torch.empty(n, dtype=torch.float32, device=device)
     kl_row = torch.empty(n, dtype=torch.float32, device=device) if has_kl(kind) else None
+    alpha = torch.empty(n, dtype=torch.float32, device=device)
     row_weight = weights.float().clone()
     draft_argmax = torch.empty(n, dtype=torch.int64, device=device)
     teacher_argmax = torch.empty(n, dtype=torch.int64, device=device)
@@ -575,7 +727,7 @@ def lm_head_loss_forward(h, norm_weight, lm_head_weight, weights, kind, normaliz
         if full:
             xt = rms_norm_forward(teacher.last[chunk.teacher_rows].contiguous(), teacher.final_norm_weight, eps)[0]
             acts = torch.cat([xd, xt])
-        n_store = acts.shape[0] if kind == "kl" else c
+        n_store = acts.shape[0] if dense else c
         logits = logits_buf[:n_store]
         lse, argmax = logits_forward(acts, weight, logits, n_store)
         target = chunk_target(kind, teacher, chunk, lse, argmax, v)
@@ -583,11 +735,11 @@ def lm_head_loss_forward(h, norm_weight, lm_head_weight, weights, kind, normaliz
         sums = None
         if dlogits is not None or has_kl(kind):  # the soft targets' losses need the row sums
             sums = dlogits_backward(
-                logits, target.teacher_of, target.ids, target.mass, target.rows, dlogits, kind == "kl_topk"
+                logits, target.teacher_of, target.ids, target.mass, target.rows, dlogits, kind == "kl_topk", kind
             )
         label = target.label.clamp(0, v - 1)
         s_label = logits[:c].gather(1, label[:, None])[:, 0]
-        per_row[lo:hi], kl = row_losses(kind, target, s_label, logits[:c].gather(1, target.ids), sums)
+        per_row[lo:hi], kl, alpha[lo:hi] = row_losses(kind, target, s_label, logits[:c].gather(1, target.ids), sums)
         if kl is not None:
             kl_row[lo:hi] = kl
         if dpace is not None:
@@ -616,7 +768,7 @@ def lm_head_loss_forward(h, norm_weight, lm_head_weight, weights, kind, normaliz
         None if grad_norm is None else grad_norm.to(norm_weight.dtype),
         None if grad_head is None else grad_head.to(weight.dtype),
     )
-    return loss, kl, draft_argmax, teacher_argmax, grads
+    return loss, kl, draft_argmax, teacher_argmax, alpha, grads
 
 
 def lm_head_loss_backward(grad_loss: torch.Tensor, grads):
@@ -629,13 +781,13 @@ class LmHeadLossFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *args):
-        loss, kl, draft_argmax, teacher_argmax, grads = lm_head_loss_forward(
+        loss, kl, draft_argmax, teacher_argmax, alpha, grads = lm_head_loss_forward(
             *args, need_grads=tuple(ctx.needs_input_grad[:3])
         )
         ctx.grads = grads
         kl = kl if kl is not None else loss.new_zeros(())
-        ctx.mark_non_differentiable(kl, draft_argmax, teacher_argmax)
-        return loss, kl, draft_argmax, teacher_argmax
+        ctx.mark_non_differentiable(kl, draft_argmax, teacher_argmax, alpha)
+        return loss, kl, draft_argmax, teacher_argmax, alpha
 
     @staticmethod
     def backward(ctx, grad_loss, *_):
@@ -662,7 +814,7 @@ def lm_head_loss(
     """
     args = (h, norm_weight, lm_head_weight, weights, kind, normalizer, eps, teacher, dpace)
     if torch.is_grad_enabled() and (h.requires_grad or norm_weight.requires_grad or lm_head_weight.requires_grad):
-        loss, kl, draft_argmax, teacher_argmax = LmHeadLossFunction.apply(*args)
+        loss, kl, draft_argmax, teacher_argmax, alpha = LmHeadLossFunction.apply(*args)
     else:  # the autograd Function would still see requires_grad under no_grad and compute gradients
-        loss, kl, draft_argmax, teacher_argmax, _ = lm_head_loss_forward(*args)
-    return LossOutput(loss, kl if has_kl(kind) else None, draft_argmax, teacher_argmax)
+        loss, kl, draft_argmax, teacher_argmax, alpha, _ = lm_head_loss_forward(*args)
+    return LossOutput(loss, kl if has_kl(kind) else None, draft_argmax, teacher_argmax, alpha)

@@ -149,6 +149,51 @@ def topk_self_entropy(logits, lse) -> float:
     return sum(p_i * math.log(p_i) for p_i in p) + (p_rest * math.log(p_rest) if p_rest > 0 else 0.0)
 
 
+def divergence(kind: str, teacher: torch.Tensor, drafter: torch.Tensor, eta: float = 3.0) -> torch.Tensor:
+    """One slot's loss against the full teacher, p = softmax(teacher), q = softmax(drafter) logits [V] -> scalar,
+    differentiable in `drafter`. The formulas of vllm-project/speculators 0.9.0 `src/speculators/losses/eager.py`
+    (tv_loss, neg_log_acceptance_loss, lk_hybrid_loss, reverse_kl_div_loss, js_div_loss; kl_div_loss is the KL
+    inside lk_hybrid), written as sums over the vocabulary; `kl` is SPEC §5's soft cross-entropy."""
+    p, q = torch.softmax(teacher.double(), 0), torch.softmax(drafter.double(), 0)
+    ids = range(len(p))
+    alpha = sum(torch.minimum(p[v], q[v]) for v in ids)  # the acceptance rate: 1 - TV(p, q)
+    if kind == "kl":
+        return -sum(p[v] * torch.log(q[v]) for v in ids)
+    if kind == "tv":
+        return 1 - alpha
+    if kind == "lk":  # negative log-acceptance, clamped at 1e-5 as speculators clamps it
+        return -torch.log(torch.clamp(alpha, min=1e-5))
+    if kind == "lk_hybrid":  # lambda KL(p||q) + (1 - lambda) TV, lambda = exp(-eta sg[alpha])
+        kl = sum(p[v] * (torch.log(p[v]) - torch.log(q[v])) for v in ids)
+        lam = math.exp(-eta * float(alpha.detach()))
+        return lam * kl + (1 - lam) * (1 - alpha)
+    if kind == "rkl":  # KL(q||p)
+        return sum(q[v] * (torch.log(q[v]) - torch.log(p[v])) for v in ids)
+    if kind == "jsd":  # (KL(p||m) + KL(q||m)) / 2, m = (p + q) / 2
+        m = [(p[v] + q[v]) / 2 for v in ids]
+        return 0.5 * sum(p[v] * torch.log(p[v] / m[v]) + q[v] * torch.log(q[v] / m[v]) for v in ids)
+    raise ValueError(f"unknown loss kind {kind!r}")
+
+
+def overlap(teacher: torch.Tensor, drafter: torch.Tensor) -> float:
+    """alpha = sum_v min(p_v, q_v) of one slot (p, q: softmax of the teacher's and the drafter's logits [V])."""
+    p, q = torch.softmax(teacher.double(), 0), torch.softmax(drafter.double(), 0)
+    return sum(min(float(p[v]), float(q[v])) for v in range(len(p)))
+
+
+def dpace_weight_loops(confidence: Sequence[float], mask: Sequence[bool], alpha: float, block_size: int) -> List[float]:
+    """SPEC §5 D-PACE weights, block by block: s_j = (1 - alpha) c_j + alpha on trained slots and 1 elsewhere,
+    P_j = prod_{i <= j} s_i, w_j = sum_{i >= j} P_i m_i on trained slots, 0 elsewhere."""
+    weights = []
+    for start in range(0, len(mask), block_size):
+        c = [float(x) for x in confidence[start : start + block_size]]
+        m = [bool(x) for x in mask[start : start + block_size]]
+        s = [(1 - alpha) * c_j + alpha if m_j else 1.0 for c_j, m_j in zip(c, m)]
+        reach = [math.prod(s[: j + 1]) for j in range(len(s))]
+        weights += [sum(reach[i] for i in range(j, len(s)) if m[i]) if m[j] else 0.0 for j in range(len(s))]
+    return weights
+
+
 def slot_loss(kind: str, batch, r: int, p: int, logits: torch.Tensor, final_norm_weight, lm_head, eps: float):
     """SPEC §5 loss of the slot at position p of row r, whose drafter logits are `logits` [V]. Its
     teacher is the target's next-token distribution at p - 1; ce_data's label is the token at p."""

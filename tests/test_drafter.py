@@ -362,9 +362,11 @@ def test_tau_offline_counts_leading_matches_only():
     mask = torch.tensor([[[False, True, True, True], [False, True, True, True], [False, False, False, False]]])
     teacher = torch.zeros(1, 3, B, dtype=torch.long)
     draft = torch.tensor([[[9, 0, 1, 0], [9, 0, 0, 0], [0, 0, 0, 0]]])  # block 0: match, miss, match -> 1 leading
-    m = slot_metrics(DrafterOutput(torch.zeros(()), None, draft, teacher, mask))
+    alpha = torch.arange(3 * B, dtype=torch.float32).view(1, 3, B) / 16
+    m = slot_metrics(DrafterOutput(torch.zeros(()), None, draft, teacher, mask, alpha))
     assert m["blocks"] == 2 and m["tau_sum"] == (1 + 1) + (1 + 3)
     assert m["acc_hits"].tolist() == [0, 2, 1, 2] and m["acc_count"].tolist() == [0, 2, 2, 2]
+    assert m["alpha_sum"].tolist() == [0, (1 + 5) / 16, (2 + 6) / 16, (3 + 7) / 16]  # valid slots only
 
 
 @pytest.mark.parametrize("window, causal", [(None, False), (4, True)])

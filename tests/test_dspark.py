@@ -61,7 +61,7 @@ def test_dspark_loss_heads_and_gradients_equal_speculators_semantics(head_type, 
     assert len(slots) == int(out.slot_mask.sum()) == (16 if sample_from_anchor else 12)
     for (r, i, j), (logits, acceptance, conf) in slots.items():
         assert out.draft_argmax[r, i, j] == logits.argmax(), "argmax of the Markov-biased logits"
-        torch.testing.assert_close(out.accept[r, i, j].double(), acceptance, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out.alpha[r, i, j].double(), acceptance, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(out.confidence[r, i, j].double(), torch.sigmoid(conf).detach(), rtol=1e-5, atol=1e-6)
     for name, p in d.named_parameters():
         torch.testing.assert_close(got[name], p.grad.float(), rtol=1e-4, atol=1e-6, msg=name)
@@ -90,11 +90,11 @@ def test_markov_bias_changes_the_drafter_logits_and_only_through_the_previous_to
     """Vanilla: the bias of slot j depends on the token at its predicted position - 1, no other."""
     d = dspark_drafter("vanilla", sample_from_anchor=True)
     batch = random_batch(t=20, **ORACLE_BATCH)
-    base = d(batch, "kl").accept
+    base = d(batch, "kl").alpha
     a = int(batch["anchors"][0, 1])
     changed = {k: v.clone() for k, v in batch.items()}
     changed["input_ids"][0, a + 2] = (changed["input_ids"][0, a + 2] + 1) % (V - 1)  # slot 2's previous token
-    moved = d(changed, "kl").accept
+    moved = d(changed, "kl").alpha
     assert not torch.allclose(moved[0, 1, 2], base[0, 1, 2])
     moved[0, 1, 2] = base[0, 1, 2]
     assert torch.equal(moved, base), "a previous token reached another slot"
@@ -146,7 +146,7 @@ def test_tau_offline_starts_at_slot_0_with_sample_from_anchor():
     mask = torch.tensor([[[True, True, True, True], [False, True, True, True]]])
     teacher = torch.zeros(1, 2, B, dtype=torch.long)
     draft = torch.tensor([[[0, 0, 1, 0], [9, 0, 0, 0]]])
-    m = slot_metrics(DrafterOutput(torch.zeros(()), None, draft, teacher, mask, first_slot=0))
+    m = slot_metrics(DrafterOutput(torch.zeros(()), None, draft, teacher, mask, torch.zeros(1, 2, B), first_slot=0))
     assert m["blocks"] == 1 and m["tau_sum"] == 1 + 2, "block 1's slot 0 is masked: not a block"
 
 
@@ -175,18 +175,15 @@ def test_acceptance_rate_is_the_overlap_of_drafter_and_teacher():
     x, last = torch.randn(n, h, generator=gen), torch.randn(n, h, generator=gen)
     w, e, w2 = torch.randn(v, h, generator=gen), torch.randn(n, r, generator=gen), torch.randn(v, r, generator=gen)
     out = eager.lm_head_loss(x, torch.ones(h), w, torch.ones(n), "kl", n, EPS,
-                             eager.Teacher(last=last, final_norm_weight=torch.ones(h)), markov=eager.Markov(e, w2),
-                             accept=True)
+                             eager.Teacher(last=last, final_norm_weight=torch.ones(h)), markov=eager.Markov(e, w2))
     q = torch.softmax(rms_norm(x, torch.ones(h), EPS) @ w.double().T + e.double() @ w2.double().T, -1)
     p = torch.softmax(rms_norm(last, torch.ones(h), EPS) @ w.double().T, -1)
-    torch.testing.assert_close(out.accept.double(), 1 - 0.5 * (q - p).abs().sum(-1), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.alpha.double(), 1 - 0.5 * (q - p).abs().sum(-1), rtol=1e-5, atol=1e-6)
 
 
-def test_acceptance_rate_without_the_full_teacher_is_refused():
-    n, h, v = 4, 8, 11
+def test_a_confidence_head_without_the_full_teacher_is_refused():
     with pytest.raises(ValueError, match="full teacher"):
-        eager.lm_head_loss(torch.randn(n, h), torch.ones(h), torch.randn(v, h), torch.ones(n), "ce", n, EPS,
-                           eager.Teacher(labels=torch.zeros(n, dtype=torch.long)), accept=True)
+        dspark_drafter()(random_batch(t=20, **ORACLE_BATCH), "ce")
 
 
 def test_dspark_config_is_checked():

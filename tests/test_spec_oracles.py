@@ -12,7 +12,10 @@ from dflash_fast.kernels.anchored_attention import anchored_attention as attenti
 from dflash_fast.kernels.lm_head_loss import lm_head_loss as loss_kernel
 from oracles import (
     attention,
+    divergence,
+    dpace_weight_loops,
     entropy,
+    overlap,
     position_weight,
     rms_norm,
     slot_mask,
@@ -219,3 +222,50 @@ def test_kl_topk_is_the_hand_written_rest_mass_formula(backend):
     torch.testing.assert_close(out.kl.double(), kl.detach() / 20.0, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(grad.double(), h.grad, rtol=1e-4, atol=1e-6)
     assert torch.equal(out.teacher_argmax, inputs["topk_ids"][:, 0])
+
+
+# The dense kinds, against speculators 0.9.0's loss formulas written as loops (tests/oracles.py `divergence`):
+# masked slots, D-PACE over blocks of 7 of 35 slots (odd: V = 47, H = 16), fp32 and fp16 inputs (the oracle reads
+# the same rounded inputs in float64; the kernel runs under the interpreter on the CPU).
+DENSE_CASES = [(torch.float32, False), (torch.float32, True), (torch.float16, True)]
+TOL = {torch.float32: dict(loss=1e-5, grad=1e-4, alpha=1e-5), torch.float16: dict(loss=1e-2, grad=3e-2, alpha=1e-2)}
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("dtype,with_dpace", DENSE_CASES)
+@pytest.mark.parametrize("kind", ["kl", "tv", "lk", "lk_hybrid", "rkl", "jsd"])
+def test_dense_kinds_equal_the_speculators_losses_written_as_loops(backend, kind, dtype, with_dpace):
+    n, block, dpace_alpha = 35, 7, 0.3
+    gen = torch.Generator().manual_seed(11)
+    rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    weights = torch.rand(n, generator=gen) + 0.5
+    weights[::3] = 0
+    inputs = dict(h=rand(n, HIDDEN), norm_weight=1 + 0.1 * rand(HIDDEN), lm_head_weight=0.5 * rand(VOCAB, HIDDEN),
+                  last=rand(n, HIDDEN), final_norm_weight=1 + 0.1 * rand(HIDDEN))
+    inputs = {k: v.to(dtype) for k, v in inputs.items()}
+    dev = device_of(backend)
+    h = inputs["h"].clone().to(dev).requires_grad_()
+    dpace = eager.DPace(dpace_alpha, block) if with_dpace else None
+    teacher = eager.Teacher(last=inputs["last"].to(dev), final_norm_weight=inputs["final_norm_weight"].to(dev))
+    out = BACKENDS[backend][1](h, inputs["norm_weight"].to(dev), inputs["lm_head_weight"].to(dev),
+                               weights.to(dev), kind, 20.0, EPS, teacher, dpace)
+    out.loss.backward()
+
+    h64 = inputs["h"].double().requires_grad_()
+    logits = rms_norm(h64, inputs["norm_weight"], EPS) @ inputs["lm_head_weight"].double().T
+    teachers = [teacher_logits(x, inputs["final_norm_weight"], inputs["lm_head_weight"], EPS) for x in inputs["last"]]
+    row_weight = weights.double().tolist()
+    if with_dpace:  # confidence: the drafter's probability of the teacher's argmax
+        confidence = [float(torch.softmax(logits[i].detach(), 0)[teachers[i].argmax()]) for i in range(n)]
+        dpace_w = dpace_weight_loops(confidence, weights > 0, dpace_alpha, block)
+        row_weight = [w * d for w, d in zip(row_weight, dpace_w)]
+    loss = sum(row_weight[i] * divergence(kind, teachers[i], logits[i]) for i in range(n)) / 20.0
+    loss.backward()
+    alpha = torch.tensor([overlap(teachers[i], logits[i].detach()) for i in range(n)])
+
+    tol = TOL[dtype]
+    assert abs(out.loss.item() - loss.item()) <= tol["loss"] * max(1.0, abs(loss.item())), (out.loss.item(), loss)
+    grad_err = (h.grad.cpu().double() - h64.grad).abs().max() / h64.grad.abs().max()
+    assert grad_err <= tol["grad"], grad_err
+    assert (out.alpha.cpu().double() - alpha).abs().max() <= tol["alpha"]
+    assert 0.02 < alpha.min() and alpha.max() < 0.95, "the check needs overlaps away from 0 and 1"
