@@ -551,11 +551,13 @@ class DFlashDrafter(nn.Module):
         return logits.float(), None if confidence is None else confidence.float().view(x.shape[:2])
 
     @torch.no_grad()
-    def propose(self, hidden: torch.Tensor, anchor_token: int) -> torch.Tensor:
+    def propose(self, hidden: torch.Tensor, anchor_token: int, with_confidence: bool = False):
         """Inference for one sequence: hidden [T, K, H_t] of positions 0..T-1 (all the target has
         processed), anchor token at position T -> greedy guesses for positions T+1..T+B-1 [B-1]
         (T+1..T+B [B] with sample_from_anchor). With a Markov head the block is drafted slot by slot,
-        each slot's bias from the token drafted for the position before its own (the anchor's token first)."""
+        each slot's bias from the token drafted for the position before its own (the anchor's token first).
+        with_confidence (a drafter with a confidence head): (guesses, the head's acceptance probability of
+        each guess [same length])."""
         t = hidden.shape[0]
         dev = hidden.device
         ctx = self.context(hidden[None].to(self.fc.weight.dtype))
@@ -573,16 +575,25 @@ class DFlashDrafter(nn.Module):
         hidden_normed = self.norm(x[0])  # [B, H]
         logits = F.linear(hidden_normed, self.lm_head.to(x.dtype))
         first = self.config.first_slot
+        features = hidden_normed[first:]
         if self.markov_head is None:
-            return logits[first:].argmax(-1)
-        head, shift = self.markov_head, int(self.config.sample_from_anchor)
-        tokens = [torch.tensor(anchor_token, device=dev)]  # tokens[m]: the token at position T + m
-        state = hidden_normed.new_zeros(head.rank)
-        for k in range(self.config.block_size):
-            e, state = head.step(head.markov_w1(tokens[max(k + shift - 1, 0)]).to(x.dtype), hidden_normed[k], state)
-            if k >= first:
-                tokens.append((logits[k] + head.markov_w2(e)).argmax())
-        return torch.stack(tokens[1:])
+            guesses = logits[first:].argmax(-1)
+        else:
+            head, shift = self.markov_head, int(self.config.sample_from_anchor)
+            tokens = [torch.tensor(anchor_token, device=dev)]  # tokens[m]: the token at position T + m
+            state, e_prevs = hidden_normed.new_zeros(head.rank), []
+            for k in range(self.config.block_size):
+                e_prev = head.markov_w1(tokens[max(k + shift - 1, 0)]).to(x.dtype)
+                e, state = head.step(e_prev, hidden_normed[k], state)
+                if k >= first:
+                    tokens.append((logits[k] + head.markov_w2(e)).argmax())
+                    e_prevs.append(e_prev)
+            guesses = torch.stack(tokens[1:])
+            if self.config.confidence_head_with_markov:
+                features = torch.cat([features, torch.stack(e_prevs)], dim=-1)
+        if not with_confidence:
+            return guesses
+        return guesses, torch.sigmoid(self.confidence_head(features).float())
 
 
 def slot_metrics(out: DrafterOutput) -> Dict[str, torch.Tensor]:
