@@ -43,12 +43,15 @@ def oracle_heads(d):
 ORACLE_BATCH = dict(anchors=((1, 6, 11, 14),), valid=((True, True, True, True),))
 
 
+@pytest.mark.parametrize("backend", ["eager", "triton"])
 @pytest.mark.parametrize("sample_from_anchor", [True, False], ids=["from_anchor", "dflash_alignment"])
 @pytest.mark.parametrize("head_type", HEAD_TYPES)
-def test_dspark_loss_heads_and_gradients_equal_speculators_semantics(head_type, sample_from_anchor):
+def test_dspark_loss_heads_and_gradients_equal_speculators_semantics(head_type, sample_from_anchor, backend):
+    """The Triton run folds the Markov bias into the fused lm_head loss (kernels/lm_head_loss.py, HAS_BIAS)."""
     d = dspark_drafter(head_type, sample_from_anchor)
     batch = random_batch(t=20, **ORACLE_BATCH)
-    out = d(batch, "kl", gamma=3.0, confidence_alpha=0.7)
+    with ops.backend(f"lm_head_loss={backend}"):
+        out = d(batch, "kl", gamma=3.0, confidence_alpha=0.7)
     out.loss.backward()
     got = {name: p.grad.clone() for name, p in d.named_parameters()}
     d.zero_grad()
@@ -158,6 +161,8 @@ def test_tau_offline_starts_at_slot_0_with_sample_from_anchor():
 def test_propose_drafts_each_slot_from_the_token_drafted_before_it(head_type, sample_from_anchor):
     """Feeding the drafted tokens back as the ground truth makes the training forward's argmaxes the proposal."""
     d = dspark_drafter(head_type, sample_from_anchor)
+    with torch.no_grad():
+        d.markov_head.markov_w2.weight.mul_(20)  # a bias that outweighs the base logits: the chain decides
     batch = random_batch(t=24, anchors=((9,),), valid=((True,),))
     guess = d.propose(batch["hidden"][0, :9], int(batch["input_ids"][0, 9]))
     assert guess.shape == (B if sample_from_anchor else B - 1,)
@@ -271,3 +276,32 @@ def test_a_markov_head_vllm_does_not_serve_is_never_exported(tmp_path, head_type
         export_drafter(dspark_drafter(head_type), str(tmp_path / "export"), "t", torch.float32)
     with pytest.raises(ExportError, match="markov_rank"):
         export_drafter(dspark_drafter(), str(tmp_path / "z"), "t", torch.float32, fmt="zlab")
+
+
+@pytest.mark.parametrize("kind, dpace", [("kl", None), ("tv", None), ("kl", eager.DPace(0.5, 5))])
+def test_fused_markov_bias_equals_the_eager_twin_across_chunks(kind, dpace):
+    """Odd shapes (N = 45 rows in 16- or 32-row chunks under the interpreter, V = 97, H = 24, r = 5), fp32:
+    loss, alpha, argmaxes and the gradients of h, norm_weight, e and w2."""
+    from dflash_fast.kernels.lm_head_loss import lm_head_loss as fused
+
+    gen = torch.Generator().manual_seed(3)
+    n, h, v, r, u = 45, 24, 97, 5, 19
+    x, w = torch.randn(n, h, generator=gen), torch.randn(v, h, generator=gen)
+    norm = 1 + 0.1 * torch.randn(h, generator=gen)
+    e, w2 = torch.randn(n, r, generator=gen), torch.randn(v, r, generator=gen)
+    weights = torch.rand(n, generator=gen)
+    weights[::4] = 0
+    teacher = eager.Teacher(last=torch.randn(u, h, generator=gen), final_norm_weight=torch.ones(h),
+                            index=torch.randint(0, u, (n,), generator=gen))
+    results = []
+    for fn in (eager.lm_head_loss, fused):
+        inputs = [t.clone().requires_grad_(True) for t in (x, norm, e, w2)]
+        out = fn(inputs[0], inputs[1], w, weights, kind, 30, EPS, teacher, dpace, markov=eager.Markov(*inputs[2:]))
+        out.loss.backward()
+        results.append((out, [t.grad for t in inputs]))
+    (want, want_grads), (got, got_grads) = results
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.alpha, want.alpha, rtol=1e-5, atol=1e-6)
+    assert torch.equal(got.draft_argmax, want.draft_argmax) and torch.equal(got.teacher_argmax, want.teacher_argmax)
+    for name, g, wg in zip(("h", "norm_weight", "e", "w2"), got_grads, want_grads):
+        torch.testing.assert_close(g, wg, rtol=1e-4, atol=1e-5, msg=name)
