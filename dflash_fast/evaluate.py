@@ -249,7 +249,8 @@ def offline_tau(
     tau_sum, blocks = 0.0, 0
     for a in range(0, len(anchors), anchors_per_forward):
         chunk = torch.tensor([anchors[a : a + anchors_per_forward]], device=runner.device)
-        out = drafter(dict(row, anchors=chunk, anchor_valid=torch.ones_like(chunk, dtype=torch.bool)), loss_kind="ce")
+        # kl: the full teacher of `last` (its argmax is ce's label; a DSpark confidence head needs the full teacher)
+        out = drafter(dict(row, anchors=chunk, anchor_valid=torch.ones_like(chunk, dtype=torch.bool)), loss_kind="kl")
         m = slot_metrics(out)
         tau_sum += float(m["tau_sum"])
         blocks += int(m["blocks"])

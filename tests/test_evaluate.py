@@ -327,7 +327,7 @@ def test_dspark_decodes_greedy_exact_and_its_markov_chain_accepts_what_training_
     batch = dict(row, anchors=anchors, anchor_valid=torch.ones_like(anchors, dtype=torch.bool))
     opt = torch.optim.Adam(drafter.parameters(), lr=3e-3)
     for _ in range(40):
-        drafter(batch, loss_kind="ce").loss.backward()
+        drafter(batch, loss_kind="kl").loss.backward()
         opt.step()
         opt.zero_grad()
     block = B + int(sample_from_anchor)
