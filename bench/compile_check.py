@@ -376,7 +376,8 @@ def anchored_attention_cases(mod, s, dtype) -> Dict[str, Callable[[], None]]:
 def lm_head_loss_cases(mod, s, dtype) -> Dict[str, Callable[[], None]]:
     """Every loss kind (the full teacher's `last` is the row's T positions, which the A*B slots index, as the
     drafter passes it); D-PACE weights (no kernel of their own, checked with kl); a trainable lm_head (its
-    weight-gradient GEMM; the drafter's head is frozen).
+    weight-gradient GEMM; the drafter's head is frozen); DSpark's Markov bias (the logits GEMM's HAS_BIAS
+    columns, r = H / 16, and the de / dW2 GEMMs).
 
     Every launch happens in the forward, which computes the gradients; the backward only scales them
     (no kernel), so it is not run: at V = 151936 it would write gigabytes of host memory for nothing.
@@ -384,7 +385,7 @@ def lm_head_loss_cases(mod, s, dtype) -> Dict[str, Callable[[], None]]:
     n, h, v, t = s["A"] * s["B"], s["H"], s["V"], s["T"]
     index = torch.linspace(0, t - 1, n).long()
 
-    def step(kind, with_labels=True, train_head=False, dpace=False):
+    def step(kind, with_labels=True, train_head=False, dpace=False, markov=False):
         teacher = mod.Teacher(last=_empty(t, h, dtype=dtype), final_norm_weight=_empty(h, dtype=dtype), index=index)
         if kind in ("ce", "ce_data") and with_labels:
             teacher = mod.Teacher(labels=torch.randint(0, v, (n,)))
@@ -402,6 +403,8 @@ def lm_head_loss_cases(mod, s, dtype) -> Dict[str, Callable[[], None]]:
             EPS,
             teacher,
             mod.DPace(0.5, s["B"]) if dpace else None,
+            mod.Markov(_empty(n, h // 16, dtype=dtype, grad=True), _empty(v, h // 16, dtype=dtype, grad=True))
+            if markov else None,
         )
 
     return {
@@ -413,6 +416,7 @@ def lm_head_loss_cases(mod, s, dtype) -> Dict[str, Callable[[], None]]:
         "kl, D-PACE": lambda: step("kl", dpace=True),
         "kl, lm_head trained": lambda: step("kl", train_head=True),
         **{kind: (lambda kind=kind: step(kind)) for kind in ("tv", "lk", "lk_hybrid", "rkl", "jsd")},
+        "kl, DSpark Markov bias": lambda: step("kl", markov=True),
     }
 
 

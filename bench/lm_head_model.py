@@ -24,7 +24,9 @@ once each) and the peak memory of the call is the most bytes its own allocations
 out the tensors it returns. Per case, the sum of the launch times is compared with the GEMM floor of
 PERF.md: 3 units for `kl` and teacher `ce`, 2 for `ce` with stored labels, `ce_data` and `kl_topk`; the other
 dense kinds (`tv`, `lk`, `lk_hybrid`, `rkl`, `jsd`) need the teacher's logits as `kl` does: 3 units, the same
-GEMMs as `kl` (their extra row pass over the chunk's stored logits is HBM traffic, no GEMM).
+GEMMs as `kl` (their extra row pass over the chunk's stored logits is HBM traffic, no GEMM);
+`kl(DSpark)` is `kl` with DSpark's Markov bias of rank r = H / 16 (256 at H = 4096) folded into the GEMM,
+with gradients for e and W2: 3 + 3 r / H units.
 Each launch takes the fastest config the model finds among those that compile without spills (the
 autotuner's pick if the model were the GPU). Results: <out>/lm_head_model_<triton>.{json,md} (one row
 per case) and <out>/lm_head_model_<triton>_kernels.{json,md} (one row per kernel and config).
@@ -49,7 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.harness import write_results  # noqa: E402
 from dflash_fast.batches import sample_anchors  # noqa: E402
 from dflash_fast.drafter import slot_targets, teacher_index  # noqa: E402
-from dflash_fast.eager import DPace, Teacher  # noqa: E402
+from dflash_fast.eager import DPace, Markov, Teacher  # noqa: E402
 from dflash_fast.store import torch_dtype  # noqa: E402
 
 H200 = dict(flops=790e12, hbm=4.3e12, sms=132, l2=50 << 20, smem_per_sm=233472, regs=65536, warps=64, blocks=32)
@@ -59,7 +61,9 @@ TOPK = 8
 EPS = 1e-6
 # The floor of PERF.md in GEMM units, per case.
 DENSE = ("tv", "lk", "lk_hybrid", "rkl", "jsd")  # scored against the full teacher, as kl
-FLOOR = {"kl": 3, "ce(teacher argmax)": 3, "ce(labels)": 2, "ce_data": 2, "kl_topk": 2, **{kind: 3 for kind in DENSE}}
+MARKOV_RANK_PER_H = 1 / 16  # DSpark's default r = 256 at H = 4096
+FLOOR = {"kl": 3, "ce(teacher argmax)": 3, "ce(labels)": 2, "ce_data": 2, "kl_topk": 2, **{kind: 3 for kind in DENSE},
+         "kl(DSpark)": 3 + 3 * MARKOV_RANK_PER_H}
 
 
 # ---------------------------------------------------------------- what each launch costs
@@ -128,11 +132,16 @@ def grouped(n_m: int, n_n: int, group_m: int) -> List[Tuple[int, int]]:
 
 
 def cost_logits(a) -> Cost:
-    """[M, H] @ W^T in the grouped order; writes the stored rows' fp32 logits and 3 partials per (row, tile)."""
+    """[M, H] @ W^T in the grouped order (with DSpark's bias: [M, H + R] against [W, W2], the first n_bias rows'
+    e and every column tile's W2 read in the same step); writes the stored rows' fp32 logits and 3 partials per
+    (row, tile)."""
     m, v, h, bm, bv = a["M"], a["V"], a["H"], a["BLOCK_M"], a["BLOCK_V"]
+    k = h + (a["R"] if a["HAS_BIAS"] else 0)
     rows, cols = _rows(m, bm), _rows(v, bv)
-    cost = _gemm_cost(grouped(len(rows), len(cols), a["group_m"]), len(rows), len(cols), rows, cols, h,
+    cost = _gemm_cost(grouped(len(rows), len(cols), a["group_m"]), len(rows), len(cols), rows, cols, k,
                       _elt(a["x_ptr"]), _elt(a["w_ptr"]), 0.0)
+    if a["HAS_BIAS"]:  # rows past n_bias (teacher rows) load no e and multiply zeros: count only the drafter rows
+        cost.flops -= 2.0 * (m - a["n_bias"]) * v * a["R"]
     cost.write_bytes = 4.0 * a["n_store"] * v + 12.0 * len(cols) * m
     return cost
 
@@ -414,7 +423,7 @@ def case_call(mod, kind: str, s: Dict, rows: int, dtype, dpace: bool) -> Callabl
     n, h, v = rows * s["A"] * s["B"], s["H"], s["V"]
     mask, index = training_rows(s, rows)
     empty = lambda *shape, dt=dtype: torch.empty(shape, dtype=dt)  # noqa: E731
-    if kind in ("kl", "ce(teacher argmax)") + DENSE:
+    if kind in ("kl", "kl(DSpark)", "ce(teacher argmax)") + DENSE:
         teacher = Teacher(last=empty(rows * s["T"], h), final_norm_weight=empty(h), index=index)
     elif kind in ("ce(labels)", "ce_data"):
         teacher = Teacher(labels=torch.zeros(n, dtype=torch.long))
@@ -423,11 +432,15 @@ def case_call(mod, kind: str, s: Dict, rows: int, dtype, dpace: bool) -> Callabl
                           topk_lse=torch.zeros(n))
     args = (empty(n, h), empty(h), empty(v, h), mask.float(), kind.split("(")[0], float(mask.sum()), EPS, teacher)
     weighting = DPace(0.5, s["B"]) if dpace else None
-    return lambda: mod.lm_head_loss_forward(*args, weighting, need_grads=(True, True, False))
+    markov, need = None, (True, True, False, False, False)
+    if kind == "kl(DSpark)":  # e and W2 train: the drafter's case
+        r = int(h * MARKOV_RANK_PER_H)
+        markov, need = Markov(empty(n, r), empty(v, r)), (True, True, False, True, True)
+    return lambda: mod.lm_head_loss_forward(*args, weighting, markov, need_grads=need)
 
 
 CASES = [("kl", False), ("ce(teacher argmax)", False), ("ce(labels)", False), ("ce_data", False), ("kl_topk", False),
-         ("kl", True)] + [(kind, False) for kind in DENSE]
+         ("kl", True), ("kl(DSpark)", False)] + [(kind, False) for kind in DENSE]
 
 
 def model_case(mod, recorder: LaunchRecorder, kind, dpace, s, rows, dtype, kernel_rows: List[Dict]) -> Dict:
@@ -504,11 +517,13 @@ def model_case(mod, recorder: LaunchRecorder, kind, dpace, s, rows, dtype, kerne
         floor_units=FLOOR[kind],
         launches=totals["launches"],
         hbm_gb=round(totals["hbm"] / 1e9, 2),
+        hbm_bytes=int(totals["hbm"]),
         host_gb=round(host.bytes / 1e9, 3),
         ms=round(seconds * 1e3, 2),
         floor_ms=round(floor_s * 1e3, 2),
         vs_floor=round(seconds / floor_s, 3),
         peak_extra_gb=round(host.peak_extra(returned) / 1e9, 2),
+        peak_extra_bytes=host.peak_extra(returned),
         spilling_configs=len({(r["kernel"], r["variant"], r["config"]) for r in spills_default}),
     )
 

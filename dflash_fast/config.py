@@ -45,6 +45,12 @@ class ModelConfig:
     layer_types: Optional[List[str]] = None  # per drafter layer "full" | "sliding"; None = all full
     sliding_window: Optional[int] = None
     causal_in_block: bool = False
+    # DSpark (SPEC §8, docs/dspark.md): the DFlash backbone plus a Markov logit bias and a confidence head.
+    sample_from_anchor: bool = False  # slot j predicts the token at anchor + j + 1 (slot 0 included); DSpark's default
+    markov_rank: int = 0  # rank r of the Markov bias W2 W1[previous token]; 0 = none (DFlash)
+    markov_head_type: str = "vanilla"  # vanilla | gated | rnn
+    confidence_head: bool = False  # predict each slot's acceptance rate (trained with loss.confidence_alpha)
+    confidence_head_with_markov: bool = True  # the confidence head reads [hidden, W1[prev]] (needs markov_rank > 0)
     # An export directory (speculators or z-lab layout, ours or a published drafter) to continue training: it fixes
     # the architecture above (a key set to other than its default must agree with it) and the starting weights.
     init_from: Optional[str] = None
@@ -55,7 +61,18 @@ class ModelConfig:
 
 
 # The model.* keys that are the drafter's architecture options, named as DrafterConfig names them.
-DRAFTER_OPTIONS = ("num_layers", "block_size", "layer_types", "sliding_window", "causal_in_block")
+DRAFTER_OPTIONS = (
+    "num_layers",
+    "block_size",
+    "layer_types",
+    "sliding_window",
+    "causal_in_block",
+    "sample_from_anchor",
+    "markov_rank",
+    "markov_head_type",
+    "confidence_head",
+    "confidence_head_with_markov",
+)
 
 
 @dataclasses.dataclass
@@ -99,6 +116,7 @@ class LossConfig:
     gamma: float = 7.0  # decay: position weight w_j = exp(-(j - 1) / gamma)
     weighting: str = "decay"  # decay | dpace
     dpace_alpha: float = 0.5  # dpace: confidence smoothing s_j = (1 - alpha) c_j + alpha, in [0, 1]
+    confidence_alpha: float = 1.0  # DSpark: weight of the confidence head's BCE in the loss (model.confidence_head)
 
 
 @dataclasses.dataclass
@@ -327,7 +345,8 @@ def validate(cfg: TrainConfig) -> None:
     """Ranges and choices; what needs the store or the target is checked by the trainer."""
     from dflash_fast import ops
     from dflash_fast.drafter import MAX_BLOCK_SIZE
-    from dflash_fast.eager import LOSS_KINDS, WEIGHTINGS
+    from dflash_fast.dspark import MARKOV_HEAD_TYPES
+    from dflash_fast.eager import DENSE_KINDS, LOSS_KINDS, WEIGHTINGS
 
     for key, value in _numbers(cfg):
         _check(math.isfinite(value), f"{key}={value} is not a finite number")
@@ -381,6 +400,16 @@ def validate(cfg: TrainConfig) -> None:
     _check(0 <= d.val_fraction < 1, f"data.val_fraction={d.val_fraction} must be in [0, 1)")
     _check(d.num_workers >= 0, f"data.num_workers={d.num_workers} must be >= 0")
     _check(d.noise_std >= 0, f"data.noise_std={d.noise_std} must be >= 0")
+    _check(m.markov_rank >= 0, f"model.markov_rank={m.markov_rank} must be >= 0 (0 = no Markov head)")
+    _check(m.markov_head_type in MARKOV_HEAD_TYPES,
+           f"model.markov_head_type={m.markov_head_type!r} is not one of {MARKOV_HEAD_TYPES}")
+    _check(not (m.confidence_head and m.confidence_head_with_markov and m.markov_rank == 0),
+           "model.confidence_head_with_markov=true needs the Markov head: set model.markov_rank > 0 "
+           "(DSpark's default 256) or model.confidence_head_with_markov=false")
+    _check(not m.confidence_head or cfg.loss.kind in ("auto",) + DENSE_KINDS,
+           f"model.confidence_head=true trains against the acceptance rate sum_v min(q_v, p_v), which needs the full "
+           f"teacher: loss.kind={cfg.loss.kind!r} has none; use one of {DENSE_KINDS} (a store with `last`)")
+    _check(cfg.loss.confidence_alpha >= 0, f"loss.confidence_alpha={cfg.loss.confidence_alpha} must be >= 0")
     kinds = ("auto",) + LOSS_KINDS
     _check(cfg.loss.kind in kinds, f"loss.kind={cfg.loss.kind!r} is not one of {kinds}")
     _check(cfg.loss.gamma > 0, f"loss.gamma={cfg.loss.gamma} must be > 0")

@@ -5,6 +5,10 @@ attending to [ctx ; block], the target's frozen embedding, final norm and lm_hea
     block ids [R, A*B] --embed--> x --N layers (q from x; k/v from [ctx ; x])--> x
     x --norm, lm_head, loss vs teacher at p-1--> loss, argmaxes
 
+DSpark (SPEC §8, `markov_rank > 0` or `confidence_head`): the same backbone plus the heads of
+`dflash_fast.dspark`; the Markov bias rides in the lm_head loss (eager.Markov), the confidence head is
+trained against the acceptance rate the loss returns.
+
 The three hot ops go through `dflash_fast.ops`; everything else is plain torch.
 """
 import dataclasses
@@ -19,7 +23,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dflash_fast import ops
-from dflash_fast.eager import DPace, Teacher, needs_last, rms_norm
+from dflash_fast.dspark import MARKOV_HEAD_TYPES, ConfidenceHead, MarkovHead
+from dflash_fast.eager import DENSE_KINDS, DPace, Markov, Teacher, needs_last, rms_norm
 from dflash_fast.store import final_norm_weight
 
 LAYER_KINDS = ("full", "sliding")
@@ -72,6 +77,12 @@ class DrafterConfig:
     sliding_window: Optional[int] = None
     causal_in_block: Union[bool, List[bool]] = False  # one flag for every layer, or one per layer (kept as a list)
     target_model_type: str = ""
+    # DSpark (SPEC §8); the defaults are DFlash.
+    sample_from_anchor: bool = False  # slot j predicts the token at a + j + 1 (slot 0 included)
+    markov_rank: int = 0  # r of the Markov bias W2 W1[prev]; 0 = no Markov head
+    markov_head_type: str = "vanilla"  # vanilla | gated | rnn
+    confidence_head: bool = False
+    confidence_head_with_markov: bool = True  # the confidence head reads [hidden, W1[prev]], not hidden alone
 
     def __post_init__(self):
         problems = value_problems(dataclasses.asdict(self))
@@ -100,6 +111,18 @@ class DrafterConfig:
             )
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask token id {self.mask_token_id} is outside the embedding (0..{self.vocab_size - 1})")
+        if self.markov_rank < 0 or self.markov_head_type not in MARKOV_HEAD_TYPES:
+            raise ValueError(
+                f"markov_rank={self.markov_rank} must be >= 0 and markov_head_type={self.markov_head_type!r} one of "
+                f"{MARKOV_HEAD_TYPES}"
+            )
+        if self.confidence_head and self.confidence_head_with_markov and not self.markov_rank:
+            raise ValueError("confidence_head_with_markov needs the Markov head: set markov_rank > 0 or the flag false")
+
+    @property
+    def first_slot(self) -> int:
+        """The first slot that predicts a token: 0 with sample_from_anchor, else 1 (slot 0 is given)."""
+        return 0 if self.sample_from_anchor else 1
 
     @property
     def num_tapped(self) -> int:
@@ -165,6 +188,11 @@ def value_problems(values: Mapping) -> List[str]:
     window = values.get("sliding_window")
     if window is not None and (not is_int(window) or window < 1):
         problems.append(f"sliding_window={window!r} is not an integer >= 1")
+    rank, head = values.get("markov_rank", 0), values.get("markov_head_type", "vanilla")
+    if not is_int(rank) or rank < 0:
+        problems.append(f"markov_rank={rank!r} is not an integer >= 0")
+    if not isinstance(head, str):
+        problems.append(f"markov_head_type={head!r} is not a string")
     rope = values.get("rope_parameters", {})
     if not isinstance(rope, dict):
         problems.append(f"rope_parameters={rope!r} is not an object")
@@ -461,37 +489,45 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def position_weights(block_size: int, gamma: float) -> torch.Tensor:
-    """SPEC §5: w_0 = 0, w_j = exp(-(j - 1) / gamma) -> [B]."""
+def position_weights(block_size: int, gamma: float, sample_from_anchor: bool = False) -> torch.Tensor:
+    """SPEC §5: w_0 = 0, w_j = exp(-(j - 1) / gamma) -> [B]; with sample_from_anchor (SPEC §8) every slot
+    predicts and the decay starts at slot 0: w_j = exp(-j / gamma)."""
     j = torch.arange(block_size, dtype=torch.float32)
+    if sample_from_anchor:
+        return torch.exp(-j / gamma)
     return torch.where(j >= 1, torch.exp(-(j - 1) / gamma), torch.zeros(()))
 
 
 class Targets(NamedTuple):
     """Where every slot's teacher lives. All [R, A, B]."""
 
-    slot_mask: torch.Tensor  # bool: trained and scored (slot >= 1, valid anchor, in row, same document, loss_mask)
-    position: torch.Tensor  # p = a + j, clamped into the row
-    teacher_row: torch.Tensor  # p - 1, clamped into the row
+    slot_mask: torch.Tensor  # bool: trained and scored (slot predicts, valid anchor, in row, same document, loss_mask)
+    position: torch.Tensor  # the predicted position (p = a + j, or p + 1 with sample_from_anchor), clamped into the row
+    teacher_row: torch.Tensor  # the predicted position - 1, clamped into the row
+    prev_position: torch.Tensor  # DSpark's previous token: predicted position - 1, slot 0 its own (>= a), in the row
 
 
-def slot_targets(batch: Dict[str, torch.Tensor], block_size: int) -> Targets:
-    """SPEC §5: slot j of the block at anchor a sits at p = a + j and is scored against the teacher at p - 1."""
+def slot_targets(batch: Dict[str, torch.Tensor], block_size: int, sample_from_anchor: bool = False) -> Targets:
+    """SPEC §5: slot j of the block at anchor a sits at p = a + j, predicts the token at p and is scored against
+    the teacher at p - 1; slot 0 (the given token) never trains. With sample_from_anchor (SPEC §8) slot j
+    predicts the token at p + 1, slot 0 included, against the teacher at p. The masks apply to the predicted
+    position."""
     anchors, valid = batch["anchors"], batch["anchor_valid"]
     t = batch["input_ids"].shape[1]
     j = torch.arange(block_size, device=anchors.device)
-    p = anchors[:, :, None] + j
+    p = anchors[:, :, None] + j + int(sample_from_anchor)
     in_row = p.clamp(max=t - 1)
     gather = lambda src: src.gather(1, in_row.flatten(1)).view(in_row.shape)
     anchor_doc = batch["document_ids"].gather(1, anchors)[:, :, None]
     mask = (
-        (j >= 1)
+        (j >= (0 if sample_from_anchor else 1))
         & valid[:, :, None]
         & (p < t)
         & (gather(batch["document_ids"]) == anchor_doc)
         & gather(batch["loss_mask"].bool())
     )
-    return Targets(mask, in_row, (p - 1).clamp(0, t - 1))
+    prev = torch.maximum(p - 1, anchors[:, :, None]).clamp(max=t - 1)
+    return Targets(mask, in_row, (p - 1).clamp(0, t - 1), prev)
 
 
 def teacher_index(targets: Targets, seq_len: int) -> torch.Tensor:
@@ -513,13 +549,17 @@ class DrafterOutput(NamedTuple):
     loss: torch.Tensor
     kl: Optional[torch.Tensor]
     draft_argmax: torch.Tensor  # [R, A, B]
-    teacher_argmax: torch.Tensor  # [R, A, B] (the teacher's argmax at p - 1)
+    teacher_argmax: torch.Tensor  # [R, A, B] (the teacher's argmax at the predicted position - 1)
     slot_mask: torch.Tensor  # [R, A, B] bool
     alpha: torch.Tensor  # [R, A, B] fp32: each slot's acceptance estimate sum_v min(p_v, q_v) (eager.LossOutput)
+    first_slot: int = 1  # the first slot that predicts (DrafterConfig.first_slot)
+    confidence_loss: Optional[torch.Tensor] = None  # DSpark: the confidence BCE (before confidence_alpha)
+    confidence: Optional[torch.Tensor] = None  # DSpark: [R, A, B] the confidence head's probability (no gradient)
 
 
 class DFlashDrafter(nn.Module):
-    """Trainable: fc, hidden_norm, layers, norm. Frozen buffers: embed_tokens, lm_head, target_norm."""
+    """Trainable: fc, hidden_norm, layers, norm (and DSpark's markov_head, confidence_head). Frozen buffers:
+    embed_tokens, lm_head, target_norm."""
 
     def __init__(self, cfg: DrafterConfig, frozen_dtype: torch.dtype = torch.float32):
         """`frozen_dtype`: the dtype of embed_tokens and lm_head ([V, H] each); target_norm stays fp32."""
@@ -539,14 +579,26 @@ class DFlashDrafter(nn.Module):
         self.register_buffer(
             "target_norm", torch.ones(h), persistent=False
         )  # effective weight (1 + w for zero-centred norms)
+        self.markov_head = (
+            MarkovHead(cfg.vocab_size, cfg.markov_rank, h, cfg.markov_head_type) if cfg.markov_rank else None
+        )
+        self.confidence_head = (
+            ConfidenceHead(h + (cfg.markov_rank if cfg.confidence_head_with_markov else 0))
+            if cfg.confidence_head
+            else None
+        )
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02):
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, std=std)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
             elif isinstance(m, RMSNorm):
                 nn.init.ones_(m.weight)
+        if self.markov_head is not None:
+            self.markov_head.reset_parameters(std)
 
     def load_trainable(self, weights: Dict[str, torch.Tensor]) -> None:
         """Copy `weights` (name -> tensor, passed by check_tensors) into the trainable parameters."""
@@ -619,21 +671,31 @@ class DFlashDrafter(nn.Module):
         seed: int = 0,
         weighting: str = "decay",
         dpace_alpha: float = 0.5,
+        confidence_alpha: float = 1.0,
     ) -> DrafterOutput:
         """Training forward on a collated batch (keys as in dflash_fast.batches).
 
         weighting: "decay" (SPEC §5 position weights with `gamma`) or "dpace" (D-PACE with `dpace_alpha`,
-        computed inside the loss from the drafter's confidence).
+        computed inside the loss from the drafter's confidence). DSpark (SPEC §8): loss = the main loss on the
+        Markov-biased logits + confidence_alpha x the confidence head's BCE against the acceptance rate,
+        weighted with the decay whatever `weighting` is.
         """
         cfg = self.config
         anchors = batch["anchors"]
         r, a = anchors.shape
         b = cfg.block_size
         x = self.batch_states(batch, noise_std, seed)
-        targets = slot_targets(batch, b)
+        targets = slot_targets(batch, b, cfg.sample_from_anchor)
         dpace = DPace(dpace_alpha, b) if weighting == "dpace" else None
-        weights = targets.slot_mask.float() if dpace else position_weights(b, gamma).to(x.device) * targets.slot_mask
+        decay = position_weights(b, gamma, cfg.sample_from_anchor).to(x.device) * targets.slot_mask
+        weights = targets.slot_mask.float() if dpace else decay
         n = r * a * b
+        if self.confidence_head is not None and loss_kind not in DENSE_KINDS:
+            raise ValueError(
+                f"the confidence head learns the acceptance rate sum_v min(q_v, p_v) against the full teacher: loss "
+                f"kind {loss_kind!r} has none; use one of {DENSE_KINDS} (a store with `last`)"
+            )
+        markov, confidence_logit = self.dspark_heads(x, gather_rows(batch["input_ids"], targets.prev_position))
         stored_argmax = (
             gather_rows(batch["teacher_topk_ids"], targets.teacher_row)[:, 0] if "teacher_topk_ids" in batch else None
         )
@@ -669,21 +731,64 @@ class DFlashDrafter(nn.Module):
             cfg.rms_norm_eps,
             teacher,
             dpace,
+            markov=markov,
         )
         teacher_argmax = stored_argmax if stored_argmax is not None and loss_kind == "ce_data" else out.teacher_argmax
+        loss, confidence_loss, confidence = out.loss, None, None
+        if confidence_logit is not None:
+            logit = confidence_logit.float()
+            bce = F.binary_cross_entropy_with_logits(logit, out.alpha, reduction="none")
+            confidence_loss = (bce * decay.reshape(n)).sum() / targets.slot_mask.sum().clamp(min=1)
+            loss = loss + confidence_alpha * confidence_loss
+            confidence = torch.sigmoid(logit.detach()).view(r, a, b)
         return DrafterOutput(
-            out.loss,
+            loss,
             out.kl,
             out.draft_argmax.view(r, a, b),
             teacher_argmax.view(r, a, b),
             targets.slot_mask,
             out.alpha.view(r, a, b),
+            cfg.first_slot,
+            confidence_loss,
+            confidence,
         )
 
+    def dspark_heads(self, x: torch.Tensor, prev_ids: torch.Tensor) -> Tuple[Optional[Markov], Optional[torch.Tensor]]:
+        """DSpark's heads on pre-norm block states x [R, A*B, H] with the previous tokens prev_ids [R*A*B]
+        (Targets.prev_position's) -> (the Markov bias as the loss takes it, or None; confidence logits [R*A*B]
+        or None). Both heads read the lm_head's input norm(x)."""
+        if self.markov_head is None and self.confidence_head is None:
+            return None, None
+        r, b = x.shape[0], self.config.block_size
+        hidden = self.norm(x).view(r, -1, b, x.shape[-1])
+        markov, feature = None, None
+        if self.markov_head is not None:
+            e, feature = self.markov_head(prev_ids.view(hidden.shape[:-1]), hidden)
+            markov = Markov(e.reshape(-1, e.shape[-1]).to(x.dtype), self.markov_head.markov_w2.weight.to(x.dtype))
+        if self.confidence_head is None:
+            return markov, None
+        features = torch.cat([hidden, feature], dim=-1) if self.config.confidence_head_with_markov else hidden
+        return markov, self.confidence_head(features).reshape(-1)
+
+    def block_logits(self, batch: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Materialised fp32 logits of every slot [R, A*B, V], Markov bias (from the ground-truth previous tokens)
+        included, and the confidence logits [R, A*B] or None: for the export gate, not for training."""
+        x = self.batch_states(batch)
+        targets = slot_targets(batch, self.config.block_size, self.config.sample_from_anchor)
+        markov, confidence = self.dspark_heads(x, gather_rows(batch["input_ids"], targets.prev_position))
+        logits = F.linear(self.norm(x), self.lm_head.to(x.dtype))
+        if markov is not None:
+            logits = logits + F.linear(markov.e, markov.w2).view(logits.shape)
+        return logits.float(), None if confidence is None else confidence.float().view(x.shape[:2])
+
     @torch.no_grad()
-    def propose(self, hidden: torch.Tensor, anchor_token: int) -> torch.Tensor:
+    def propose(self, hidden: torch.Tensor, anchor_token: int, with_confidence: bool = False):
         """Inference for one sequence: hidden [T, K, H_t] of positions 0..T-1 (all the target has
-        processed), anchor token at position T -> greedy guesses for positions T+1..T+B-1 [B-1]."""
+        processed), anchor token at position T -> greedy guesses for positions T+1..T+B-1 [B-1]
+        (T+1..T+B [B] with sample_from_anchor). With a Markov head the block is drafted slot by slot,
+        each slot's bias from the token drafted for the position before its own (the anchor's token first).
+        with_confidence (a drafter with a confidence head): (guesses, the head's acceptance probability of
+        each guess [same length])."""
         t = hidden.shape[0]
         dev = hidden.device
         ctx = self.context(hidden[None].to(self.fc.weight.dtype))
@@ -698,8 +803,28 @@ class DFlashDrafter(nn.Module):
             torch.ones(1, 1, dtype=torch.bool, device=dev),
             one_document,
         )
-        logits = F.linear(self.norm(x[0, 1:]), self.lm_head.to(x.dtype))
-        return logits.argmax(-1)
+        hidden_normed = self.norm(x[0])  # [B, H]
+        logits = F.linear(hidden_normed, self.lm_head.to(x.dtype))
+        first = self.config.first_slot
+        features = hidden_normed[first:]
+        if self.markov_head is None:
+            guesses = logits[first:].argmax(-1)
+        else:
+            head, shift = self.markov_head, int(self.config.sample_from_anchor)
+            tokens = [torch.tensor(anchor_token, device=dev)]  # tokens[m]: the token at position T + m
+            state, e_prevs = hidden_normed.new_zeros(head.rank), []
+            for k in range(self.config.block_size):
+                e_prev = head.markov_w1(tokens[max(k + shift - 1, 0)]).to(x.dtype)
+                e, state = head.step(e_prev, hidden_normed[k], state)
+                if k >= first:
+                    tokens.append((logits[k] + head.markov_w2(e)).argmax())
+                    e_prevs.append(e_prev)
+            guesses = torch.stack(tokens[1:])
+            if self.config.confidence_head_with_markov:
+                features = torch.cat([features, torch.stack(e_prevs)], dim=-1)
+        if not with_confidence:
+            return guesses
+        return guesses, torch.sigmoid(self.confidence_head(features).float())
 
 
 def slot_metrics(out: DrafterOutput) -> Dict[str, torch.Tensor]:
@@ -707,8 +832,9 @@ def slot_metrics(out: DrafterOutput) -> Dict[str, torch.Tensor]:
     alpha_sum [B] (acceptance estimates of the valid slots, over acc_count), tau_sum (sum over valid blocks
     of 1 + leading matches), blocks (valid block count)."""
     match = (out.draft_argmax == out.teacher_argmax) & out.slot_mask
-    valid_block = out.slot_mask[..., 1]  # an anchor is eligible only if slot 1 is trainable (SPEC §3)
-    leading = match[..., 1:].long().cumprod(-1).sum(-1)
+    first = out.first_slot
+    valid_block = out.slot_mask[..., first]  # an anchor is eligible only if its first predicting slot trains (SPEC §3)
+    leading = match[..., first:].long().cumprod(-1).sum(-1)
     return {
         "acc_hits": match.flatten(0, 1).sum(0).float(),
         "acc_count": out.slot_mask.flatten(0, 1).sum(0).float(),

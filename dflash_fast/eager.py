@@ -195,6 +195,17 @@ class DPace(NamedTuple):
     block_size: int
 
 
+class Markov(NamedTuple):
+    """The DSpark Markov bias (SPEC §8) as a rank-r extension of the lm_head GEMM: the drafter logits of row n
+    are lm_head(norm(h_n)) + w2 @ e_n, i.e. [norm(h_n), e_n] against [lm_head, w2].
+
+    e: [N, r] the row's rank-r vector (vanilla: W1[prev]; gated, rnn: their transform of it), in h.dtype;
+    w2: [V, r] in h.dtype. Both receive gradients through the loss."""
+
+    e: torch.Tensor
+    w2: torch.Tensor
+
+
 class LossOutput(NamedTuple):
     """loss: scalar (differentiable); kl: scalar KL(p||q) metric for the kinds with a soft teacher (`has_kl`),
     else None; draft_argmax, teacher_argmax: [N] int64 (teacher_argmax is the label the loss used);
@@ -231,11 +242,22 @@ def check_loss_inputs(
     kind: str,
     teacher: Teacher,
     dpace: Optional[DPace],
+    markov: Optional[Markov] = None,
 ) -> None:
     """Shapes, dtypes and the inputs each kind needs, for the eager loss and the kernel alike."""
     n, hid = h.shape if h.dim() == 2 else (None, None)
     if kind not in LOSS_KINDS:
         raise ValueError(f"loss kind {kind!r} is not one of {LOSS_KINDS}")
+    if markov is not None and (
+        markov.e.dim() != 2 or markov.e.shape[0] != h.shape[0] or markov.w2.dim() != 2
+        or markov.w2.shape != (lm_head_weight.shape[0], markov.e.shape[1])
+        or markov.e.dtype != h.dtype or markov.w2.dtype != h.dtype
+    ):
+        raise ValueError(
+            f"markov.e must be [N, r] and markov.w2 [V, r] in {h.dtype} (N = {h.shape[0]}, V = "
+            f"{lm_head_weight.shape[0]}); got {tuple(markov.e.shape)} {markov.e.dtype} and "
+            f"{tuple(markov.w2.shape)} {markov.w2.dtype}"
+        )
     if h.dim() != 2 or lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != hid:
         raise ValueError(
             f"h must be [N, H] and lm_head_weight [V, H]; got {tuple(h.shape)} and {tuple(lm_head_weight.shape)}"
@@ -320,6 +342,7 @@ def lm_head_loss(
     eps: float,
     teacher: Teacher,
     dpace: Optional[DPace] = None,
+    markov: Optional[Markov] = None,
 ) -> LossOutput:
     """Drafter norm + lm_head + loss against the teacher (SPEC §5), materialised logits.
 
@@ -335,11 +358,15 @@ def lm_head_loss(
       ce_data -- hard CE against teacher.labels [N] (the dataset tokens).
       kl_topk -- soft CE against the stored top-k teacher: p_i = exp(topk_logits - topk_lse)
                  over topk_ids [N, k] plus the rest mass 1 - sum p_i on "every other token".
+    markov (DSpark, SPEC §8): the drafter logits are lm_head(norm(h)) + markov.w2 @ markov.e (`Markov`).
       tv, lk, lk_hybrid, rkl, jsd -- against p = softmax(t) as kl (`dense_row_losses`).
     alpha: see `LossOutput`.
     """
-    check_loss_inputs(h, norm_weight, lm_head_weight, weights, kind, teacher, dpace)
-    logits = F.linear(rms_norm(h, norm_weight, eps), lm_head_weight).float()  # [N, V]
+    check_loss_inputs(h, norm_weight, lm_head_weight, weights, kind, teacher, dpace, markov)
+    logits = F.linear(rms_norm(h, norm_weight, eps), lm_head_weight)
+    if markov is not None:
+        logits = logits + F.linear(markov.e, markov.w2)
+    logits = logits.float()  # [N, V]
     logq = torch.log_softmax(logits, dim=-1)
     kl_row = alpha = None
     if needs_last(kind, teacher.labels is not None):

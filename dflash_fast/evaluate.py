@@ -19,6 +19,12 @@ before the output is cut at eos / max_new_tokens; `acceptance_histogram[n]`
 counts the blocks that accepted exactly n drafted tokens. `tau_offline` runs
 the drafter's training forward over the target's own greedy output (an anchor
 at every eligible response position) and averages SPEC §6's per-block value.
+
+DSpark drafters (SPEC §8) draft their block as the engines do, slot k's Markov bias from the token drafted
+at slot k-1 (DFlashDrafter.propose); with sample_from_anchor they draft B tokens, so a verification block
+is B + 1 tokens. With a confidence head, `confidence_calibration` compares per drafted position j the
+head's mean predicted acceptance with the measured one, both over the blocks that reached j (accepted
+drafts 1..j-1).
 """
 import copy
 import json
@@ -36,8 +42,9 @@ from dflash_fast.regenerate import add_model_arguments, encode_prompt, eos_token
 from dflash_fast.store import check_layer_ids, default_layer_ids
 from dflash_fast.target import check_target, final_norm_module, tapped_layers
 
-# propose(hidden [T, K, H_t] of positions 0..T-1, anchor token x_T, context_ids [T+1] = x_0..x_T) -> [B-1] guesses.
-Proposer = Callable[[torch.Tensor, int, torch.Tensor], torch.Tensor]
+# propose(hidden [T, K, H_t] of positions 0..T-1, anchor token x_T, context_ids [T+1] = x_0..x_T) -> [B-1] guesses,
+# or (guesses, their predicted acceptance probabilities [B-1]).
+Proposer = Callable[[torch.Tensor, int, torch.Tensor], Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]]
 
 
 class Step(NamedTuple):
@@ -127,6 +134,7 @@ class SpecResult(NamedTuple):
     anchors: List[int]  # position of each block's anchor x_T
     recompute_forwards: int
     seconds: float
+    confidence: Optional[List[List[float]]] = None  # per block, the proposer's acceptance probability per draft
 
 
 def _finished(tokens: List[int], max_new_tokens: int, eos: Sequence[int]) -> bool:
@@ -160,10 +168,13 @@ def speculative_generate(
     step = runner.forward(prompt_ids)
     cache, hidden = step.cache, step.hidden
     seq = list(prompt_ids) + [int(step.logits[-1].argmax())]
-    accepted, anchors, recomputes = [], [], 0
+    accepted, anchors, recomputes, confidence = [], [], 0, []
     while not _finished(seq[len(prompt_ids) :], max_new_tokens, eos):
         anchor = seq[-1]
         drafts = propose(hidden, anchor, torch.tensor(seq, device=runner.device))
+        if isinstance(drafts, tuple):
+            drafts, predicted = drafts
+            confidence.append([float(c) for c in predicted.reshape(-1).tolist()])
         drafts = [int(t) for t in torch.as_tensor(drafts).reshape(-1).tolist()]
         if len(drafts) != block_size - 1:
             raise ValueError(
@@ -183,7 +194,8 @@ def speculative_generate(
             recomputes += rollback(runner, cache, saved, block, n + 1)
     _sync(runner.device)
     return SpecResult(
-        _cut(seq[len(prompt_ids) :], max_new_tokens, eos), accepted, anchors, recomputes, time.perf_counter() - t0
+        _cut(seq[len(prompt_ids) :], max_new_tokens, eos), accepted, anchors, recomputes, time.perf_counter() - t0,
+        confidence or None,
     )
 
 
@@ -237,7 +249,8 @@ def offline_tau(
     tau_sum, blocks = 0.0, 0
     for a in range(0, len(anchors), anchors_per_forward):
         chunk = torch.tensor([anchors[a : a + anchors_per_forward]], device=runner.device)
-        out = drafter(dict(row, anchors=chunk, anchor_valid=torch.ones_like(chunk, dtype=torch.bool)), loss_kind="ce")
+        # kl: the full teacher of `last` (its argmax is ce's label; a DSpark confidence head needs the full teacher)
+        out = drafter(dict(row, anchors=chunk, anchor_valid=torch.ones_like(chunk, dtype=torch.bool)), loss_kind="kl")
         m = slot_metrics(out)
         tau_sum += float(m["tau_sum"])
         blocks += int(m["blocks"])
@@ -326,8 +339,10 @@ def _proposal(drafter, model, target: str, block_size: Optional[int], layer_ids)
     if isinstance(drafter, DFlashDrafter):
         _check_drafter(drafter, model)
         module = drafter.to(device=model.device, dtype=model.dtype).eval()
-        return Proposal(module, lambda hidden, anchor, _ids: module.propose(hidden, anchor),
-                        module.config.block_size, list(module.config.layer_ids))
+        cfg, with_confidence = module.config, module.confidence_head is not None
+        # verification block: the anchor and the drafted tokens (B of them with sample_from_anchor)
+        return Proposal(module, lambda hidden, anchor, _ids: module.propose(hidden, anchor, with_confidence),
+                        cfg.block_size + int(cfg.sample_from_anchor), list(cfg.layer_ids))
     if callable(drafter):
         if block_size is None:
             raise ValueError("a proposer callable needs block_size (B: the anchor plus B-1 drafted tokens)")
@@ -346,12 +361,22 @@ class Tally:
         self.by_context: Dict[int, List[int]] = {}
         self.spec_tokens, self.spec_s, self.greedy_tokens, self.greedy_s = 0, 0.0, 0, 0.0
         self.recompute, self.mismatches, self.tau_sum, self.blocks = 0, 0, 0.0, 0
+        # confidence calibration per drafted position j (index j - 1): blocks that reached j, the predicted
+        # acceptance summed over them, and how many of them accepted draft j
+        self.reached, self.predicted, self.accepted_at = ([0.0] * (block_size - 1) for _ in range(3))
+        self.with_confidence = False
 
     def add_speculative(self, spec: SpecResult) -> None:
         for anchor, n in zip(spec.anchors, spec.accepted):
             self.histogram[n] += 1
             lo, _ = context_bucket(anchor + 1)  # x_0..x_T: the prompt and every token generated so far
             self.by_context.setdefault(lo, [0] * self.block_size)[n] += 1
+        for predicted, n in zip(spec.confidence or [], spec.accepted):
+            self.with_confidence = True
+            for j in range(min(n + 1, self.block_size - 1)):  # drafts 1..n accepted, draft n + 1 reached
+                self.reached[j] += 1
+                self.predicted[j] += predicted[j]
+                self.accepted_at[j] += j < n
         self.spec_tokens += len(spec.tokens)
         self.spec_s += spec.seconds
         self.recompute += spec.recompute_forwards
@@ -386,6 +411,17 @@ def _decode_all(runner: TargetRunner, encoded: List[List[int]], proposal: Propos
     return tally
 
 
+def confidence_calibration(tally: Tally) -> Optional[List[Dict]]:
+    """Per drafted position j: the blocks that reached it, the confidence head's mean predicted acceptance and the
+    measured acceptance over them (None where no block reached j); None without a confidence head."""
+    if not tally.with_confidence:
+        return None
+    return [{"position": j + 1, "blocks": int(reached),
+             "predicted": tally.predicted[j] / reached if reached else None,
+             "measured": tally.accepted_at[j] / reached if reached else None}
+            for j, reached in enumerate(tally.reached)]
+
+
 def _report(tally: Tally, baseline: bool, **header) -> Dict:
     report = {
         **header,
@@ -393,6 +429,7 @@ def _report(tally: Tally, baseline: bool, **header) -> Dict:
         "acceptance_histogram": tally.histogram,
         "acceptance_by_context": acceptance_by_context(tally.by_context),
         "acceptance_by_position": acceptance_by_position(tally.histogram),
+        "confidence_calibration": confidence_calibration(tally),
         "verify_forwards": sum(tally.histogram),
         "recompute_forwards": tally.recompute,
         "new_tokens": tally.spec_tokens,
@@ -475,6 +512,10 @@ def summary(report: Dict) -> str:
     lines.append("accepted by drafted position (fraction of blocks; given the one before):")
     lines += [f"  {p['position']:>3}: {num(p['accepted'], 3)} ({num(p['conditional'], 3)})"
               for p in report["acceptance_by_position"]]
+    if report.get("confidence_calibration"):
+        lines.append("confidence head by drafted position: predicted vs measured acceptance (blocks reaching it):")
+        lines += [f"  {c['position']:>3}: {num(c['predicted'], 3)} vs {num(c['measured'], 3)} ({c['blocks']})"
+                  for c in report["confidence_calibration"]]
     return "\n".join(lines)
 
 

@@ -5,7 +5,11 @@
                             layers.{i}.{self_attn,mlp,...}, norm (embedding, lm_head and final norm are the target's)
 
     speculators  read by vLLM and vllm-project/speculators: {speculators_model_type: "dflash",
-                 transformer_layer_config: a Qwen3 config, aux_hidden_state_layer_ids = ids + 1, block_size, ...}
+                 transformer_layer_config: a Qwen3 config, aux_hidden_state_layer_ids = ids + 1, block_size, ...};
+                 a DSpark drafter (SPEC §8) as speculators_model_type "dspark" (vLLM's `dspark` method) with
+                 sample_from_anchor, markov_rank, markov_head_type, enable_confidence_head,
+                 confidence_head_with_markov and the heads' weights markov_head.markov_w1 / markov_w2,
+                 confidence_head.proj
     zlab         read by SGLang and vLLM, the layout of z-lab's published drafters: a flat Qwen3 config with
                  architectures ["DFlashDraftModel"], block_size, num_target_layers,
                  dflash_config {target_layer_ids = ids, mask_token_id, block_size}
@@ -30,7 +34,6 @@ import tempfile
 from typing import Callable, Dict, List, Optional
 
 import torch
-import torch.nn.functional as F
 
 from dflash_fast import ops
 from dflash_fast.checkpoint import load_drafter_for_export
@@ -71,7 +74,16 @@ ARCHITECTURE = (
     "num_layers",
     "layer_windows",
     "layer_causal",
+    # DSpark (SPEC §8); DFlash drafters: false, 0, "vanilla", false, true
+    "sample_from_anchor",
+    "markov_rank",
+    "markov_head_type",
+    "confidence_head",
+    "confidence_head_with_markov",
 )
+# The DSpark fields of a DFlash drafter (DrafterConfig's defaults): what a view of a DFlash-only layout serves.
+DFLASH_ONLY = dict(sample_from_anchor=False, markov_rank=0, markov_head_type="vanilla", confidence_head=False,
+                   confidence_head_with_markov=True)
 # Tensors other tools save next to the drafter that come from the target here: speculators' DFlashDraftModel
 # saves embed_tokens / lm_head (src/speculators/models/dflash/core.py, _keys_to_ignore_on_load_missing).
 FROZEN_TENSORS = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight")
@@ -86,6 +98,10 @@ HINTS = {
     "or export the other format)",
     "rope_parameters": "SGLang's DFlash rotates all head_dim channels (get_rope(rotary_dim=head_dim)): export "
     "a drafter with partial_rotary_factor 1 to the zlab format, or use the speculators format (vLLM applies it)",
+    "markov_head_type": "vLLM's DSpark (qwen3_dspark.py, DSparkMarkovHead) serves the vanilla Markov head only: "
+    "train model.markov_head_type=vanilla to serve with vLLM",
+    "markov_rank": "the z-lab layout (SGLang's and vLLM's dflash method) has no DSpark heads: export a DSpark drafter "
+    "in the speculators format",
     "target_hidden_size": "speculators and SGLang size fc from the drafter's hidden_size: the drafter's hidden size "
     "must equal the target's",
 }
@@ -143,14 +159,28 @@ def _metadata(cfg: DrafterConfig, verifier: str) -> Dict:
     }
 
 
+def is_dspark(cfg: DrafterConfig) -> bool:
+    """The drafter has a DSpark field other than DFlash's (SPEC §8): exported as speculators' `dspark` type."""
+    return any(getattr(cfg, key) != value for key, value in DFLASH_ONLY.items())
+
+
 def speculators_config(cfg: DrafterConfig, verifier: str) -> Dict:
-    """config.json of the speculators layout."""
+    """config.json of the speculators layout (DSpark fields as speculators' DSparkSpeculatorConfig names them)."""
     # vLLM turns this flag into one in-block rule for EVERY layer (update_dflash: dflash_config.causal = not
     # sliding_window_non_causal): true unless a sliding layer is causal, so full-layer drafters stay bidirectional.
     causal_sliding = any(c for c, kind in zip(cfg.causal_in_block, cfg.layer_types) if kind == "sliding")
+    algorithm = "dspark" if is_dspark(cfg) else "dflash"
+    dspark = {}
+    if algorithm == "dspark":
+        dspark = {
+            "markov_rank": cfg.markov_rank,
+            "markov_head_type": cfg.markov_head_type,
+            "enable_confidence_head": cfg.confidence_head,
+            "confidence_head_with_markov": cfg.confidence_head_with_markov,
+        }
     return {
-        "speculators_model_type": "dflash",
-        "architectures": ["DFlashDraftModel"],
+        "speculators_model_type": algorithm,
+        "architectures": ["DSparkDraftModel" if algorithm == "dspark" else "DFlashDraftModel"],
         "transformer_layer_config": qwen3_layer(cfg),
         "aux_hidden_state_layer_ids": [i + 1 for i in cfg.layer_ids],
         "block_size": cfg.block_size,
@@ -158,10 +188,13 @@ def speculators_config(cfg: DrafterConfig, verifier: str) -> Dict:
         "draft_vocab_size": cfg.vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
         "sliding_window_non_causal": not causal_sliding,
-        "sample_from_anchor": False,  # slot 0 is the given token, never drafted (SPEC §5)
+        "sample_from_anchor": cfg.sample_from_anchor,  # false: slot 0 is the given token, never drafted (SPEC §5)
+        **dspark,
         "speculators_config": {
-            "algorithm": "dflash",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.block_size - 1}],
+            "algorithm": algorithm,
+            # speculators (_build_base_config_kwargs): block_size tokens with sample_from_anchor, else block_size - 1
+            "proposal_methods": [{"proposal_type": "greedy",
+                                  "speculative_tokens": cfg.block_size - 1 + int(cfg.sample_from_anchor)}],
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": verifier, "architectures": []},
         },
@@ -193,7 +226,7 @@ def format_config(cfg: DrafterConfig, fmt: str, verifier: str) -> Dict:
 
 def export_format(config: Dict) -> Optional[str]:
     """'speculators', 'zlab', or None for a config.json that is neither."""
-    if config.get("speculators_model_type") == "dflash":
+    if config.get("speculators_model_type") in ("dflash", "dspark"):
         return "speculators"
     if "DFlashDraftModel" in (config.get("architectures") or []) and isinstance(config.get("dflash_config"), dict):
         return "zlab"
@@ -222,7 +255,14 @@ def architecture(cfg: DrafterConfig) -> Dict:
         "num_layers": cfg.num_layers,
         "layer_windows": [cfg.sliding_window if k == "sliding" else None for k in cfg.layer_types],
         "layer_causal": list(cfg.causal_in_block),
+        **_dspark_fields(*(getattr(cfg, key) for key in DFLASH_ONLY)),
     }
+
+
+def _dspark_fields(sample_from_anchor, markov_rank, markov_head_type, confidence_head, with_markov) -> Dict:
+    """The DSpark fields of `ARCHITECTURE`; without a confidence head its input is moot and reads as true."""
+    return dict(sample_from_anchor=sample_from_anchor, markov_rank=markov_rank, markov_head_type=markov_head_type,
+                confidence_head=confidence_head, confidence_head_with_markov=with_markov or not confidence_head)
 
 
 def _rope(params: Dict) -> Dict:
@@ -303,8 +343,9 @@ def _speculators_view(config: Dict) -> Dict:
     where = "speculators (DFlashSpeculatorConfig / DFlashDraftModel)"
     hf = _hf_config(_need(config, "transformer_layer_config", where), where)
     aux = _int_list(_need(config, "aux_hidden_state_layer_ids", where), "aux_hidden_state_layer_ids")
-    if config.get("sample_from_anchor", False):
-        raise ExportError(f"{where}: sample_from_anchor=true drafts slot 0 too; dflash-fast drafters never do")
+    dspark = config.get("speculators_model_type") == "dspark"
+    if config.get("sample_from_anchor", False) and not dspark:
+        raise ExportError(f"{where}: a DFlash drafter with sample_from_anchor=true: dflash-fast trains that as DSpark")
     rope = hf.rope_parameters
     if "rope_type" not in rope and "sliding_attention" in rope:
         raise ExportError(f"{where}: per-layer-type rope_parameters; dflash-fast drafters use one RoPE")
@@ -321,7 +362,39 @@ def _speculators_view(config: Dict) -> Dict:
         "rope_parameters": _rope(rope),
         "layer_windows": [hf.sliding_window if t == "sliding_attention" else None for t in types],
         "layer_causal": [t == "sliding_attention" and not non_causal for t in types],
+        **(_speculators_dspark(config) if dspark else DFLASH_ONLY),
     }
+
+
+def _speculators_dspark(config: Dict) -> Dict:
+    """speculators' DSparkSpeculatorConfig (models/dspark/config.py) defaults: sample_from_anchor true, markov_rank
+    256, vanilla, enable_confidence_head true, confidence_head_with_markov true; DSparkDraftModel builds no Markov
+    head at markov_rank 0."""
+    return _dspark_fields(
+        bool(config.get("sample_from_anchor", True)),
+        config.get("markov_rank", 256),
+        config.get("markov_head_type", "vanilla"),
+        bool(config.get("enable_confidence_head", True)),
+        bool(config.get("confidence_head_with_markov", True)),
+    )
+
+
+def _vllm_dspark(config: Dict, where: str) -> Dict:
+    """vLLM's dspark method: algos.py update_dspark surfaces markov_rank, markov_head_type, enable_confidence_head,
+    confidence_head_with_markov and dspark_bonus_anchor = not sample_from_anchor (default true); qwen3_dspark.py
+    always builds a vanilla DSparkMarkovHead of markov_rank (W1[prev] -> W2, no gate or recurrence), the confidence
+    head only with enable_confidence_head (default false), reading [hidden, W1[prev]] only with
+    confidence_head_with_markov (default false)."""
+    rank = config.get("markov_rank")
+    if not is_int(rank) or rank < 1:
+        raise ExportError(f"{where}: markov_rank={rank!r}; vLLM's DSpark builds a Markov head of that rank (>= 1)")
+    return _dspark_fields(
+        bool(config.get("sample_from_anchor", True)),
+        rank,
+        "vanilla",
+        bool(config.get("enable_confidence_head", False)),
+        bool(config.get("confidence_head_with_markov", False)),
+    )
 
 
 def _vllm_layers(hf, where: str):
@@ -397,16 +470,19 @@ def _vllm_speculators_view(config: Dict) -> Dict:
         raise ExportError(f"config.json has no speculators_config.proposal_methods[0].speculative_tokens ({where})")
     windows, causal = _vllm_layers(hf, where)
     _check_vocab(config.get("draft_vocab_size") or hf.vocab_size, hf.vocab_size, where)
+    dspark = _vllm_dspark(config, where) if config.get("speculators_model_type") == "dspark" else DFLASH_ONLY
     return {
         **_common(hf, where, getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads),
         "vocab_size": hf.vocab_size,
         "target_hidden_size": config.get("target_hidden_size") or hf.hidden_size,
         "layer_ids": layer["dflash_config"]["target_layer_ids"],
         "mask_token_id": config["mask_token_id"],
-        "block_size": tokens + 1,
+        # the anchor is a bonus token (one more slot than drafted tokens) unless it samples from the anchor
+        "block_size": tokens + 1 - int(dspark["sample_from_anchor"]),
         "rope_parameters": _vllm_rope(hf),
         "layer_windows": windows,
         "layer_causal": causal,
+        **dspark,
     }
 
 
@@ -457,6 +533,7 @@ def _sglang_view(config: Dict) -> Dict:
         "rope_parameters": rope,
         "layer_windows": [hf.sliding_window if t == "sliding_attention" else None for t in types],
         "layer_causal": [t == "sliding_attention" for t in types],
+        **DFLASH_ONLY,
     }
 
 
@@ -478,6 +555,7 @@ def _vllm_zlab_view(config: Dict) -> Dict:
         "rope_parameters": _vllm_rope(hf),
         "layer_windows": windows,
         "layer_causal": causal,
+        **DFLASH_ONLY,
     }
 
 
@@ -494,7 +572,8 @@ def served_architectures(config: Dict) -> Dict[str, Dict]:
     fmt = export_format(config)
     if fmt is None:
         raise ExportError(
-            "config.json is not a DFlash drafter: it has neither speculators_model_type 'dflash' (speculators layout) "
+            "config.json is not a DFlash drafter: it has neither speculators_model_type 'dflash' or 'dspark' "
+            "(speculators layout) "
             "nor architectures ['DFlashDraftModel'] with a dflash_config (z-lab layout)"
         )
     served = {}
@@ -742,15 +821,18 @@ def gate_batch(cfg: DrafterConfig, seed: int = 0) -> Dict[str, torch.Tensor]:
         "input_ids": torch.randint(0, cfg.vocab_size, (1, t), generator=g),
         "position_ids": torch.arange(t)[None],
         "document_ids": torch.zeros(1, t, dtype=torch.long),
+        "loss_mask": torch.ones(1, t, dtype=torch.bool),
         "anchors": anchors,
         "anchor_valid": torch.ones_like(anchors, dtype=torch.bool),
     }
 
 
 def gate_logits(drafter: DFlashDrafter, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
-    """fp32 logits of every block slot [1, A*B, V] on the eager ops (the SPEC's reference semantics)."""
+    """fp32 logits of every block slot [1, A*B, V] on the eager ops (the SPEC's reference semantics); a DSpark
+    drafter's with the Markov bias, and its confidence logit as one more column [1, A*B, V + 1]."""
     with torch.no_grad(), ops.backend("eager"):
-        return F.linear(drafter.norm(drafter.batch_states(batch)), drafter.lm_head)
+        logits, confidence = drafter.block_logits(batch)
+    return logits if confidence is None else torch.cat([logits, confidence[..., None]], dim=-1)
 
 
 def gate(export_dir: str, trained: DrafterConfig, tensors: Dict[str, torch.Tensor]) -> None:

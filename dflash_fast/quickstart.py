@@ -26,6 +26,8 @@ REPO = os.path.dirname(PACKAGE)
 ASSETS = os.path.join(PACKAGE, "assets")
 TARGET = os.path.join(ASSETS, "target")
 MAX_SEQ_LEN = 512  # tokens per document kept (extract --max-seq-len); tiny.yaml packs rows of 512
+# --drafter: the training config of each drafter kind (DSpark: docs/dspark.md)
+DRAFTER_CONFIGS = {"dflash": "tiny.yaml", "dspark": "tiny_dspark.yaml"}
 
 
 def train_command(config: str, overrides: List[str]) -> List[str]:
@@ -81,10 +83,13 @@ def quickstart(
     progress: bool = True,
     store_dtype: str = "fp32",
     online: bool = False,
+    drafter: str = "dflash",
 ) -> Dict:
     """Run every stage into `out`; returns the eval report (also written to OUT/eval.json).
     store_dtype: the store's --dtype (fp32, bf16, fp16 or fp8). online: no store; the trainer runs the target
-    over the regenerated JSONL itself (data.source=online), rounding the hidden states as `store_dtype` would."""
+    over the regenerated JSONL itself (data.source=online), rounding the hidden states as `store_dtype` would.
+    drafter: `dflash` (configs/tiny.yaml) or `dspark` (configs/tiny_dspark.yaml: DFlash plus DSpark's heads)."""
+    config = os.path.join(REPO, "configs", DRAFTER_CONFIGS[drafter])
     os.makedirs(out, exist_ok=True)
     t0 = time.perf_counter()
     stage = lambda name: print(f"\n== {name} ({time.perf_counter() - t0:.0f}s)", flush=True)
@@ -100,12 +105,12 @@ def quickstart(
         store = build_store(out, num_prompts, max_new_tokens, progress, stage, store_dtype)
         overrides.append(f"data.store={store}")
 
-    stage("3/5 train: deepspeed train.py --config configs/tiny.yaml")
+    stage(f"3/5 train: deepspeed train.py --config configs/{DRAFTER_CONFIGS[drafter]}")
     if epochs:
         overrides.append(f"schedule.epochs={epochs}")
     if checkpoint_tags(os.path.join(run_dir, "checkpoints")):
         overrides.append("--resume")
-    cmd = train_command(os.path.join(REPO, "configs", "tiny.yaml"), overrides + list(extra_overrides))
+    cmd = train_command(config, overrides + list(extra_overrides))
     print(" ".join(cmd), flush=True)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(os.cpu_count() or 1)))
     code = subprocess.run(cmd, env=env).returncode
@@ -138,7 +143,10 @@ def quickstart(
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--out", default="out/quickstart", help="working directory (re-running resumes)")
+    parser.add_argument("--out", default=None,
+                        help="working directory (re-running resumes); default out/quickstart, out/quickstart_dspark")
+    parser.add_argument("--drafter", choices=sorted(DRAFTER_CONFIGS), default="dflash",
+                        help="dflash (configs/tiny.yaml) or dspark (configs/tiny_dspark.yaml, docs/dspark.md)")
     parser.add_argument("--num-prompts", type=int, default=300, help="training prompts to regenerate")
     parser.add_argument("--eval-prompts", type=int, default=40, help="held-out prompts for eval")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="response length when regenerating")
@@ -153,7 +161,7 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     quickstart(
-        args.out,
+        args.out or ("out/quickstart" if args.drafter == "dflash" else f"out/quickstart_{args.drafter}"),
         args.num_prompts,
         args.eval_prompts,
         args.max_new_tokens,
@@ -162,5 +170,6 @@ def run(args) -> int:
         args.overrides,
         store_dtype=args.dtype,
         online=args.online,
+        drafter=args.drafter,
     )
     return 0

@@ -100,7 +100,7 @@ class Trainer:
         self.precision, self.dtype = resolve_precision(cfg.precision)
         drafter = build_run_drafter(cfg, self.store.path, manifest, self.target, self.loss_kind, self.dtype, self.log)
         self.export_format = export_format(cfg, drafter.config)
-        self.block_size = drafter.config.block_size
+        self.block_size, self.sample_from_anchor = drafter.config.block_size, drafter.config.sample_from_anchor
 
         ds = deepspeed_config(cfg.deepspeed, cfg, self.precision)
         # No register_external_parameter for fc, hidden_norm and norm (read by DFlashDrafter.forward, not by their
@@ -184,12 +184,13 @@ class Trainer:
             seed=seed,
             weighting=loss.weighting,
             dpace_alpha=loss.dpace_alpha,
+            confidence_alpha=loss.confidence_alpha,
         )
 
     def _fetch(self) -> Tuple[List[Dict[str, torch.Tensor]], List[int], float]:
         """The step's micro-batches, each one's valid slot count, and the step's count over every rank (>= 1)."""
         micro = [next(self.stream) for _ in range(self.cfg.schedule.grad_accum)]
-        counts = [int(slot_targets(b, self.block_size).slot_mask.sum()) for b in micro]
+        counts = [int(slot_targets(b, self.block_size, self.sample_from_anchor).slot_mask.sum()) for b in micro]
         total = torch.tensor(float(sum(counts)), dtype=torch.float64, device=self.device)
         dist.all_reduce(total)
         return micro, counts, max(float(total), 1.0)

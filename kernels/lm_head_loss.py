@@ -14,6 +14,9 @@ Math (per drafter row n; s = drafter logits, t = teacher logits, fp32-accumulate
     dl/ds_v = c q_v - target_v, q = softmax(s), c = sum of the target mass (1 except kl_topk)
     tv, lk, lk_hybrid, rkl, jsd: functions of q, p and alpha = sum_v min(p_v, q_v) (eager.dense_row_losses);
     their gradients in `_dense_grad`. alpha [N] comes out for every kind (eager.LossOutput).
+    DSpark (markov, SPEC §8): s_v = xd_n . W_v + e_n . W2_v, i.e. [xd_n, e_n] against [W, W2]: the Markov bias
+    is r more columns of the same GEMM (no [N, V] bias); de_n = w_n/denom dl/ds_n @ W2, dW2 = sum_n w_n/denom
+    dl/ds_n e_n^T; alpha_n = sum_v min(q_v, p_v) (the confidence target) comes out of pass 4 as for every kind.
     row weight w_n = weights_n, or weights_n * D-PACE_n (eager.dpace_weights, from the confidence
     exp(s_y - lse(s)) of the label y the loss reports as teacher_argmax); loss = sum_n w_n l_n / denom.
 
@@ -39,7 +42,8 @@ once per chunk, not once per slot.
   6. `_matmul_bwd_kernel`: dxd = dlogits @ W [C, H] fp32 (K = V), then `rms_norm_backward` ->
      dh of the chunk and its share of d norm_weight; with a trainable lm_head also
      dW += dlogits^T @ (w/denom * xd) into an fp32 accumulator [V, H] (tile order: one row tile of
-     dW for every column tile before the next, so each dlogits tile is read once).
+     dW for every column tile before the next, so each dlogits tile is read once); with DSpark's Markov
+     bias the same two GEMMs against W2 [V, r]: de [C, r] and dW2 += [V, r] (fp32 accumulator).
 
 FLOPs, in GEMM units of 2 N V H (~10.2 TFLOP at N = 8192, H = 4096, V = 151936):
   kl, tv, lk, lk_hybrid, rkl, jsd, ce against argmax(t): 1 (s) + U/N (t, U = sum_c U_c: ~0.35 N at the
@@ -47,6 +51,7 @@ FLOPs, in GEMM units of 2 N V H (~10.2 TFLOP at N = 8192, H = 4096, V = 151936):
   ce with stored labels, ce_data, kl_topk: 1 + 1 = 2;  +1 each when lm_head trains (dW)
   without a gradient: 1 + U/N, or 1.
   eager: kl 3 (+1), ce 2 (+1), but it streams [N, V] fp32 tensors a dozen times.
+  DSpark's Markov bias of rank r adds 3 r/H (s, de, dW2): 0.19 at r = 256, H = 4096.
 Why keep the logits of a chunk rather than recompute them for the gradient, or accumulate
 sum_v q_v W_v online (flash-attention style): recomputing costs a GEMM unit per operand (s, and t),
 while the chunk's fp32 logits cost 4 bytes per (row, id) written once and read once or twice (~12 GB
@@ -59,7 +64,8 @@ Memory beyond inputs and outputs, whatever N is: the chunk's fp32 logits [C + U_
 C), its dlogits [C, V] in the input dtype, the partials 3 x [V / LOGITS_BLOCK_V, C + U_max], xd, xt
 and dxd of one chunk, O(N) per-row statistics: ~1.5 GB at V = 151936 in bf16; and, only when
 lm_head trains, the fp32 dW accumulator [V, H] (2.5 GB; summing the chunks in bf16 would round dW
-once per chunk). The only host synchronisation is the chunk plan (the U_c), once per call.
+once per chunk); with DSpark's Markov bias the fp32 dW2 accumulator [V, r] (156 MB at r = 256) and de.
+The only host synchronisation is the chunk plan (the U_c), once per call.
 Offsets that scale with rows * V, V * H or rows * H are int64: N * V is already 1.2e9 at N = 8192.
 """
 import math
@@ -83,6 +89,7 @@ from dflash_fast.eager import (
     LK_MIN_ALPHA,
     DPace,
     LossOutput,
+    Markov,
     Teacher,
     check_loss_inputs,
     dpace_weights,
@@ -133,11 +140,13 @@ def _tile_order(pid, n_m, n_n, group_m):
     return first_m + (pid % width) % rows, (pid % width) // rows
 
 
-@triton.autotune(configs=_LOGITS_TILES, key=["H"])
+@triton.autotune(configs=_LOGITS_TILES, key=["H", "HAS_BIAS"])
 @triton.jit
 def _logits_fwd_kernel(
     x_ptr,
     w_ptr,
+    e_ptr,
+    w2_ptr,
     logits_ptr,
     max_ptr,
     sum_ptr,
@@ -145,17 +154,22 @@ def _logits_fwd_kernel(
     M,
     V,
     H,
+    R,
     n_store,
+    n_bias,
     stride_w,
+    stride_w2,
     group_m,
+    HAS_BIAS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """logits[m] = x[m] @ W^T (fp32) for the rows m < n_store, and for every row its tile's softmax
-    partials: max, sum of exp(x - max), first argmax. x: [M, H]; W: [V, H]; logits: [n_store, V];
-    max, sum, arg: [cdiv(V, BLOCK_V), M] (arg int32, a vocabulary id)."""
+    """logits[m] = x[m] @ W^T (+ e[m] @ W2^T for the rows m < n_bias, HAS_BIAS: DSpark's Markov bias, the
+    same accumulator over R more columns) (fp32) for the rows m < n_store, and for every row its tile's
+    softmax partials: max, sum of exp(x - max), first argmax. x: [M, H]; W: [V, H]; e: [n_bias, R];
+    W2: [V, R]; logits: [n_store, V]; max, sum, arg: [cdiv(V, BLOCK_V), M] (arg int32, a vocabulary id)."""
     i_m, i_v = _tile_order(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(V, BLOCK_V), group_m)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -169,6 +183,16 @@ def _logits_fwd_kernel(
         b_x = tl.load(x_ptr + o_x + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0)
         b_w = tl.load(w_ptr + o_w + o_k[:, None], mask=m_k[:, None] & m_v[None, :], other=0.0)  # [BLOCK_K, BLOCK_V]
         b_acc = tl.dot(b_x, b_w, b_acc, input_precision=DOT_PRECISION)
+    if HAS_BIAS:
+        m_e = m_m & (o_m < n_bias)
+        o_w2 = o_v.to(tl.int64)[None, :] * stride_w2
+        for k0 in range(0, R, BLOCK_K):
+            o_k = k0 + tl.arange(0, BLOCK_K)
+            m_k = o_k < R
+            b_e = tl.load(e_ptr + o_m.to(tl.int64)[:, None] * R + o_k[None, :], mask=m_e[:, None] & m_k[None, :],
+                          other=0.0)
+            b_w2 = tl.load(w2_ptr + o_w2 + o_k[:, None], mask=m_k[:, None] & m_v[None, :], other=0.0)
+            b_acc = tl.dot(b_e, b_w2, b_acc, input_precision=DOT_PRECISION)
     m_out = (m_m & (o_m < n_store))[:, None] & m_v[None, :]
     tl.store(logits_ptr + o_m.to(tl.int64)[:, None] * V + o_v[None, :], b_acc, mask=m_out)
     # Stored first and read last by the sum of exponentials, the accumulator's registers are free for the
@@ -525,11 +549,12 @@ def chunk_plan(n: int, rows: int, index: Optional[torch.Tensor], num_teacher: in
 
 
 def logits_forward(
-    acts: torch.Tensor, weight: torch.Tensor, logits: torch.Tensor, n_store: int
+    acts: torch.Tensor, weight: torch.Tensor, logits: torch.Tensor, n_store: int, markov: Optional[Markov] = None
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Passes 2-3: normed rows acts [M, H] -> logits[:n_store] = acts[:n_store] @ W^T (fp32), and lse and
-    first argmax [M] of every row."""
+    """Passes 2-3: normed rows acts [M, H] -> logits[:n_store] = acts[:n_store] @ W^T (fp32), plus
+    markov.e @ markov.w2^T on the first len(markov.e) rows, and lse and first argmax [M] of every row."""
     m, hid = acts.shape
+    e, w2 = (markov.e, markov.w2) if markov is not None else (acts, weight)
     v = weight.shape[0]
     tiles = triton.cdiv(v, LOGITS_BLOCK_V)
     part_max = torch.empty(tiles, m, dtype=torch.float32, device=acts.device)
@@ -538,6 +563,8 @@ def logits_forward(
     _logits_fwd_kernel[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * tiles,)](
         acts,
         weight,
+        e,
+        w2,
         logits,
         part_max,
         part_sum,
@@ -545,9 +572,13 @@ def logits_forward(
         m,
         v,
         hid,
+        e.shape[1],
         n_store,
+        e.shape[0] if markov is not None else 0,
         weight.stride(0),
+        w2.stride(0),
         m,  # group_m: every row tile of a vocab tile in one group; a chunk's rows fit in L2
+        HAS_BIAS=markov is not None,
         DOT_PRECISION=dot_precision(acts.dtype),
         BLOCK_V=LOGITS_BLOCK_V,
     )
@@ -702,15 +733,16 @@ def row_losses(kind: str, target: Target, s_label: torch.Tensor, s_ids: torch.Te
 
 
 def lm_head_loss_forward(h, norm_weight, lm_head_weight, weights, kind, normalizer, eps, teacher, dpace=None,
-                         need_grads=(False, False, False)):
-    """Loss, metrics and, for the inputs flagged in need_grads (h, norm_weight, lm_head_weight), d loss.
+                         markov=None, need_grads=(False, False, False, False, False)):
+    """Loss, metrics and, for the inputs flagged in need_grads (h, norm_weight, lm_head_weight, markov.e,
+    markov.w2), d loss.
 
     Arguments (types, shapes) as in `lm_head_loss`. Returns (loss [], kl [] or None, draft_argmax [N],
     teacher_argmax [N], alpha [N] fp32, grads): alpha is each row's acceptance estimate (`LossOutput`, the
-    DSpark confidence target); grads the gradients of h [N, H], norm_weight [H], lm_head_weight [V, H], each
-    None when not flagged.
+    DSpark confidence target); grads the gradients of h [N, H], norm_weight [H], lm_head_weight [V, H],
+    markov.e [N, r], markov.w2 [V, r], each None when not flagged.
     """
-    check_loss_inputs(h, norm_weight, lm_head_weight, weights, kind, teacher, dpace)
+    check_loss_inputs(h, norm_weight, lm_head_weight, weights, kind, teacher, dpace, markov)
     check_device("lm_head_loss", h, lm_head_weight)
     h, weight = h.contiguous(), lm_head_weight if lm_head_weight.stride(1) == 1 else lm_head_weight.contiguous()
     n, hid = h.shape
@@ -736,6 +768,12 @@ def lm_head_loss_forward(h, norm_weight, lm_head_weight, weights, kind, normaliz
     grad_h = torch.empty_like(h) if need_grads[0] else None
     grad_norm = torch.zeros(hid, dtype=torch.float32, device=device) if need_grads[1] else None
     grad_head = torch.zeros(v, hid, dtype=torch.float32, device=device) if need_grads[2] else None
+    r = 0
+    if markov is not None:
+        markov = Markov(markov.e.contiguous(), markov.w2.contiguous())
+        r = markov.e.shape[1]
+    grad_e = torch.empty(n, r, dtype=h.dtype, device=device) if need_grads[3] else None
+    grad_w2 = torch.zeros(v, r, dtype=torch.float32, device=device) if need_grads[4] else None
     for chunk in plan:
         lo, hi = chunk.lo, chunk.hi
         c = hi - lo
@@ -746,7 +784,8 @@ def lm_head_loss_forward(h, norm_weight, lm_head_weight, weights, kind, normaliz
             acts = torch.cat([xd, xt])
         n_store = acts.shape[0] if dense else c
         logits = logits_buf[:n_store]
-        lse, argmax = logits_forward(acts, weight, logits, n_store)
+        chunk_markov = None if markov is None else Markov(markov.e[lo:hi], markov.w2)
+        lse, argmax = logits_forward(acts, weight, logits, n_store, chunk_markov)
         target = chunk_target(kind, teacher, chunk, lse, argmax, v)
         dlogits = dlogits_buf[:c] if need_any else None
         sums = None
@@ -778,12 +817,21 @@ def lm_head_loss_forward(h, norm_weight, lm_head_weight, weights, kind, normaliz
         if grad_head is not None:
             # One row tile of dW for every column tile first (group 1): each dlogits tile is read once.
             matmul_backward(dlogits, (1, v), xd, grad_head, accumulate=lo > 0, group_m=1, scale=row_scale)
+        # DSpark's Markov bias w2 @ e: de = w/denom * dlogits @ w2 [C, r], dw2 += dlogits^T @ (w/denom * e) [V, r]
+        if grad_e is not None:
+            de = torch.empty(c, r, dtype=torch.float32, device=device)
+            matmul_backward(dlogits, (v, 1), markov.w2, de, accumulate=False, group_m=c)
+            grad_e[lo:hi] = de * row_scale[:, None]
+        if grad_w2 is not None:
+            matmul_backward(dlogits, (1, v), chunk_markov.e, grad_w2, accumulate=lo > 0, group_m=1, scale=row_scale)
     loss = (per_row * row_weight).sum() / denom
     kl = None if kl_row is None else (kl_row * row_weight).sum() / denom
     grads = (
         grad_h,
         None if grad_norm is None else grad_norm.to(norm_weight.dtype),
         None if grad_head is None else grad_head.to(weight.dtype),
+        grad_e,
+        None if grad_w2 is None else grad_w2.to(markov.w2.dtype),
     )
     return loss, kl, draft_argmax, teacher_argmax, alpha, grads
 
@@ -794,12 +842,15 @@ def lm_head_loss_backward(grad_loss: torch.Tensor, grads):
 
 
 class LmHeadLossFunction(torch.autograd.Function):
-    """The gradients come out of the forward (the loss is the final scalar); backward scales them."""
+    """The gradients come out of the forward (the loss is the final scalar); backward scales them.
+    Arguments: h, norm_weight, lm_head_weight, markov.e, markov.w2 (None without DSpark's Markov bias), then the
+    rest of `lm_head_loss`'s."""
 
     @staticmethod
-    def forward(ctx, *args):
+    def forward(ctx, h, norm_weight, lm_head_weight, e, w2, *rest):
+        markov = None if e is None else Markov(e, w2)
         loss, kl, draft_argmax, teacher_argmax, alpha, grads = lm_head_loss_forward(
-            *args, need_grads=tuple(ctx.needs_input_grad[:3])
+            h, norm_weight, lm_head_weight, *rest, markov=markov, need_grads=tuple(ctx.needs_input_grad[:5])
         )
         ctx.grads = grads
         kl = kl if kl is not None else loss.new_zeros(())
@@ -808,7 +859,7 @@ class LmHeadLossFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, *_):
-        return lm_head_loss_backward(grad_loss, ctx.grads) + (None,) * (len(ctx.needs_input_grad) - 3)
+        return lm_head_loss_backward(grad_loss, ctx.grads) + (None,) * (len(ctx.needs_input_grad) - 5)
 
 
 def lm_head_loss(
@@ -821,17 +872,25 @@ def lm_head_loss(
     eps: float,
     teacher: Teacher,
     dpace: Optional[DPace] = None,
+    markov: Optional[Markov] = None,
 ) -> LossOutput:
     """Drafter norm + lm_head + loss against the teacher (SPEC §5) without [N, V] logits.
 
     h: [N, H] drafter pre-norm states; norm_weight: [H]; lm_head_weight: [V, H] (gets a gradient
     only if it requires grad); weights: [N]; teacher: `dflash_fast.eager.Teacher`; dpace: D-PACE
-    weights or None. Semantics and kinds exactly as `dflash_fast.eager.lm_head_loss`; logits are
-    accumulated in fp32.
+    weights or None; markov: DSpark's Markov bias (`dflash_fast.eager.Markov`: e [N, r], w2 [V, r]), folded
+    into the lm_head GEMM as r more columns, with gradients for e and w2. Semantics and kinds exactly as
+    `dflash_fast.eager.lm_head_loss`; logits are accumulated in fp32.
     """
-    args = (h, norm_weight, lm_head_weight, weights, kind, normalizer, eps, teacher, dpace)
-    if torch.is_grad_enabled() and (h.requires_grad or norm_weight.requires_grad or lm_head_weight.requires_grad):
-        loss, kl, draft_argmax, teacher_argmax, alpha = LmHeadLossFunction.apply(*args)
+    e, w2 = (markov.e, markov.w2) if markov is not None else (None, None)
+    grad_inputs = [t for t in (h, norm_weight, lm_head_weight, e, w2) if t is not None]
+    rest = (weights, kind, normalizer, eps, teacher, dpace)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in grad_inputs):
+        loss, kl, draft_argmax, teacher_argmax, alpha = LmHeadLossFunction.apply(
+            h, norm_weight, lm_head_weight, e, w2, *rest
+        )
     else:  # the autograd Function would still see requires_grad under no_grad and compute gradients
-        loss, kl, draft_argmax, teacher_argmax, alpha, _ = lm_head_loss_forward(*args)
+        loss, kl, draft_argmax, teacher_argmax, alpha, _ = lm_head_loss_forward(
+            h, norm_weight, lm_head_weight, *rest, markov=markov
+        )
     return LossOutput(loss, kl if has_kl(kind) else None, draft_argmax, teacher_argmax, alpha)

@@ -71,34 +71,38 @@ def attention(q, k_ctx, v_ctx, k_blk, v_blk, masks: Sequence[torch.Tensor], scal
 # ---------------------------------------------------------------- SPEC §5: which slots train, on what
 
 
-def trained_slots(batch, block_size: int) -> Iterator[Tuple[int, int, int, int]]:
-    """Every trained slot of a collated batch as (row r, block i, slot j, position p = a_i + j).
+def trained_slots(batch, block_size: int, sample_from_anchor: bool = False) -> Iterator[Tuple[int, int, int, int]]:
+    """Every trained slot of a collated batch as (row r, block i, slot j, predicted position p = a_i + j).
 
     Slot 0 never trains; nor does an invalid anchor's block, a position past the row, in another
-    document than the anchor's, or with loss_mask 0."""
+    document than the anchor's, or with loss_mask 0.
+    SPEC §8 sample_from_anchor: slot j predicts p = a_i + j + 1, slot 0 included; the same masks at that p."""
     for r in range(batch["anchors"].shape[0]):
         doc, loss_mask = _ints(batch["document_ids"][r]), _ints(batch["loss_mask"][r])
         t = len(doc)
         for i, (a, valid) in enumerate(zip(_ints(batch["anchors"][r]), _ints(batch["anchor_valid"][r]))):
             if not valid:
                 continue
-            for j in range(1, block_size):
-                p = a + j
+            for j in range(0 if sample_from_anchor else 1, block_size):
+                p = a + j + (1 if sample_from_anchor else 0)
                 if p < t and doc[p] == doc[a] and loss_mask[p]:
                     yield r, i, j, p
 
 
-def slot_mask(batch, block_size: int) -> torch.Tensor:
+def slot_mask(batch, block_size: int, sample_from_anchor: bool = False) -> torch.Tensor:
     """[R, A, B] bool, True exactly on `trained_slots`."""
     r_count, a_count = batch["anchors"].shape
     mask = torch.zeros(r_count, a_count, block_size, dtype=torch.bool)
-    for r, i, j, _ in trained_slots(batch, block_size):
+    for r, i, j, _ in trained_slots(batch, block_size, sample_from_anchor):
         mask[r, i, j] = True
     return mask
 
 
-def position_weight(j: int, gamma: float) -> float:
-    """w_0 = 0, w_j = exp(-(j - 1) / gamma)."""
+def position_weight(j: int, gamma: float, sample_from_anchor: bool = False) -> float:
+    """w_0 = 0, w_j = exp(-(j - 1) / gamma); with sample_from_anchor (speculators' dflash_loss_decay)
+    w_j = exp(-j / gamma)."""
+    if sample_from_anchor:
+        return math.exp(-j / gamma)
     return 0.0 if j == 0 else math.exp(-(j - 1) / gamma)
 
 
@@ -240,6 +244,75 @@ def batch_loss(kind: str, batch, logits: torch.Tensor, block_size: int, gamma: f
             kl = kl + position_weight(j, gamma) * slot_kl(kind, *slot)
     count = max(len(slots), 1)
     return loss / count, (kl / count if kind in ("kl", "kl_topk") else None)
+
+
+# ---------------------------------------------------------------- SPEC §8: DSpark, after speculators 0.9.0
+# (models/dspark/core.py DSparkDraftModel.forward, model_definitions.py MarkovHead / ConfidenceHead,
+# metrics.py compute_metrics), one block and one slot at a time.
+
+
+def dspark_prev_tokens(block_tokens: Sequence[int], sample_from_anchor: bool) -> List[int]:
+    """The Markov head's previous token of each slot, from the ground-truth tokens at a..a+B-1 of a block:
+    the block's own tokens with sample_from_anchor (slot k predicts a+k+1, conditions on a+k), else shifted
+    by one with slot 0 repeating its own token."""
+    tokens = _ints(block_tokens)
+    return tokens if sample_from_anchor else tokens[:1] + tokens[:-1]
+
+
+def _linear(weight, bias, x):
+    return weight.double() @ x + (0 if bias is None else bias.double())
+
+
+def dspark_block_heads(heads, prev: Sequence[int], hidden: torch.Tensor):
+    """One block: prev ids [B], hidden [B, H] (the normed states, the lm_head's input) -> (bias [B, V],
+    confidence logit [B] or None), float64. `heads`: dict of tensors named as speculators names them
+    (type, w1 [V, r], w2 [V, r], gate_w/gate_b, joint_w/joint_b, conf_w/conf_b, conf_with_markov)."""
+    w1, w2, kind = heads["w1"].double(), heads["w2"].double(), heads["type"]
+    rank = w1.shape[1]
+    state = torch.zeros(rank, dtype=torch.float64)
+    bias, conf = [], []
+    for k, token in enumerate(prev):
+        e_prev, h = w1[token], hidden[k].double()
+        if kind == "vanilla":
+            e = e_prev
+        elif kind == "gated":
+            e = torch.sigmoid(_linear(heads["gate_w"], heads["gate_b"], torch.cat([h, e_prev]))) * e_prev
+        else:  # rnn: gate, candidate and output from [state; e_prev; hidden] before the state moves on
+            z = _linear(heads["joint_w"], heads["joint_b"], torch.cat([state, e_prev, h]))
+            gate, candidate, out = z[:rank], z[rank : 2 * rank], z[2 * rank :]
+            e = torch.tanh(out)
+            state = torch.sigmoid(gate) * state + (1 - torch.sigmoid(gate)) * torch.tanh(candidate)
+        bias.append(w2 @ e)
+        if "conf_w" in heads:
+            features = torch.cat([h, e_prev]) if heads["conf_with_markov"] else h
+            conf.append(_linear(heads["conf_w"], heads["conf_b"], features)[0])
+    return torch.stack(bias), (torch.stack(conf) if conf else None)
+
+
+def dspark_batch_loss(batch, hidden: torch.Tensor, heads, block_size: int, gamma: float, sample_from_anchor: bool,
+                      final_norm_weight, lm_head, eps: float, alpha: float):
+    """SPEC §8 `kl` loss of a batch -> (loss, confidence BCE, {(r, i, j): (biased logits [V], acceptance,
+    confidence logit)}). hidden: [R, A*B, H] normed drafter states; the teacher of the token at p is the
+    target at p - 1; acceptance = sum_v min(q_v, p_v); BCE weighted with the decay, / trained slots."""
+    slots = list(trained_slots(batch, block_size, sample_from_anchor))
+    loss = bce = 0.0
+    seen = {}
+    for r, i, j, p in slots:
+        a = int(batch["anchors"][r, i])
+        prev = dspark_prev_tokens(batch["input_ids"][r, a : a + block_size], sample_from_anchor)
+        block = hidden[r, i * block_size : (i + 1) * block_size]
+        bias, conf = dspark_block_heads(heads, prev, block)
+        logits = lm_head.double() @ block[j].double() + bias[j]
+        teacher = teacher_logits(batch["last"][r, p - 1], final_norm_weight, lm_head, eps)
+        w = position_weight(j, gamma, sample_from_anchor)
+        loss = loss + w * soft_cross_entropy(teacher, logits)
+        acceptance = torch.minimum(torch.softmax(logits, 0), torch.softmax(teacher, 0)).sum().detach()
+        if conf is not None:
+            sigma = torch.sigmoid(conf[j])
+            bce = bce - w * (acceptance * torch.log(sigma) + (1 - acceptance) * torch.log(1 - sigma))
+        seen[(r, i, j)] = (logits, acceptance, None if conf is None else conf[j])
+    count = max(len(slots), 1)
+    return loss / count + alpha * bce / count, bce / count, seen
 
 
 # ---------------------------------------------------------------- SPEC §1: layer ids

@@ -286,3 +286,57 @@ def test_plot_without_any_known_metric_says_so(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "lr": 0.1}\n')
     with pytest.raises(ValueError, match="no loss, tau_offline or acc_j"):
         plot_run(str(tmp_path))
+
+
+# ---------------------------------------------------------------- DSpark (SPEC §8): the Markov chain and calibration
+
+
+def test_confidence_calibration_is_predicted_and_measured_acceptance_over_the_blocks_reaching_each_position(targets):
+    """Blocks accept 0, 1, 2, 3, 0, ... drafts; draft j is predicted to be accepted with probability j / 10."""
+    path = targets("qwen3")
+    model, _ = load(path)
+    scripted = scripted_proposer(model, lambda i: i % B)
+    propose = lambda h, a, ids: (scripted(h, a, ids), torch.tensor([0.1, 0.2, 0.3]))
+    report = evaluate(path, [{"text": PROMPTS[0]}], propose, block_size=B, layer_ids=LAYER_IDS, max_new_tokens=30,
+                      progress=False)
+    assert report["acceptance_histogram"] == [3, 3, 3, 3]
+    calibration = report["confidence_calibration"]
+    assert [c["blocks"] for c in calibration] == [12, 9, 6]
+    assert [c["measured"] for c in calibration] == [p["conditional"] for p in report["acceptance_by_position"]]
+    assert [round(c["predicted"], 6) for c in calibration] == [0.1, 0.2, 0.3]
+    assert "    1: 0.100 vs 0.750 (12)" in summary(report)
+    assert evaluate(path, [{"text": PROMPTS[0]}], scripted_proposer(model, lambda i: i % B), block_size=B,
+                    layer_ids=LAYER_IDS, max_new_tokens=8, progress=False)["confidence_calibration"] is None
+
+
+@pytest.mark.parametrize("sample_from_anchor", [True, False], ids=["from_anchor", "dflash_alignment"])
+def test_dspark_decodes_greedy_exact_and_its_markov_chain_accepts_what_training_scores(targets, sample_from_anchor):
+    """Real decoding drafts slot k from the token drafted at k - 1; on an accepted prefix those are the
+    ground-truth tokens the training forward conditions on, so each block accepts exactly its offline count."""
+    path = targets("qwen3")
+    model, tok = load(path)
+    runner = TargetRunner(model, LAYER_IDS)
+    ids = tok(PROMPTS[1]).input_ids
+    response = greedy_generate(runner, ids, 40)[0]
+    torch.manual_seed(0)
+    drafter = build_drafter(path, LAYER_IDS, mask_token_id=0, num_layers=1, block_size=B,
+                            sample_from_anchor=sample_from_anchor, markov_rank=8, confidence_head=True).eval()
+    full = ids + response
+    row = {k: v.clone() for k, v in response_row(runner.forward(full), full, len(ids)).items()}
+    anchors = torch.arange(len(ids), len(full) - 2)[None]
+    batch = dict(row, anchors=anchors, anchor_valid=torch.ones_like(anchors, dtype=torch.bool))
+    opt = torch.optim.Adam(drafter.parameters(), lr=3e-3)
+    for _ in range(40):
+        drafter(batch, loss_kind="kl").loss.backward()
+        opt.step()
+        opt.zero_grad()
+    block = B + int(sample_from_anchor)
+    spec = speculative_generate(runner, ids, lambda h, a, _c: drafter.propose(h, a, True), block, 40)
+    assert spec.tokens == response and len(spec.confidence[0]) == block - 1
+    assert sum(spec.accepted[:-1]) > 0, "the fitted drafter accepts nothing: the comparison below would be vacuous"
+    for a, n in zip(spec.anchors[:-1], spec.accepted[:-1]):
+        tau_sum, blocks = offline_tau(runner, drafter, ids, response, anchors=[a])
+        assert (tau_sum, blocks) == (n + 1, 1), f"anchor {a}: offline accepts {tau_sum - 1:.0f}, real decoding {n}"
+    report = evaluate(path, [{"text": PROMPTS[1]}], drafter, max_new_tokens=20, progress=False)
+    assert report["greedy_mismatches"] == 0 and report["block_size"] == block
+    assert len(report["confidence_calibration"]) == block - 1

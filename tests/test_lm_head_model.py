@@ -17,7 +17,8 @@ sys.path.insert(0, REPO)
 from bench.lm_head_model import H200, Cost, grouped, hbm_bytes, programs_per_sm  # noqa: E402
 
 UNIT_BUDGET = {"kl": 3, "ce(teacher argmax)": 3, "ce(labels)": 2, "ce_data": 2, "kl_topk": 2, "kl, D-PACE": 3,
-               **{kind: 3 for kind in ("tv", "lk", "lk_hybrid", "rkl", "jsd")}}
+               **{kind: 3 for kind in ("tv", "lk", "lk_hybrid", "rkl", "jsd")},
+               "kl(DSpark)": 3 + 3 / 16}
 
 
 def test_default_paths_stay_within_their_unit_budget_and_never_spill(tmp_path):
@@ -39,6 +40,25 @@ def test_default_paths_stay_within_their_unit_budget_and_never_spill(tmp_path):
     with open(tmp_path / f"{name}_kernels.json") as f:
         kernels = json.load(f)["rows"]
     assert {r["kernel"] for r in kernels} >= {"_logits_fwd_kernel", "_dlogits_bwd_kernel", "_matmul_bwd_kernel"}
+
+
+def test_dspark_markov_bias_costs_a_tenth_more_than_kl_and_no_n_by_v_tensor(tmp_path):
+    """DSpark's Markov bias rides in kl's GEMMs (r = H / 16 more columns): GEMM units within 1.1x of kl's, and no
+    [N, V] tensor of its own (its extra memory is de [N, r] and the fp32 dW2 accumulator [V, r]). HBM bytes are
+    not within 1.1x (docs/dspark.md): de and dW2 each read the chunk's dlogits once more."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [sys.executable, os.path.join(REPO, "bench", "lm_head_model.py"), "--small", "--out", str(tmp_path),
+           "--cases", r"^kl(\(DSpark\))?$"]
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-6000:]}"
+    with open(tmp_path / f"lm_head_model_{triton.__version__}_small.json") as f:
+        rows = {r["case"]: r for r in json.load(f)["rows"]}
+    dspark, kl = rows["kl(DSpark)"], rows["kl"]
+    assert kl["units"] < dspark["units"] <= 1.1 * kl["units"], (dspark, kl)
+    assert kl["hbm_bytes"] < dspark["hbm_bytes"], (dspark, kl)
+    n, v = dspark["N"], 4099  # bench/lm_head_model.py SMALL
+    assert dspark["peak_extra_bytes"] - kl["peak_extra_bytes"] < n * v * 4 / 4, (dspark, kl)
 
 
 def test_one_wave_reads_a_shared_tile_once_and_the_next_wave_finds_it_in_l2_if_it_fits():

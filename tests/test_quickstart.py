@@ -54,3 +54,33 @@ def test_quickstart_online_trains_without_a_store(tmp_path):
     records = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert max(r["step"] for r in records) == 3
     assert all(r["time_target_forward_ms"] > 0 for r in records if r["split"] == "train")
+
+
+def test_quickstart_dspark_trains_exports_and_decodes_greedy_exact(tmp_path):
+    out = tmp_path / "qs"
+    report = small_quickstart(out, drafter="dspark")
+    assert report["greedy_mismatches"] == 0 and report["block_size"] == 9, "8 drafted tokens: sample_from_anchor"
+    assert len(report["confidence_calibration"]) == 8
+    exported = json.loads((out / "run" / "export" / "config.json").read_text())
+    assert exported["speculators_model_type"] == "dspark" and exported["markov_rank"] == 64
+    assert exported["enable_confidence_head"] is True and exported["sample_from_anchor"] is True
+
+
+def test_the_dspark_config_is_tiny_yaml_plus_the_dspark_keys():
+    import yaml
+
+    from dflash_fast.quickstart import REPO
+
+    def read(name):
+        with open(os.path.join(REPO, "configs", name)) as f:
+            return yaml.safe_load(f)
+
+    dflash, dspark = read("tiny.yaml"), read("tiny_dspark.yaml")
+    added = {"model": {"sample_from_anchor", "markov_rank", "markov_head_type", "confidence_head",
+                       "confidence_head_with_markov"}, "loss": {"confidence_alpha"}}
+    for section, keys in added.items():
+        assert set(dspark[section]) - set(dflash[section]) == keys
+        for key in keys:
+            del dspark[section][key]
+    del dflash["output_dir"], dspark["output_dir"]
+    assert dspark == dflash
