@@ -280,3 +280,11 @@ def test_every_figure_under_docs_is_shown_by_a_page_and_small():
         name = os.path.relpath(png, os.path.join(REPO, "docs"))
         assert f"({name})" in pages or f"(docs/{name})" in pages, f"docs/{name} is shown by no page"
         assert os.path.getsize(png) < 150_000, f"docs/{name} is {os.path.getsize(png)} bytes: keep figures < 150 KB"
+
+
+def test_the_docs_index_lists_every_page():
+    index = open(os.path.join(REPO, "docs", "README.md"), encoding="utf-8").read()
+    for doc in DOC_FILES:
+        name = os.path.basename(doc)
+        if doc.startswith("docs") and name != "README.md":
+            assert f"]({name})" in index, f"docs/README.md does not list {doc}: add a row for it"
