@@ -42,9 +42,6 @@ SCRIPT = re.compile(r"(?<![\w./-])((?:scripts|bench)/\w+\.py)\b")
 # Folders that commands make (bench/wheels/ by bench/fetch_wheels.sh): the docs may name them, git ignores them.
 OUTPUTS = tuple(line.strip().lstrip("/") for line in open(os.path.join(REPO, ".gitignore"))
                 if line.strip().endswith("/") and "/" in line.strip().strip("/"))
-# Flags of other programs that the docs mention on their own in inline code (launchers, engines).
-EXTERNAL_FLAGS = {"--num_gpus", "--hostfile", "--nproc_per_node", "--no-python", "--speculative-config",
-                  "--speculative-num-draft-tokens", "--speculative-draft-model-path", "--speculative-algorithm"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -74,7 +71,7 @@ def script_flags(path: str) -> frozenset:
 
 def all_flags() -> frozenset:
     scripts = glob.glob(os.path.join(REPO, "scripts", "*.py")) + glob.glob(os.path.join(REPO, "bench", "*.py"))
-    return frozenset().union(train_flags(), EXTERNAL_FLAGS, *(command_flags(n) for n in cli.COMMANDS),
+    return frozenset().union(train_flags(), *(command_flags(n) for n in cli.COMMANDS),
                              *(script_flags(os.path.relpath(p, REPO)) for p in scripts))
 
 
