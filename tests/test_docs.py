@@ -38,7 +38,6 @@ SECTIONS = tuple(name for name, kind in config._fields(config.TrainConfig).items
 SECTION_KEY = re.compile(r"(?<![\w./-])((?:%s)\.[A-Za-z_][\w.]*\w)" % "|".join(SECTIONS))
 FILE_SUFFIXES = ("png", "json", "jsonl", "md", "yaml", "py", "safetensors", "bin", "txt")
 REPO_PATH = re.compile(r"(?<![\w./-])((?:configs|bench|scripts|tests|dflash_fast|kernels|docs|\.ci)/[\w./{},-]*)")
-SCRIPT = re.compile(r"(?<![\w./-])((?:scripts|bench)/\w+\.py)\b")
 # Folders that commands make (bench/wheels/ by bench/fetch_wheels.sh): the docs may name them, git ignores them.
 OUTPUTS = tuple(line.strip().lstrip("/") for line in open(os.path.join(REPO, ".gitignore"))
                 if line.strip().endswith("/") and "/" in line.strip().strip("/"))
