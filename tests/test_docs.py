@@ -96,7 +96,7 @@ def expand_braces(path: str):
 def command_problems(line: str) -> list:
     """Problems of one shell command line (continuations joined) or inline code span."""
     line = re.split(r"(?:^|\s)#", line, maxsplit=1)[0]
-    problems = []
+    found = []
     programs = list(re.finditer(r"(?<![\w/.-])(dflash-fast|train\.py|(?:scripts|bench)/\w+\.py)(?=\s|$)", line))
     for i, m in enumerate(programs):
         end = programs[i + 1].start() if i + 1 < len(programs) else len(line)
@@ -109,7 +109,7 @@ def command_problems(line: str) -> list:
             if sub.startswith("-"):
                 rest, known = [sub] + rest, {"--help", "-h", "--debug"}
             elif sub not in cli.COMMANDS:
-                problems.append(f"`dflash-fast {sub}` is not a command (commands: {', '.join(cli.COMMANDS)})")
+                found.append(f"`dflash-fast {sub}` is not a command (commands: {', '.join(cli.COMMANDS)})")
                 continue
             else:
                 known = command_flags(sub)
@@ -122,14 +122,14 @@ def command_problems(line: str) -> list:
             known, takes_overrides = script_flags(program), False
         for flag in FLAG.findall(" ".join(rest)):
             if flag not in known:
-                problems.append(f"`{flag}` is not a flag of {program} {sub if program == 'dflash-fast' else ''}"
+                found.append(f"`{flag}` is not a flag of {program} {sub if program == 'dflash-fast' else ''}"
                                 .rstrip() + f" (its flags: {', '.join(sorted(known))})")
         if takes_overrides:
             for token in rest:
                 o = OVERRIDE.match(token.strip("[]'\""))
                 if o and not o.group(1).isupper() and not config_key_exists(o.group(1)):
-                    problems.append(f"override `{token}`: `{o.group(1)}` is not a config key (dflash_fast/config.py)")
-    return problems
+                    found.append(f"override `{token}`: `{o.group(1)}` is not a config key (dflash_fast/config.py)")
+    return found
 
 
 def key_problems(code: str) -> list:
