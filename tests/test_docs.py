@@ -272,7 +272,7 @@ def test_recipes_json_holds_the_numbers_of_the_recipes_page():
 
 def test_every_figure_under_docs_is_shown_by_a_page_and_small():
     pages = "".join(open(os.path.join(REPO, d), encoding="utf-8").read() for d in DOC_FILES)
-    for png in glob.glob(os.path.join(REPO, "docs", "img", "*.png")):
+    for png in glob.glob(os.path.join(REPO, "docs", "img", "**", "*.png"), recursive=True):
         name = os.path.relpath(png, os.path.join(REPO, "docs"))
         assert f"({name})" in pages or f"(docs/{name})" in pages, f"docs/{name} is shown by no page"
         assert os.path.getsize(png) < 150_000, f"docs/{name} is {os.path.getsize(png)} bytes: keep figures < 150 KB"
