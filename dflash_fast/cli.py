@@ -32,6 +32,15 @@ def call_with_flags(fn, args: argparse.Namespace, **overrides):
     return fn(**{k: v for k, v in vars(args).items() if k in names}, **overrides)
 
 
+def command_parser(name: str):
+    """(the stage module, the argparse parser of `dflash-fast NAME`): what `main` runs and `--help` shows."""
+    module = importlib.import_module(COMMANDS[name][0])
+    parser = argparse.ArgumentParser(prog=f"dflash-fast {name}", description=COMMANDS[name][1])
+    module.add_arguments(parser)
+    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
+    return module, parser
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = argv[:1] == ["--debug"]
@@ -44,11 +53,7 @@ def main(argv=None):
     if not argv or argv[0] not in COMMANDS:
         parser.parse_args(argv or ["--help"])
         return 2
-    name = argv[0]
-    module = importlib.import_module(COMMANDS[name][0])
-    cmd_parser = argparse.ArgumentParser(prog=f"dflash-fast {name}", description=COMMANDS[name][1])
-    module.add_arguments(cmd_parser)
-    cmd_parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
+    module, cmd_parser = command_parser(argv[0])
     args = cmd_parser.parse_args(argv[1:])
     return run_reporting_errors(lambda: module.run(args), debug or args.debug)
 

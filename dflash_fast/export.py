@@ -540,7 +540,7 @@ def _sglang_view(config: Dict) -> Dict:
 def _vllm_zlab_view(config: Dict) -> Dict:
     """vLLM reading the z-lab layout (`--speculative-config '{"method": "dflash", "model": DIR}'`): AutoConfig
     (Qwen3Config) of config.json and qwen3_dflash.py's rules (see _vllm_layers, _vllm_rope); the block is the
-    command line's num_speculative_tokens + 1, which the README tells you to set to block_size - 1."""
+    command line's num_speculative_tokens + 1, which docs/export.md tells you to set to block_size - 1."""
     where = "vLLM (qwen3_dflash.py)"
     hf = _hf_config(config, where)
     ids, mask, block = _zlab_ids(config, hf, where)

@@ -8,15 +8,23 @@ A metrics line is a JSON object. The x axis is `step` (the line number when abse
 The split is `split` ("train" when absent), or a key prefix: `val/loss`, `val_loss`.
 Per-slot accuracy is `acc_1`, `acc_2`, ... or a list `acc` holding slots 1, 2, ...
 Lines or keys that are none of these are ignored; a figure with no data is not written.
+
+`dflash-fast plot --recipes RESULTS.json [--out DIR]`: recipes.png, real `tau` per arm with the spread over seeds
+(mean, min-max, every seed where known), one panel per experiment. RESULTS.json is either the `results.json` of
+scripts/compare_recipes.py ({arm: {seed: {"tau": ...}}}) or a file of panels
+({"panels": [{"title": ..., "arms": {arm: {"tau": [per-seed values] | {"mean", "std", "min", "max"}}}}]}),
+such as docs/recipes.json, which holds the measured numbers of docs/recipes.md.
 matplotlib is optional: `pip install 'dflash-fast[plot]'`.
 """
 import json
 import os
 import re
+import statistics
+import textwrap
 from collections import defaultdict
 from typing import Dict, List, Tuple
 
-from dflash_fast.errors import UserError
+from dflash_fast.errors import ConfigError, UserError, read_mapping
 
 SPLIT_PREFIX = re.compile(r"^(train|val|eval|test)[/_](.+)$")
 ACC_KEY = re.compile(r"^acc_(\d+)$")
@@ -119,12 +127,76 @@ def plot_run(run_dir: str, out_dir: str = None) -> List[str]:
     return written
 
 
+def _tau_summary(tau, where: str) -> Dict[str, object]:
+    """An arm's real tau, as per-seed values or as a summary -> {mean, min, max, seeds (the values or None)}."""
+    if isinstance(tau, list) and tau and all(_number(v) for v in tau):
+        return {"mean": statistics.mean(tau), "min": min(tau), "max": max(tau), "seeds": [float(v) for v in tau]}
+    if isinstance(tau, dict) and all(_number(tau.get(k)) for k in ("mean", "min", "max")):
+        return {"mean": tau["mean"], "min": tau["min"], "max": tau["max"], "seeds": None}
+    raise ValueError(f"{where}: tau must be a list of per-seed values or {{\"mean\", \"min\", \"max\"}}, got {tau!r}")
+
+
+def read_recipes(path: str) -> List[Tuple[str, List[Tuple[str, Dict[str, object]]]]]:
+    """RESULTS.json (module docstring) -> [(panel title, [(arm, tau summary), ...]), ...]."""
+    data = read_mapping(path, json.load, json.JSONDecodeError, ValueError, "JSON", "a mapping of arms or panels")
+    if "panels" not in data:  # scripts/compare_recipes.py's results.json: {arm: {seed: {"tau": ...}}}
+        arms = {arm: {"tau": [r.get("tau") if isinstance(r, dict) else r for r in seeds.values()]
+                      if isinstance(seeds, dict) else seeds} for arm, seeds in data.items()}
+        data = {"panels": [{"title": os.path.basename(os.path.dirname(os.path.abspath(path))), "arms": arms}]}
+    panels = []
+    for i, panel in enumerate(data["panels"] if isinstance(data["panels"], list) else [None]):
+        if not isinstance(panel, dict) or not isinstance(panel.get("arms"), dict) or not panel["arms"]:
+            raise ValueError(f"{path}: panels[{i}] must be an object with a non-empty \"arms\" object")
+        arms = [(arm, _tau_summary(value.get("tau") if isinstance(value, dict) else value, f"{path}: {arm!r}"))
+                for arm, value in panel["arms"].items()]
+        panels.append((str(panel.get("title", "")), arms))
+    return panels
+
+
+def plot_recipes(path: str, out_dir: str = None) -> List[str]:
+    """Draw RESULTS.json's arms into OUT_DIR/recipes.png (default: beside RESULTS.json) -> [its path]."""
+    panels = read_recipes(path)
+    plt = _pyplot()
+    out_dir = out_dir or os.path.dirname(os.path.abspath(path))
+    os.makedirs(out_dir, exist_ok=True)
+    rows = max(len(arms) for _, arms in panels)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.8 * len(panels), 0.5 * rows + 1.8), squeeze=False)
+    for ax, (title, arms) in zip(axes[0], panels):
+        for y, (arm, tau) in enumerate(reversed(arms)):
+            ax.plot([tau["min"], tau["max"]], [y, y], color="tab:blue", linewidth=3, alpha=0.35,
+                    solid_capstyle="round")
+            ax.plot(tau["mean"], y, "o", color="tab:blue", markersize=7)
+            for v in tau["seeds"] or []:
+                ax.plot(v, y, "|", color="black", markersize=10)
+            ax.annotate(f"{tau['mean']:.3f}", (tau["max"], y), xytext=(6, 0), textcoords="offset points",
+                        va="center", fontsize=8)
+        ax.set_yticks(range(len(arms)), [arm for arm, _ in reversed(arms)])
+        ax.set_ylim(-0.6, len(arms) - 0.4)
+        lo, hi = min(t["min"] for _, t in arms), max(t["max"] for _, t in arms)
+        ax.set_xlim(min(1.0, lo) - 0.05 * (hi - 1.0 + 1e-3), hi + 0.25 * (hi - 1.0 + 1e-3))
+        ax.axvline(1.0, color="gray", linestyle="--", linewidth=1)
+        ax.set_xlabel("real tau (tokens per target forward; 1 = no gain)", fontsize=8)
+        ax.set_title(textwrap.fill(title, 50), fontsize=9)
+        ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    target = os.path.join(out_dir, "recipes.png")
+    fig.savefig(target, dpi=110)
+    plt.close(fig)
+    return [target]
+
+
 def add_arguments(parser) -> None:
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="a training run's directory (holds metrics.jsonl)")
-    parser.add_argument("--out", default=None, help="directory for the PNGs (default: RUN_DIR)")
+    parser.add_argument("run_dir", metavar="RUN_DIR", nargs="?",
+                        help="a training run's directory (holds metrics.jsonl)")
+    parser.add_argument("--recipes", metavar="RESULTS.json", default=None,
+                        help="draw real tau per arm and seed from a recipe comparison instead (recipes.png)")
+    parser.add_argument("--out", default=None, help="directory for the PNGs (default: RUN_DIR, or beside RESULTS.json)")
 
 
 def run(args) -> int:
-    for path in plot_run(args.run_dir, args.out):
+    if (args.run_dir is None) == (args.recipes is None):
+        raise ConfigError("dflash-fast plot takes RUN_DIR or --recipes RESULTS.json, not both or neither")
+    written = plot_run(args.run_dir, args.out) if args.recipes is None else plot_recipes(args.recipes, args.out)
+    for path in written:
         print(path)
     return 0

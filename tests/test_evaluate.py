@@ -22,7 +22,7 @@ from dflash_fast.evaluate import (
     summary,
 )
 from dflash_fast.export import export_drafter
-from dflash_fast.plot import plot_run
+from dflash_fast.plot import plot_recipes, plot_run, read_recipes
 
 B = 4
 LAYER_IDS = [1, 3, 5]  # 5 = L-1 of the 6-layer tiny targets: tapped before the final norm
@@ -340,3 +340,41 @@ def test_dspark_decodes_greedy_exact_and_its_markov_chain_accepts_what_training_
     report = evaluate(path, [{"text": PROMPTS[1]}], drafter, max_new_tokens=20, progress=False)
     assert report["greedy_mismatches"] == 0 and report["block_size"] == block
     assert len(report["confidence_calibration"]) == block - 1
+
+
+def test_plot_recipes_draws_real_tau_per_arm_from_compare_recipes_results_or_panels(tmp_path):
+    results = {"decay + AdamW": {"0": {"tau": 1.02, "tau_offline": 1.0}, "1": {"tau": 1.04, "tau_offline": 1.0}},
+               "D-PACE + Muon": {"0": {"tau": 1.10}, "1": {"tau": 1.20}, "2": {"tau": 1.30}}}
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    [(_, arms)] = read_recipes(str(tmp_path / "results.json"))
+    assert [a for a, _ in arms] == ["decay + AdamW", "D-PACE + Muon"]
+    assert arms[1][1] == {"mean": pytest.approx(1.2), "min": 1.1, "max": 1.3, "seeds": [1.1, 1.2, 1.3]}
+    panels = {"panels": [{"title": "a", "arms": {"x": {"tau": {"mean": 1.5, "std": 0.1, "min": 1.4, "max": 1.6}}}},
+                         {"title": "b", "arms": {"y": {"tau": [2.0]}}}]}
+    (tmp_path / "panels.json").write_text(json.dumps(panels))
+    read = read_recipes(str(tmp_path / "panels.json"))
+    assert [(t, a) for t, [(a, _)] in read] == [("a", "x"), ("b", "y")]
+    assert read[0][1][0][1] == {"mean": 1.5, "min": 1.4, "max": 1.6, "seeds": None}
+    [png] = plot_recipes(str(tmp_path / "panels.json"), str(tmp_path / "img"))
+    assert png == str(tmp_path / "img" / "recipes.png")
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_recipes_names_the_file_and_arm_of_a_bad_tau(tmp_path):
+    (tmp_path / "r.json").write_text(json.dumps({"panels": [{"arms": {"decay": {"tau": "1.02"}}}]}))
+    with pytest.raises(ValueError, match=r"r.json: 'decay': tau must be a list"):
+        read_recipes(str(tmp_path / "r.json"))
+    (tmp_path / "l.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"l.json holds a list"):
+        read_recipes(str(tmp_path / "l.json"))
+
+
+def test_plot_takes_a_run_dir_or_recipes_not_both_nor_neither(tmp_path, capsys):
+    (tmp_path / "r.json").write_text(json.dumps({"a": {"0": {"tau": 1.1}}}))
+    assert main(["plot"]) == 2
+    assert main(["plot", str(tmp_path), "--recipes", str(tmp_path / "r.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error: dflash-fast plot takes RUN_DIR or --recipes RESULTS.json") == 2
+    assert main(["plot", "--recipes", str(tmp_path / "r.json"), "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "recipes.png").exists()

@@ -633,7 +633,7 @@ def test_drafter_rope_equals_qwen3_rotary_embedding_of_the_exported_config(rope,
 def test_partial_rotary_rotates_the_first_channels_as_vllm_does():
     """vLLM's get_rope (neox style) with partial_rotary_factor f rotates the first int(f * head_dim) channels of
     each head with rotate-half and passes the rest through; HF's Qwen3RotaryEmbedding ignores f for rope_type
-    default (checked here too), which is why the README names vLLM for partial-rotary drafters."""
+    default (checked here too), which is why docs/export.md names vLLM for partial-rotary drafters."""
     cfg = make_config(head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 5e5,
                                                     "partial_rotary_factor": 0.5})
     rope = Rope(cfg)

@@ -1,6 +1,6 @@
 """scripts/mutation_check.py still applies to the code as it is: every target line exists exactly once, every
 mutant parses and differs from it, every test it names exists. (Running the mutations is not CI's job: see
-the README's testing section.)"""
+docs/testing.md.)"""
 import ast
 import importlib.util
 import os
