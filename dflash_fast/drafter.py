@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dflash_fast import ops
-from dflash_fast.dspark import MARKOV_HEAD_TYPES, ConfidenceHead, MarkovHead
+from dflash_fast.dspark import MARKOV_HEAD_TYPES, ConfidenceHead, MarkovHead, head_shapes
 from dflash_fast.eager import DENSE_KINDS, DPace, Markov, Teacher, needs_last, rms_norm
 from dflash_fast.store import final_norm_weight
 
@@ -224,7 +224,8 @@ def trainable_parameters(cfg: DrafterConfig) -> int:
     h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
     layer = 2 * h + 2 * d + h * (2 * q + 2 * kv) + 3 * h * i
-    return h * cfg.num_tapped * cfg.target_hidden_size + 2 * h + cfg.num_layers * layer
+    heads = sum(math.prod(shape) for shape in head_shapes(cfg).values())
+    return h * cfg.num_tapped * cfg.target_hidden_size + 2 * h + cfg.num_layers * layer + heads
 
 
 TENSORS_PER_LAYER = 11  # input and post-attention norms, q/k/v/o, q and k norms, gate/up/down
@@ -250,7 +251,7 @@ def trainable_shapes(cfg: DrafterConfig) -> Dict[str, Tuple[int, ...]]:
             f"layers.{n}.mlp.down_proj.weight": (h, i),
         })
     shapes["norm.weight"] = (h,)
-    return shapes
+    return {**shapes, **head_shapes(cfg)}
 
 
 # ---------------------------------------------------------------- the drafter's weights read from a file

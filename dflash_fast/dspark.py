@@ -13,12 +13,30 @@ block token, and a confidence head that predicts each slot's acceptance rate.
 ours: markov_head.markov_w1 [V, r], markov_head.markov_w2 [V, r], gate_proj, joint_proj,
 confidence_head.proj).
 """
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
+
+
+def head_shapes(cfg) -> Dict[str, Tuple[int, ...]]:
+    """name -> shape of every parameter of the DSpark heads a DrafterConfig `cfg` asks for (empty for DFlash), from
+    the sizes alone (nothing built): what MarkovHead and ConfidenceHead below hold."""
+    v, r, h = cfg.vocab_size, cfg.markov_rank, cfg.hidden_size
+    shapes = {}
+    if r:
+        shapes.update({"markov_head.markov_w1.weight": (v, r), "markov_head.markov_w2.weight": (v, r)})
+        if cfg.markov_head_type == "gated":
+            shapes.update({"markov_head.gate_proj.weight": (r, h + r), "markov_head.gate_proj.bias": (r,)})
+        elif cfg.markov_head_type == "rnn":
+            shapes.update({"markov_head.joint_proj.weight": (3 * r, 2 * r + h),
+                           "markov_head.joint_proj.bias": (3 * r,)})
+    if cfg.confidence_head:
+        inputs = h + (r if cfg.confidence_head_with_markov else 0)
+        shapes.update({"confidence_head.proj.weight": (1, inputs), "confidence_head.proj.bias": (1,)})
+    return shapes
 
 
 class MarkovHead(nn.Module):

@@ -61,6 +61,17 @@ def test_the_shapes_and_count_computed_from_a_config_are_the_built_drafters():
     assert trainable_parameters(cfg) == sum(math.prod(s) for s in built.values())
 
 
+@pytest.mark.parametrize("heads", [dict(markov_rank=8, markov_head_type=kind, confidence_head=True)
+                                   for kind in ("vanilla", "gated", "rnn")]
+                         + [dict(confidence_head=True, confidence_head_with_markov=False)],
+                         ids=["vanilla", "gated", "rnn", "confidence_alone"])
+def test_the_shapes_computed_from_a_dspark_config_include_its_heads(heads):
+    cfg = small_config(num_layers=1, **heads)
+    built = {n: tuple(p.shape) for n, p in DFlashDrafter(cfg).named_parameters()}
+    assert trainable_shapes(cfg) == built
+    assert trainable_parameters(cfg) == sum(math.prod(s) for s in built.values())
+
+
 def test_a_non_finite_value_in_any_exported_tensor_is_refused_naming_it(spec_export):
     path = os.path.join(spec_export, "model.safetensors")
     original = load_file(path)
