@@ -218,13 +218,13 @@ def test_dspark_config_keys_are_checked_at_the_edge():
 # ---------------------------------------------------------------- export: speculators' dspark type, vLLM's dspark
 
 
-def written(out):
+def written(out, cfg):
     import json
 
     from dflash_fast.export import read_weights
 
     with open(f"{out}/config.json") as f:
-        return json.load(f), read_weights(out)
+        return json.load(f), read_weights(out, cfg)
 
 
 @pytest.mark.parametrize("sample_from_anchor", [True, False], ids=["from_anchor", "dflash_alignment"])
@@ -233,7 +233,7 @@ def test_dspark_export_passes_the_gate_and_rebuilds_as_vllm_reads_it(tmp_path, s
 
     d = dspark_drafter("vanilla", sample_from_anchor)
     out = export_drafter(d, str(tmp_path / "export"), "tiny-target", torch.float32)
-    config, weights = written(out)
+    config, weights = written(out, d.config)
     assert config["speculators_model_type"] == "dspark" and config["architectures"] == ["DSparkDraftModel"]
     assert config["sample_from_anchor"] is sample_from_anchor and config["markov_rank"] == 8
     assert config["markov_head_type"] == "vanilla" and config["enable_confidence_head"] is True

@@ -230,9 +230,9 @@ def test_loss_weighting_dpace_reaches_the_loss(tiny, tmp_path, monkeypatch):
     calls = []
     loss_fn = ops.lm_head_loss
 
-    def spy(*args):
+    def spy(*args, **kwargs):
         calls.append((args[3].detach().clone(), args[8]))
-        return loss_fn(*args)
+        return loss_fn(*args, **kwargs)
 
     monkeypatch.setattr(ops, "lm_head_loss", spy)
     out = str(tmp_path / "dpace")
@@ -254,8 +254,8 @@ def test_loss_kind_reaches_the_loss_and_alpha_per_slot_is_logged(tiny, tmp_path,
     seen = []
     loss_fn = ops.lm_head_loss
 
-    def spy(*args):
-        result = loss_fn(*args)
+    def spy(*args, **kwargs):
+        result = loss_fn(*args, **kwargs)
         seen.append((args[4], args[3].detach().clone(), result.alpha.detach().clone()))
         return result
 
