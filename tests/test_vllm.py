@@ -93,7 +93,15 @@ def diagnosis(export_dir: str, hf: dict, served: dict) -> str:
     return f"{where}; per-prompt tau (ours, vLLM): {per_prompt}"
 
 
-@pytest.mark.parametrize("name", ["speculators", "zlab", "sliding"])
+# Found by this test (2026-12-01): vLLM serves the all-sliding drafter with the same greedy output but less
+# acceptance (tau 2.879 against our 3.097 on these prompts, config read back identical). Likely cause, not yet fixed:
+# SPEC §4 gives every slot of a block the context a-W..a-1, a standard sliding window is relative to each query's own
+# position a+j. Strict: the test fails as soon as the two agree, and then the mark goes.
+SLIDING_WINDOW_GAP = pytest.mark.xfail(strict=True, reason="vLLM's sliding window is per query position, ours per "
+                                       "anchor (SPEC §4): see docs/vllm.md")
+
+
+@pytest.mark.parametrize("name", ["speculators", "zlab", pytest.param("sliding", marks=SLIDING_WINDOW_GAP)])
 def test_vllm_serves_a_trained_export_with_our_evaluators_acceptance_and_greedy_output(exports, ours, name):
     hf = ours[name]
     served = evaluate_vllm(TARGET, PROMPTS, exports[name], max_new_tokens=NEW_TOKENS, num_prompts=NUM_PROMPTS,
