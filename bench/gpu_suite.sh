@@ -5,7 +5,7 @@
 #   device run: command "bash bench/gpu_suite.sh", carry ["bench/wheels"], timeout_s 600
 #
 #   bash bench/gpu_suite.sh [PART ...]               # PART: tests step lm_head_loss attention fc_concat extract step_topk
-#                                                    #       online (default: all, in that order)
+#                                                    #       online vllm (default: all, in that order)
 # Each part has its own time cap and none starts past SUITE_BUDGET_S (default 510 s), so the
 # command ends inside the device's 10-minute limit and one hang costs only its own cap. A part
 # cut by the budget is reported "skipped"; run it in a second call, e.g. `bash bench/gpu_suite.sh
@@ -26,7 +26,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 exec > >(tee -a "$RESULTS/suite.log") 2>&1
 
 PARTS=("$@")
-[ ${#PARTS[@]} -eq 0 ] && PARTS=(tests step lm_head_loss attention fc_concat extract step_topk online)
+[ ${#PARTS[@]} -eq 0 ] && PARTS=(tests step lm_head_loss attention fc_concat extract step_topk online vllm)
 STATUS=()
 
 # run_part NAME CAP_S CMD...: run CMD under `timeout`, at most CAP_S and never past the budget.
@@ -91,7 +91,11 @@ for part in "${PARTS[@]}"; do
     fc_concat) run_part "bench_fc_concat" 70 "$PY" bench/bench_fc_concat.py --out "$RESULTS" ;;
     step_topk) run_part "bench_step kl_topk" 80 "$PY" bench/bench_step.py --loss kl_topk --impls triton,eager --out "$RESULTS" ;;
     online) run_part "bench_online 1.7b" 300 "$PY" bench/bench_online.py --model 1.7b --tmp /tmp --out "$RESULTS" ;;
-    *) echo "unknown part $part (parts: tests step lm_head_loss attention fc_concat extract step_topk online)"; STATUS+=("| $part | unknown part | 0 |") ;;
+    # vLLM proper (V2 runner) serving trained exports against our evaluator; needs vLLM in the image (the carried
+    # wheels cannot bring it): without it the part says so instead of passing.
+    vllm) run_part "vllm in the loop" 300 env DFLASH_REQUIRE_VLLM=1 "$PY" -m pytest -q tests/test_vllm.py \
+            -p no:cacheprovider --junitxml "$RESULTS/pytest_vllm.xml" ;;
+    *) echo "unknown part $part (parts: tests step lm_head_loss attention fc_concat extract step_topk online vllm)"; STATUS+=("| $part | unknown part | 0 |") ;;
   esac
 done
 

@@ -27,6 +27,7 @@ head's mean predicted acceptance with the measured one, both over the blocks tha
 drafts 1..j-1).
 """
 import copy
+import inspect
 import json
 import os
 import sys
@@ -38,7 +39,14 @@ import torch
 from dflash_fast.cli import call_with_flags
 from dflash_fast.drafter import DFlashDrafter, load_frozen_tensors, slot_metrics
 from dflash_fast.errors import UserError
-from dflash_fast.regenerate import add_model_arguments, encode_prompt, eos_token_ids, load_model, read_prompts
+from dflash_fast.regenerate import (
+    add_model_arguments,
+    cut_response,
+    encode_prompt,
+    eos_token_ids,
+    load_model,
+    read_prompts,
+)
 from dflash_fast.store import check_layer_ids, default_layer_ids
 from dflash_fast.target import check_target, final_norm_module, tapped_layers
 
@@ -64,6 +72,9 @@ class TargetRunner:
         self.layer_ids = check_layer_ids(layer_ids, self.num_layers)
         self.device = next(model.parameters()).device
         self._captured = None
+        # transformers 5.2x names the cache argument and output `cache`; earlier 5.x releases (vLLM 0.32 pins
+        # transformers < 5.20) name it `past_key_values`.
+        self._cache_name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         norm, _ = final_norm_module(model)
         norm.register_forward_pre_hook(self._capture)
 
@@ -77,21 +88,22 @@ class TargetRunner:
         x = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
         self._captured = [] if taps else None
         try:
-            out = self.model(input_ids=x, cache=cache, use_cache=True, output_hidden_states=taps)
+            out = self.model(input_ids=x, use_cache=True, output_hidden_states=taps, **{self._cache_name: cache})
             last = self._captured[-1][0] if taps else None
         finally:
             self._captured = None
-        if getattr(out, "cache", None) is None:
+        cache = getattr(out, self._cache_name, None)
+        if cache is None:
             import transformers
 
             raise UserError(
-                f"{type(self.model).__name__} returned no `cache` (transformers {transformers.__version__}); "
-                f"speculative decoding needs a transformers 5 release whose models take and return `cache`"
+                f"{type(self.model).__name__} returned no `{self._cache_name}` (transformers "
+                f"{transformers.__version__}); speculative decoding needs a model that takes and returns its KV cache"
             )
         if not taps:
-            return Step(out.logits[0], None, None, out.cache)
+            return Step(out.logits[0], None, None, cache)
         hidden = torch.stack([t[0] for t in tapped_layers(out.hidden_states, last[None], self.layer_ids)], dim=1)
-        return Step(out.logits[0], hidden, last, out.cache)
+        return Step(out.logits[0], hidden, last, cache)
 
 
 def _croppable(layer) -> bool:
@@ -141,12 +153,6 @@ def _finished(tokens: List[int], max_new_tokens: int, eos: Sequence[int]) -> boo
     return len(tokens) >= max_new_tokens or any(t in eos for t in tokens)
 
 
-def _cut(tokens: List[int], max_new_tokens: int, eos: Sequence[int]) -> List[int]:
-    tokens = tokens[:max_new_tokens]
-    end = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
-    return tokens[:end]
-
-
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -193,10 +199,8 @@ def speculative_generate(
         if not _finished(seq[len(prompt_ids) :], max_new_tokens, eos):
             recomputes += rollback(runner, cache, saved, block, n + 1)
     _sync(runner.device)
-    return SpecResult(
-        _cut(seq[len(prompt_ids) :], max_new_tokens, eos), accepted, anchors, recomputes, time.perf_counter() - t0,
-        confidence or None,
-    )
+    tokens = cut_response(seq[len(prompt_ids) :], max_new_tokens, eos)
+    return SpecResult(tokens, accepted, anchors, recomputes, time.perf_counter() - t0, confidence or None)
 
 
 @torch.inference_mode()
@@ -211,7 +215,7 @@ def greedy_generate(
         step = runner.forward(out[-1:], step.cache, taps=False)
         out.append(int(step.logits[-1].argmax()))
     _sync(runner.device)
-    return _cut(out, max_new_tokens, eos), time.perf_counter() - t0
+    return cut_response(out, max_new_tokens, eos), time.perf_counter() - t0
 
 
 def response_row(step: Step, ids: Sequence[int], prompt_len: int) -> Dict[str, torch.Tensor]:
@@ -365,8 +369,11 @@ class Tally:
         # acceptance summed over them, and how many of them accepted draft j
         self.reached, self.predicted, self.accepted_at = ([0.0] * (block_size - 1) for _ in range(3))
         self.with_confidence = False
+        self.results: List[SpecResult] = []  # one per prompt, in order
+        self.matches: List[bool] = []  # per prompt: the speculative output equals the target's plain greedy one
 
     def add_speculative(self, spec: SpecResult) -> None:
+        self.results.append(spec)
         for anchor, n in zip(spec.anchors, spec.accepted):
             self.histogram[n] += 1
             lo, _ = context_bucket(anchor + 1)  # x_0..x_T: the prompt and every token generated so far
@@ -385,6 +392,7 @@ class Tally:
         self.greedy_tokens += len(tokens)
         self.greedy_s += seconds
         self.mismatches += tokens != spec.tokens
+        self.matches.append(tokens == spec.tokens)
 
 
 def _decode_all(runner: TargetRunner, encoded: List[List[int]], proposal: Proposal, max_new_tokens: int,
@@ -422,6 +430,18 @@ def confidence_calibration(tally: Tally) -> Optional[List[Dict]]:
             for j, reached in enumerate(tally.reached)]
 
 
+def per_prompt(tally: Tally) -> List[Dict]:
+    """Each prompt's acceptance (tau of its own blocks) and output tokens, for comparing engines prompt by prompt."""
+    rows = []
+    for i, spec in enumerate(tally.results):
+        row = {"tau": 1 + sum(spec.accepted) / len(spec.accepted) if spec.accepted else None,
+               "blocks": len(spec.accepted), "tokens": spec.tokens}
+        if i < len(tally.matches):
+            row["greedy_match"] = tally.matches[i]
+        rows.append(row)
+    return rows
+
+
 def _report(tally: Tally, baseline: bool, **header) -> Dict:
     report = {
         **header,
@@ -436,6 +456,7 @@ def _report(tally: Tally, baseline: bool, **header) -> Dict:
         "tokens_per_s": tally.spec_tokens / tally.spec_s if tally.spec_s else None,
         "tau_offline": tally.tau_sum / tally.blocks if tally.blocks else None,
         "offline_blocks": tally.blocks,
+        "per_prompt": per_prompt(tally),
     }
     if baseline:
         target_tps = tally.greedy_tokens / tally.greedy_s if tally.greedy_s else None
@@ -478,7 +499,7 @@ def evaluate(
     name = drafter if isinstance(drafter, str) else getattr(drafter, "__name__", type(drafter).__name__)
     proposal = _proposal(drafter, model, target, block_size, layer_ids)
     runner = TargetRunner(model, proposal.layer_ids)
-    eos = eos_token_ids(model, tokenizer)
+    eos = eos_token_ids(model.generation_config, tokenizer)
     encoded = [encode_prompt(tokenizer, p) for p in prompts]
     if runner.device.type == "cuda":  # first-call kernel selection and allocation stay out of the timings
         warm = min(max_new_tokens, 2 * proposal.block_size)
@@ -488,6 +509,7 @@ def evaluate(
     return _report(
         tally,
         baseline,
+        engine="hf",
         target=target,
         drafter=name,
         device=str(runner.device),
@@ -536,17 +558,35 @@ def add_arguments(parser) -> None:
         "--no-baseline", action="store_true", help="skip the target-only greedy loop (no speedup, no identity check)"
     )
     p.add_argument("--no-offline", action="store_true", help="skip tau_offline")
+    p.add_argument(
+        "--engine", choices=["hf", "vllm", "both"], default="hf",
+        help="hf: this loop (default); vllm: vLLM serving the export (docs/vllm.md); both: the two side by side",
+    )
     add_model_arguments(p)
     p.add_argument("--out", default=None, help="write the JSON report here instead of stdout")
 
 
 def run(args) -> int:
-    report = call_with_flags(evaluate, args, offline=not args.no_offline, baseline=not args.no_baseline)
-    text = json.dumps(report, indent=2)
+    if args.engine != "hf" and args.device is not None:
+        raise ValueError(f"--device {args.device}: vLLM picks its own device; leave --device out with --engine "
+                         f"{args.engine}")
+    if args.engine == "hf":
+        report = call_with_flags(evaluate, args, offline=not args.no_offline, baseline=not args.no_baseline)
+        text = summary(report)
+    else:
+        from dflash_fast import vllm_engine  # vLLM is imported only here (it is an optional install)
+
+        report = call_with_flags(vllm_engine.evaluate_vllm, args, baseline=not args.no_baseline)
+        text = summary(report)
+        if args.engine == "both":
+            ours = call_with_flags(evaluate, args, offline=not args.no_offline, baseline=not args.no_baseline)
+            report = {"side_by_side": vllm_engine.side_by_side(ours, report), "hf": ours, "vllm": report}
+            text = vllm_engine.summary(report)
+    out = json.dumps(report, indent=2)
     if args.out:
         with open(args.out, "w") as f:
-            f.write(text + "\n")
+            f.write(out + "\n")
     else:
-        print(text)
-    print(summary(report) + (f"\nreport in {args.out}" if args.out else ""), file=sys.stderr)
+        print(out)
+    print(text + (f"\nreport in {args.out}" if args.out else ""), file=sys.stderr)
     return 0

@@ -250,7 +250,7 @@ def architecture(cfg: DrafterConfig) -> Dict:
         "mask_token_id": cfg.mask_token_id,
         "block_size": cfg.block_size,
         "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_parameters": _rope(cfg.rope_parameters),
+        "rope_parameters": normal_rope(cfg.rope_parameters),
         "max_position_embeddings": cfg.max_position_embeddings,
         "num_layers": cfg.num_layers,
         "layer_windows": [cfg.sliding_window if k == "sliding" else None for k in cfg.layer_types],
@@ -265,7 +265,7 @@ def _dspark_fields(sample_from_anchor, markov_rank, markov_head_type, confidence
                 confidence_head=confidence_head, confidence_head_with_markov=with_markov or not confidence_head)
 
 
-def _rope(params: Dict) -> Dict:
+def normal_rope(params: Dict) -> Dict:
     """RoPE parameters as the drafter's Rope reads them: rope_type (not the legacy `type`), no factor-1 partial."""
     rope = dict(params)
     legacy = rope.pop("type", None)
@@ -359,7 +359,7 @@ def _speculators_view(config: Dict) -> Dict:
         "layer_ids": [i - 1 for i in aux],
         "mask_token_id": config.get("mask_token_id"),
         "block_size": config.get("block_size", 8),  # DFlashSpeculatorConfig's default
-        "rope_parameters": _rope(rope),
+        "rope_parameters": normal_rope(rope),
         "layer_windows": [hf.sliding_window if t == "sliding_attention" else None for t in types],
         "layer_causal": [t == "sliding_attention" and not non_causal for t in types],
         **(_speculators_dspark(config) if dspark else DFLASH_ONLY),
@@ -428,7 +428,7 @@ def _vllm_rope(hf) -> Dict:
     if "rope_type" not in rope and getattr(hf, "rope_scaling", None):
         rope.update(hf.rope_scaling)
     rope.setdefault("rope_theta", getattr(hf, "rope_theta", None) or 1_000_000.0)
-    return _rope(rope)
+    return normal_rope(rope)
 
 
 # Attributes vLLM's DFlash model reads from the draft config without a default (qwen3_dflash.py).
@@ -521,7 +521,7 @@ def _sglang_view(config: Dict) -> Dict:
     if "sliding_attention" in types and hf.sliding_window is None:
         raise ExportError(f"{where}: sliding layers and no sliding_window (SGLang raises; Qwen3Config drops the "
                           f"window unless use_sliding_window is true)")
-    rope = _rope(hf.rope_parameters)
+    rope = normal_rope(hf.rope_parameters)
     rope.pop("partial_rotary_factor", None)
     return {
         **_common(hf, where, hf.head_dim),

@@ -1,17 +1,19 @@
 """`dflash-fast regenerate`: the target writes the responses a drafter will learn to draft.
 
     prompts JSONL ──chat template──▶ batched HF generate (left padding) ──▶ JSONL with the assistant turn
+                                     (--engine vllm: vLLM's generate, dflash_fast/vllm_engine.py)
 
 DFlash drafters are trained on the target's own outputs. A prompt line is
 `{"conversations": [...]}` (the prompt is every turn up to and including the
 last user turn; a reply already after it is replaced) or `{"text": ...}` (the
 target continues the text). Each output line is the input record with the
-response in place, plus `"index"` (the prompt's 0-based record number) and
-`"finished"` (the target stopped at its end-of-sequence token):
+response in place, plus `"index"` (the prompt's 0-based record number),
+`"finished"` (the target stopped at its end-of-sequence token) and `"sampling"`
+(the engine and settings that wrote it):
 
     {"index": 3, "conversations": [..., {"role": "user", ...}, "
-    "{"role": "assistant", "content": RESPONSE}], "finished": true}
-    {"index": 4, "text": PROMPT + RESPONSE, "finished": false}
+    "{"role": "assistant", "content": RESPONSE}], "finished": true, "sampling": {"engine": "hf", ...}}
+    {"index": 4, "text": PROMPT + RESPONSE, "finished": false, "sampling": {...}}
 
 so `dflash-fast extract` reads the file as it is. Prompts are cut into fixed
 batches of `batch_size` consecutive records; each batch is appended in one
@@ -137,6 +139,9 @@ def load_model(target: str, device=None, dtype: Optional[str] = None, trust_remo
     return load_target(target, device, compute, trust_remote_code)
 
 
+ENGINES = ("hf", "vllm")
+
+
 def add_model_arguments(p) -> None:
     """The flags of `load_model`'s options, for the commands that load the target with it (regenerate, eval)."""
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
@@ -144,17 +149,25 @@ def add_model_arguments(p) -> None:
     p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modelling code to run")
 
 
-def eos_token_ids(model, tokenizer) -> List[int]:
-    """Every token that ends a response: the generation config's eos ids and the tokenizer's."""
-    ids = getattr(model.generation_config, "eos_token_id", None)
+def eos_token_ids(generation_config, tokenizer) -> List[int]:
+    """Every token that ends a response: the (target's) generation config's eos ids and the tokenizer's."""
+    ids = getattr(generation_config, "eos_token_id", None)
     ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
         ids.append(tokenizer.eos_token_id)
     return ids
 
 
-def output_record(prompt: Prompt, response: str, finished: bool) -> Dict:
-    record = dict(prompt.record, index=prompt.index, finished=finished)
+def cut_response(tokens: Sequence[int], max_new_tokens: int, eos: Sequence[int]) -> List[int]:
+    """New tokens as every engine reports them: at most max_new_tokens, ending after the first eos."""
+    tokens = list(tokens)[:max_new_tokens]
+    end = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
+    return tokens[:end]
+
+
+def output_record(prompt: Prompt, response: str, finished: bool, sampling: Dict) -> Dict:
+    """The input record with the response in place; `sampling`: the engine and settings that wrote it."""
+    record = dict(prompt.record, index=prompt.index, finished=finished, sampling=sampling)
     if prompt.messages is not None:
         record["conversations"] = prompt.messages + [{"role": "assistant", "content": response}]
     else:
@@ -237,11 +250,7 @@ def generate_batch(
         pad_token_id=pad_id,
         **sampling,
     )
-    responses = []
-    for row in out[:, width:].tolist():
-        end = next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
-        responses.append(row[:end])
-    return responses
+    return [cut_response(row, max_new_tokens, eos) for row in out[:, width:].tolist()]
 
 
 def regenerate(
@@ -259,17 +268,22 @@ def regenerate(
     dtype: Optional[str] = None,
     trust_remote_code: bool = False,
     progress: bool = True,
+    engine: str = "hf",
 ) -> Dict:
     """Write the target's responses to the prompts in `data` into `out` (JSONL); resume a partial `out`.
 
     temperature 0 is greedy decoding; above 0, sampling with `top_p` and `top_k` (0 = off), seeded per batch by `seed`.
-    Returns {"out", "prompts", "written", "skipped", "finished"} (finished: responses that ended at eos).
+    engine: "hf" (transformers' generate) or "vllm" (dflash_fast.vllm_engine); every record says which and with
+    what settings (`sampling`). Returns {"out", "prompts", "written", "skipped", "finished"} (finished: responses that
+    ended at eos).
     """
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
     if batch_size < 1 or max_new_tokens < 1:
         raise ValueError(f"batch_size ({batch_size}) and max_new_tokens ({max_new_tokens}) must be >= 1")
+    if engine not in ENGINES:
+        raise ValueError(f"engine {engine!r}: choose one of {ENGINES}")
     if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
         raise ValueError(
             f"need temperature >= 0 (0 = greedy), top_p in (0, 1], top_k >= 0; got {temperature}, {top_p}, {top_k}"
@@ -281,11 +295,23 @@ def regenerate(
     if len(done) == len(prompts):
         return summary
     tokenizer = AutoTokenizer.from_pretrained(target, trust_remote_code=trust_remote_code)
-    model = load_model(target, device, dtype, trust_remote_code)
-    eos = eos_token_ids(model, tokenizer)
+    if engine == "vllm":
+        from transformers import GenerationConfig
+
+        from dflash_fast.vllm_engine import generate, load_engine
+
+        generation_config = GenerationConfig.from_pretrained(target, trust_remote_code=trust_remote_code)
+    else:
+        model = load_model(target, device, dtype, trust_remote_code)
+        generation_config = model.generation_config
+    eos = eos_token_ids(generation_config, tokenizer)
     if not eos:
         raise ValueError(f"{target} defines no eos token: responses would never end before max_new_tokens")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    if engine == "vllm":
+        llm = load_engine(target, dtype=dtype, trust_remote_code=trust_remote_code)
+    sampling = dict(engine=engine, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                    max_new_tokens=max_new_tokens)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     bar = tqdm(total=len(prompts), initial=len(done), unit="prompt", desc="regenerate", disable=not progress)
     with open(out, "a") as f:
@@ -293,25 +319,20 @@ def regenerate(
             todo = [p for p in prompts[start : start + batch_size] if p.index not in done]
             if not todo:
                 continue
+            batch = [encode_prompt(tokenizer, p) for p in todo]
             # Seeded by the batch's position, not by what ran before: a resumed run draws the same samples.
-            torch.manual_seed(seed * 1_000_003 + start)
-            responses = generate_batch(
-                model,
-                [encode_prompt(tokenizer, p) for p in todo],
-                max_new_tokens,
-                eos,
-                pad_id,
-                temperature,
-                top_p,
-                top_k,
-            )
+            batch_seed = seed * 1_000_003 + start
+            if engine == "vllm":
+                _, responses = generate(llm, batch, max_new_tokens, eos, temperature, top_p, top_k, batch_seed)
+            else:
+                torch.manual_seed(batch_seed)
+                responses = generate_batch(model, batch, max_new_tokens, eos, pad_id, temperature, top_p, top_k)
             lines = []
             for p, ids in zip(todo, responses):
                 finished = bool(ids) and ids[-1] in eos
                 summary["finished"] += finished
-                lines.append(
-                    json.dumps(output_record(p, tokenizer.decode(ids, skip_special_tokens=True), finished)) + "\n"
-                )
+                record = output_record(p, tokenizer.decode(ids, skip_special_tokens=True), finished, sampling)
+                lines.append(json.dumps(record) + "\n")
             f.write("".join(lines))
             f.flush()
             os.fsync(f.fileno())
@@ -335,6 +356,8 @@ def add_arguments(parser) -> None:
     p.add_argument("--top-k", type=int, default=0, help="top-k cut when sampling, 0 = off (default)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
+    p.add_argument("--engine", choices=ENGINES, default="hf",
+                   help="hf: transformers' generate (default); vllm: vLLM (docs/vllm.md), for large prompt sets")
     add_model_arguments(p)
 
 

@@ -25,6 +25,27 @@ def one_error_line(err: str) -> str:
     return err
 
 
+def test_engine_vllm_without_vllm_installed_says_how_to_install_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError, as where it is not installed
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"text": "def f():"}])
+    drafter = build_drafter(TARGET, [1, 3, 5], num_layers=1, block_size=4)
+    export = export_drafter(drafter, str(tmp_path / "export"), TARGET, torch.float32)
+    for argv in (["eval", "--engine", "vllm", "--target", TARGET, "--drafter", export, "--data", str(prompts)],
+                 ["regenerate", "--engine", "vllm", "--target", TARGET, "--data", str(prompts), "--out",
+                  str(tmp_path / "r.jsonl")]):
+        assert cli.main(argv) == 1, argv
+        assert "--engine vllm needs vLLM" in one_error_line(capsys.readouterr().err), argv
+
+
+def test_engine_vllm_on_a_cpu_refuses_a_mixed_drafter_that_its_v1_runner_cannot_serve(tmp_path, capsys):
+    drafter = build_drafter(TARGET, [1, 3, 5], num_layers=2, block_size=4, layer_types=["sliding", "full"],
+                            sliding_window=8, causal_in_block=[True, False])
+    export = export_drafter(drafter, str(tmp_path / "export"), TARGET, torch.float32, fmt="zlab")
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"text": "def f():"}])
+    assert cli.main(["eval", "--engine", "vllm", "--target", TARGET, "--drafter", export, "--data", str(prompts)]) == 1
+    assert "vLLM serves that only with its V2 model runner" in one_error_line(capsys.readouterr().err)
+
+
 def test_user_errors_of_every_command_end_in_one_error_line_with_exit_1(tmp_path, capsys):
     prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"text": "def f():"}])
     missing = str(tmp_path / "missing")

