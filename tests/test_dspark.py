@@ -2,11 +2,10 @@
 against speculators 0.9.0's semantics written out as loops (tests/oracles.py: dspark_*)."""
 import pytest
 import torch
-from oracles import dspark_batch_loss, position_weight, rms_norm, slot_mask
+from oracles import dspark_batch_loss, position_weight, rms_norm
 from test_drafter import B, V, random_batch, random_drafter
 
 from dflash_fast import eager, ops
-from dflash_fast.batches import sample_anchors
 from dflash_fast.drafter import DrafterOutput, position_weights, slot_metrics, slot_targets
 
 EPS = 1e-6
@@ -104,27 +103,6 @@ def test_markov_bias_changes_the_drafter_logits_and_only_through_the_previous_to
 
 
 # ---------------------------------------------------------------- slot alignment (SPEC §8 sample_from_anchor)
-
-
-@pytest.mark.parametrize("seed", range(3))
-def test_sample_from_anchor_slot_mask_is_the_hand_built_mask(seed):
-    """Random documents, loss masks, anchors and invalid padding: the masks apply to the predicted position p + 1."""
-    gen = torch.Generator().manual_seed(seed)
-    r_count, t, a_count, b = 3, 41, 9, 5
-    document_ids = torch.stack([torch.randint(0, 4, (t,), generator=gen).sort().values for _ in range(r_count)])
-    loss_mask = torch.rand(r_count, t, generator=gen) > 0.3
-    drawn = [sample_anchors(loss_mask[r], document_ids[r], a_count, gen) for r in range(r_count)]
-    batch = dict(
-        input_ids=torch.zeros(r_count, t, dtype=torch.long),
-        loss_mask=loss_mask,
-        document_ids=document_ids,
-        anchors=torch.stack([anchors for anchors, _ in drawn]),
-        anchor_valid=torch.stack([valid for _, valid in drawn]),
-    )
-    batch["anchor_valid"][0, -2:] = False
-    want = slot_mask(batch, b, sample_from_anchor=True)
-    assert want[..., 0].any() and not want.all()
-    assert torch.equal(slot_targets(batch, b, sample_from_anchor=True).slot_mask, want)
 
 
 def test_sample_from_anchor_slot_j_predicts_p_plus_1_against_the_teacher_at_p():

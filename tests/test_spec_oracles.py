@@ -94,9 +94,11 @@ def test_attention_is_a_softmax_over_the_keys_spec_makes_visible(backend, window
 # ---------------------------------------------------------------- SPEC §5: slots and weights
 
 
+@pytest.mark.parametrize("sample_from_anchor", [False, True], ids=["dflash", "dspark_from_anchor"])
 @pytest.mark.parametrize("seed", range(4))
-def test_slot_mask_is_the_hand_built_mask(seed):
-    """Random documents, loss masks and anchors (drawn as batches.py draws them, plus invalid padding)."""
+def test_slot_mask_is_the_hand_built_mask(seed, sample_from_anchor):
+    """Random documents, loss masks and anchors (drawn as batches.py draws them, plus invalid padding); with
+    DSpark's sample_from_anchor (SPEC §8) the masks apply to the predicted position p + 1, slot 0 included."""
     gen = torch.Generator().manual_seed(seed)
     r_count, t, a_count, b = 3, 41, 9, 5
     document_ids = torch.stack([torch.randint(0, 4, (t,), generator=gen).sort().values for _ in range(r_count)])
@@ -110,9 +112,9 @@ def test_slot_mask_is_the_hand_built_mask(seed):
         anchor_valid=torch.stack([valid for _, valid in drawn]),
     )
     batch["anchor_valid"][0, -2:] = False  # padding slots repeating the previous anchors
-    want = slot_mask(batch, b)
-    assert want.any() and not want.all()
-    assert torch.equal(slot_targets(batch, b).slot_mask, want)
+    want = slot_mask(batch, b, sample_from_anchor)
+    assert want.any() and not want.all() and want[..., 0].any() == sample_from_anchor
+    assert torch.equal(slot_targets(batch, b, sample_from_anchor).slot_mask, want)
 
 
 @pytest.mark.parametrize("block_size, gamma", [(16, 7.0), (5, 2.5)])
