@@ -77,7 +77,7 @@ MUTATIONS: List[Mutation] = [
     Mutation(
         "slot-zero-trained",
         "dflash_fast/drafter.py",
-        "(j >= 1)",
+        "(j >= (0 if sample_from_anchor else 1))",
         "(j >= 0)",
         [T_ALIGN],
         "slot 0 is never trained",
@@ -86,8 +86,8 @@ MUTATIONS: List[Mutation] = [
     Mutation(
         "teacher-row-at-p",
         "dflash_fast/drafter.py",
-        "return Targets(mask, in_row, (p - 1).clamp(0, t - 1))",
-        "return Targets(mask, in_row, p.clamp(0, t - 1))",
+        "return Targets(mask, in_row, (p - 1).clamp(0, t - 1), prev)",
+        "return Targets(mask, in_row, p.clamp(0, t - 1), prev)",
         [T_ALIGN],
         "slot at p is scored against p - 1",
     ),
@@ -202,8 +202,8 @@ MUTATIONS: List[Mutation] = [
     Mutation(
         "kl-metric-is-the-soft-ce",
         "dflash_fast/eager.py",
-        "kl_row = (logp.exp() * (logp - logq.detach())).sum(-1)",
-        "kl_row = per_row.detach()",
+        "kl = (p * (logp - logq)).sum(-1)",
+        "kl = -(p * logq).sum(-1)",
         [T_ORACLES],
         "log the KL itself, not the soft CE",
     ),
