@@ -19,7 +19,7 @@ import torch
 
 from dflash_fast.errors import UserError
 from dflash_fast.evaluate import SpecResult, Tally, _report
-from dflash_fast.export import config_from_export, normal_rope, read_export_config
+from dflash_fast.export import DFLASH_ONLY, config_from_export, normal_rope, read_export_config
 from dflash_fast.regenerate import cut_response, encode_prompt, eos_token_ids, read_prompts
 from dflash_fast.target import check_target
 
@@ -186,6 +186,7 @@ def vllm_architecture(export_dir: str) -> Dict:
         "num_layers": hf.num_hidden_layers,
         "layer_windows": [window for window, _ in layers],
         "layer_causal": [causal for _, causal in layers],
+        **DFLASH_ONLY,  # vLLM's dflash method: no Markov or confidence head, slot j predicts a + j
     }
 
 
