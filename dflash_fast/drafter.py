@@ -12,7 +12,6 @@ trained against the acceptance rate the loss returns.
 The three hot ops go through `dflash_fast.ops`; everything else is plain torch.
 """
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -25,6 +24,7 @@ import torch.nn.functional as F
 from dflash_fast import ops
 from dflash_fast.dspark import MARKOV_HEAD_TYPES, ConfidenceHead, MarkovHead, head_shapes
 from dflash_fast.eager import DENSE_KINDS, DPace, Markov, Teacher, needs_last, rms_norm
+from dflash_fast.errors import OBJECT, WEIGHTS_INDEX_SCHEMA, Obj, read_json_object
 from dflash_fast.store import final_norm_weight
 
 LAYER_KINDS = ("full", "sliding")
@@ -862,8 +862,8 @@ def target_tensor_files(target_path: str) -> Dict[str, str]:
 
     index_path = os.path.join(target_path, "model.safetensors.index.json")
     if os.path.exists(index_path):
-        with open(index_path) as f:
-            return {k: os.path.join(target_path, v) for k, v in json.load(f)["weight_map"].items()}
+        weight_map = read_json_object(index_path, "a safetensors index", WEIGHTS_INDEX_SCHEMA)["weight_map"]
+        return {k: os.path.join(target_path, v) for k, v in weight_map.items()}
     single = os.path.join(target_path, "model.safetensors")
     if not os.path.exists(single):
         raise FileNotFoundError(f"{target_path} has neither model.safetensors nor model.safetensors.index.json")
@@ -907,8 +907,8 @@ def load_frozen_tensors(
     the model type decides."""
     from safetensors import safe_open
 
-    with open(os.path.join(target_path, "config.json")) as f:
-        config = json.load(f)
+    config = read_json_object(os.path.join(target_path, "config.json"), "a model config (a JSON object)",
+                              Obj({}, optional={"text_config": OBJECT}))
     text_config = config.get("text_config", config)
     where = target_tensor_files(target_path)
     out = {}

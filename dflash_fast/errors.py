@@ -89,6 +89,8 @@ SHA256 = Is("a sha256 digest (64 lowercase hex digits)",
             lambda v: isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v))
 OBJECT = Obj({})
 LIST = Is("a list", lambda v: isinstance(v, list))
+# A safetensors index (a target's or an export's model.safetensors.index.json): tensor name -> shard file.
+WEIGHTS_INDEX_SCHEMA = Obj({"weight_map": MapOf(STR)})
 
 
 def _describe(schema: Schema) -> str:
@@ -191,3 +193,10 @@ def run_reporting_errors(fn: Callable[[], Optional[int]], debug: bool = False) -
             return 130
         print(f"error: {e}", file=sys.stderr)
         return 2 if isinstance(e, ConfigError) else 1
+
+
+def read_json_object(path: str, what: str, schema: Optional[Obj] = None) -> Dict:
+    """read_mapping for a JSON object a user supplies with a model (a target's config.json or safetensors index):
+    every failure one ValueError naming the file and, with `schema`, the field."""
+    return read_mapping(path, json.load, json.JSONDecodeError, ValueError, "JSON", what, schema=schema)
+

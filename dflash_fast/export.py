@@ -47,7 +47,18 @@ from dflash_fast.drafter import (
     stderr_line,
     value_problems,
 )
-from dflash_fast.errors import BOOL, INT, OBJECT, STR, ListOf, MapOf, Nullable, Obj, check_schema, read_mapping
+from dflash_fast.errors import (
+    BOOL,
+    INT,
+    OBJECT,
+    STR,
+    WEIGHTS_INDEX_SCHEMA,
+    ListOf,
+    Nullable,
+    Obj,
+    check_schema,
+    read_mapping,
+)
 from dflash_fast.store import check_layer_ids, default_layer_ids, torch_dtype, write_json_atomic
 
 FORMATS = ("speculators", "zlab")
@@ -763,7 +774,6 @@ CONFIG_SCHEMAS = {
         optional={**_DFLASH_KEYS, "layer_types": Nullable(ListOf(STR)), "dflash_fast": Nullable(OBJECT)},
     ),
 }
-WEIGHTS_INDEX_SCHEMA = Obj({"weight_map": MapOf(STR)})
 
 
 def _read_json(path: str, schema: Optional[Obj] = None) -> Dict:

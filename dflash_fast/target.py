@@ -20,7 +20,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from dflash_fast.eager import rms_norm
-from dflash_fast.errors import UserError
+from dflash_fast.errors import WEIGHTS_INDEX_SCHEMA, UserError, read_json_object
 from dflash_fast.store import NORM_KINDS, final_norm_weight, sha256_file
 
 # Conversation roles every stage accepts (ShareGPT's names are aliases).
@@ -197,8 +197,8 @@ def _safetensors_files(target) -> List[str]:
 
     index = find("model.safetensors.index.json")
     if index is not None:
-        with open(index) as f:
-            shards = sorted(set(json.load(f).get("weight_map", {}).values()))
+        weight_map = read_json_object(index, "a safetensors index", WEIGHTS_INDEX_SCHEMA)["weight_map"]
+        shards = sorted(set(weight_map.values()))
         paths = [find(shard) for shard in shards]
         return paths if all(paths) else []
     single = find("model.safetensors")

@@ -121,3 +121,29 @@ def test_a_training_config_nested_too_deeply_to_parse_is_one_config_error(tmp_pa
     (tmp_path / "run.yaml").write_text("data: " + "[" * 3000 + "]" * 3000 + "\n")
     with pytest.raises(ConfigError, match=f"{tmp_path / 'run.yaml'} is not valid YAML: it is nested too deeply"):
         load_config(str(tmp_path / "run.yaml"))
+
+
+# ---------------------------------------------------------------- a target's own JSON (config.json, the index)
+
+
+@pytest.mark.parametrize("weight_map, message", [([], "weight_map must be an object, got a list"),
+                                                 ({"lm_head.weight": 3}, "weight_map.lm_head.weight must be a string")])
+def test_a_target_index_of_the_wrong_shape_is_one_error_naming_the_field(tmp_path, weight_map, message):
+    from dflash_fast.drafter import target_tensor_files
+    from dflash_fast.target import _safetensors_files
+
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": weight_map}))
+    for read in (target_tensor_files, _safetensors_files):
+        with pytest.raises(ValueError, match=f"{index}: {message}"):
+            read(str(tmp_path))
+
+
+@pytest.mark.parametrize("text, message", [("[" * 100_000, "is not valid JSON"), ('{"text_config": []}',
+                                           "text_config must be an object, got a list")])
+def test_a_target_config_that_is_no_model_config_is_one_error_naming_the_file(tmp_path, text, message):
+    from dflash_fast.drafter import load_frozen_tensors
+
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ValueError, match=f"{tmp_path / 'config.json'}:? {message}"):
+        load_frozen_tensors(str(tmp_path))
