@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from dflash_fast import ops
 from dflash_fast.dspark import MARKOV_HEAD_TYPES, ConfidenceHead, MarkovHead, head_shapes
 from dflash_fast.eager import DENSE_KINDS, DPace, Markov, Teacher, needs_last, rms_norm
-from dflash_fast.errors import OBJECT, WEIGHTS_INDEX_SCHEMA, Obj, read_json_object
+from dflash_fast.errors import OBJECT, WEIGHTS_INDEX_SCHEMA, Obj, is_int, read_json_object
 from dflash_fast.store import final_norm_weight
 
 LAYER_KINDS = ("full", "sliding")
@@ -160,10 +160,6 @@ class DrafterConfig:
 
     def to_dict(self) -> Dict:
         return dataclasses.asdict(self)
-
-
-def is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_number(value) -> bool:

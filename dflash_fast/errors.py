@@ -75,15 +75,16 @@ class Nullable:
 Schema = Union[Is, ListOf, MapOf, Obj, Nullable]
 
 
-def _is_int(v) -> bool:
+def is_int(v) -> bool:
+    """An int that is not a bool (JSON's true would otherwise pass as 1)."""
     return isinstance(v, int) and not isinstance(v, bool)
 
 
 STR = Is("a string", lambda v: isinstance(v, str))
 BOOL = Is("true or false", lambda v: isinstance(v, bool))
-INT = Is("an integer", _is_int)
-COUNT = Is("a non-negative integer", lambda v: _is_int(v) and v >= 0)
-POSITIVE = Is("a positive integer", lambda v: _is_int(v) and v > 0)
+INT = Is("an integer", is_int)
+COUNT = Is("a non-negative integer", lambda v: is_int(v) and v >= 0)
+POSITIVE = Is("a positive integer", lambda v: is_int(v) and v > 0)
 NUMBER = Is("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool))
 SHA256 = Is("a sha256 digest (64 lowercase hex digits)",
             lambda v: isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v))

@@ -41,7 +41,6 @@ from dflash_fast.drafter import (
     DFlashDrafter,
     DrafterConfig,
     check_tensors,
-    is_int,
     load_frozen_tensors,
     read_tensors,
     stderr_line,
@@ -57,6 +56,7 @@ from dflash_fast.errors import (
     Nullable,
     Obj,
     check_schema,
+    is_int,
     read_mapping,
 )
 from dflash_fast.store import check_layer_ids, default_layer_ids, torch_dtype, write_json_atomic
