@@ -43,7 +43,7 @@ def read_metrics(path: str) -> Series:
         for line_no, line in enumerate(f, 1):
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
                 continue  # a line torn by a crash mid-write, or a non-metric line
             if not isinstance(record, dict):
                 continue

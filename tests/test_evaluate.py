@@ -22,7 +22,7 @@ from dflash_fast.evaluate import (
     summary,
 )
 from dflash_fast.export import export_drafter
-from dflash_fast.plot import plot_recipes, plot_run, read_recipes
+from dflash_fast.plot import plot_recipes, plot_run, read_metrics, read_recipes
 
 B = 4
 LAYER_IDS = [1, 3, 5]  # 5 = L-1 of the 6-layer tiny targets: tapped before the final norm
@@ -383,3 +383,9 @@ def test_plot_takes_a_run_dir_or_recipes_not_both_nor_neither(tmp_path, capsys):
     assert err.count("error: dflash-fast plot takes RUN_DIR or --recipes RESULTS.json") == 2
     assert main(["plot", "--recipes", str(tmp_path / "r.json"), "--out", str(tmp_path)]) == 0
     assert (tmp_path / "recipes.png").exists()
+
+
+def test_plot_skips_a_metrics_line_nested_too_deeply_as_it_skips_a_torn_one(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 2.0}\n' + "[" * 100_000 + "\n" + '{"step": 2, "loss": 1.5}\n')
+    assert read_metrics(str(path))["train"]["loss"] == [(1, 2.0), (2, 1.5)]
