@@ -52,7 +52,7 @@ from bench.harness import write_results  # noqa: E402
 from dflash_fast.batches import sample_anchors  # noqa: E402
 from dflash_fast.drafter import slot_targets, teacher_index  # noqa: E402
 from dflash_fast.eager import DPace, Markov, Teacher  # noqa: E402
-from dflash_fast.store import torch_dtype  # noqa: E402
+from dflash_fast.store_format import torch_dtype  # noqa: E402
 
 H200 = dict(flops=790e12, hbm=4.3e12, sms=132, l2=50 << 20, smem_per_sm=233472, regs=65536, warps=64, blocks=32)
 REFERENCE = dict(H=4096, V=151936, B=16, A=512, T=3072, docs=4, rows=(1, 4))

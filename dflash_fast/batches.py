@@ -51,7 +51,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from dflash_fast.store import FP8_READ_DTYPE, SCALE_FIELDS, dequantize_fp8
+from dflash_fast.fp8 import FP8_READ_DTYPE, SCALE_FIELDS, dequantize_fp8
 
 Piece = Tuple[int, int, int]
 Row = List[Piece]

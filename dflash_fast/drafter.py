@@ -25,7 +25,7 @@ from dflash_fast import ops
 from dflash_fast.dspark import MARKOV_HEAD_TYPES, ConfidenceHead, MarkovHead, head_shapes
 from dflash_fast.eager import DENSE_KINDS, DPace, Markov, Teacher, needs_last, rms_norm
 from dflash_fast.errors import OBJECT, WEIGHTS_INDEX_SCHEMA, Obj, is_int, read_json_object
-from dflash_fast.store import final_norm_weight
+from dflash_fast.target import final_norm_weight
 
 LAYER_KINDS = ("full", "sliding")
 # Models whose RMSNorm scales by (1 + w): the frozen final norm is stored as the effective weight.

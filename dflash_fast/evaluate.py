@@ -39,6 +39,7 @@ import torch
 from dflash_fast.cli import call_with_flags
 from dflash_fast.drafter import DFlashDrafter, load_frozen_tensors, slot_metrics
 from dflash_fast.errors import UserError
+from dflash_fast.layer_ids import check_layer_ids, default_layer_ids
 from dflash_fast.regenerate import (
     add_model_arguments,
     cut_response,
@@ -47,7 +48,6 @@ from dflash_fast.regenerate import (
     load_model,
     read_prompts,
 )
-from dflash_fast.store import check_layer_ids, default_layer_ids
 from dflash_fast.target import check_target, final_norm_module, tapped_layers
 
 # propose(hidden [T, K, H_t] of positions 0..T-1, anchor token x_T, context_ids [T+1] = x_0..x_T) -> [B-1] guesses,

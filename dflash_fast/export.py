@@ -59,7 +59,8 @@ from dflash_fast.errors import (
     is_int,
     read_mapping,
 )
-from dflash_fast.store import check_layer_ids, default_layer_ids, torch_dtype, write_json_atomic
+from dflash_fast.layer_ids import check_layer_ids, default_layer_ids
+from dflash_fast.store_format import torch_dtype, write_json_atomic
 
 FORMATS = ("speculators", "zlab")
 ENGINES = {"speculators": ("speculators", "vllm"), "zlab": ("sglang", "vllm")}

@@ -35,29 +35,23 @@ import torch
 
 from dflash_fast.eager import rms_norm
 from dflash_fast.errors import COUNT, NUMBER, STR, ListOf, MapOf, Obj, UserError
+from dflash_fast.fp8 import FP8, SCALE_FIELDS, dequantize_fp8, quantize_fp8
+from dflash_fast.layer_ids import check_layer_ids, default_layer_ids, parse_layer_ids
 from dflash_fast.lock import output_lock
-from dflash_fast.store import (
+from dflash_fast.store import HiddenStateStore
+from dflash_fast.store_format import (
     DTYPES,
-    FP8,
     MANIFEST,
-    SCALE_FIELDS,
     SHARD_ENTRY,
     SHARDS_DIR,
-    HiddenStateStore,
     Layout,
-    StoreWriter,
     build_manifest,
-    check_layer_ids,
-    default_layer_ids,
-    dequantize_fp8,
-    final_norm_weight,
     normalise_dtype,
-    parse_layer_ids,
-    quantize_fp8,
     read_json,
     read_manifest,
     write_json_atomic,
 )
+from dflash_fast.store_writer import StoreWriter
 from dflash_fast.target import (
     KNOWN_ROLES,
     ROLE_ALIASES,
@@ -66,6 +60,7 @@ from dflash_fast.target import (
     config_sha256,
     detect_norm_kind,
     final_norm_module,
+    final_norm_weight,
     load_target,
     on_text,
     tapped_layers,

@@ -32,7 +32,7 @@ import torch
 
 from dflash_fast.cli import call_with_flags
 from dflash_fast.errors import COUNT, LIST, STR, Obj, schema_problem
-from dflash_fast.store import torch_dtype
+from dflash_fast.store_format import torch_dtype
 from dflash_fast.target import (
     KNOWN_ROLES,
     ROLE_ALIASES,

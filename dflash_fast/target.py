@@ -21,12 +21,14 @@ import torch
 
 from dflash_fast.eager import rms_norm
 from dflash_fast.errors import WEIGHTS_INDEX_SCHEMA, UserError, read_json_object
-from dflash_fast.store import NORM_KINDS, final_norm_weight, sha256_file
+from dflash_fast.store_format import sha256_file
 
 # Conversation roles every stage accepts (ShareGPT's names are aliases).
 ROLE_ALIASES = {"human": "user", "gpt": "assistant", "model": "assistant"}
 KNOWN_ROLES = ("system", "user", "assistant", "tool")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+# Final-norm kinds a store can describe: y = rms(x) * w, or zero-centred y = rms(x) * (1 + w).
+NORM_KINDS = ("rmsnorm", "rmsnorm_zero_centred")
 
 
 def text_problem(text: str) -> Optional[str]:
@@ -81,6 +83,18 @@ def check_target(target: str) -> str:
                 f"no download of a hub model that is not in the local cache"
             )
     return target
+
+def final_norm_weight(weight: torch.Tensor, kind: str) -> torch.Tensor:
+    """The effective RMSNorm scale of a final norm of `kind`: `w`, or `1 + w` when zero-centred.
+
+    weight: [H] -> [H]; use with `dflash_fast.eager.rms_norm(last, scale, eps)`.
+    """
+    if kind == "rmsnorm":
+        return weight
+    if kind == "rmsnorm_zero_centred":
+        return 1 + weight
+    raise ValueError(f"unknown final norm kind {kind!r}; expected one of {NORM_KINDS}")
+
 
 def final_norm_module(model):
     """The final norm of a causal LM (`model.model.norm`) and its dotted name."""

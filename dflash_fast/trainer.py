@@ -69,7 +69,7 @@ from dflash_fast.metrics import MetricsLog, Sums, Window, progress_bar, show_ste
 from dflash_fast.model import build_run_drafter, export_format, resolve_loss_kind
 from dflash_fast.online import OnlineBatches
 from dflash_fast.optim import build_engine, check_muon_stepped, deepspeed_config, total_steps
-from dflash_fast.store import torch_dtype
+from dflash_fast.store_format import torch_dtype
 
 _NOISE_STREAM = 101  # derive_seed stream tag of the hidden-state noise, apart from batches.py's tags
 

@@ -22,7 +22,11 @@ from dflash_fast.batches import make_loader
 from dflash_fast.eager import rms_norm
 from dflash_fast.errors import UserError
 from dflash_fast.extract import ChatTokenizer, extract, read_examples
-from dflash_fast.store import MANIFEST, HiddenStateStore, ShardWriter, dequantize_fp8, final_norm_weight
+from dflash_fast.fp8 import dequantize_fp8
+from dflash_fast.store import HiddenStateStore
+from dflash_fast.store_format import MANIFEST
+from dflash_fast.store_writer import ShardWriter
+from dflash_fast.target import final_norm_weight
 
 NUM_LAYERS = 6
 LAYER_IDS = [0, 2, 4, 5]  # includes the first and the last decoder layer

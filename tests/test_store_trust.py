@@ -8,7 +8,8 @@ import pytest
 from test_store import _zero_bytes_in_place, edited_json, write_store
 
 from dflash_fast import cli
-from dflash_fast.store import INDEX, MANIFEST, HiddenStateStore, Layout, sha256_file, verify_store
+from dflash_fast.store import HiddenStateStore, verify_store
+from dflash_fast.store_format import INDEX, MANIFEST, Layout, sha256_file
 
 SHARD1 = "rank00000-shard00001"
 
