@@ -21,8 +21,9 @@ from dflash_fast import target as target_module
 from dflash_fast.batches import make_loader
 from dflash_fast.eager import rms_norm
 from dflash_fast.errors import UserError
-from dflash_fast.extract import ChatTokenizer, extract, read_examples
+from dflash_fast.extract import extract
 from dflash_fast.fp8 import dequantize_fp8
+from dflash_fast.records import ChatTokenizer, read_examples
 from dflash_fast.store import HiddenStateStore
 from dflash_fast.store_format import MANIFEST
 from dflash_fast.store_writer import ShardWriter

@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_fast import regenerate as regen
 from dflash_fast.cli import main
-from dflash_fast.extract import ChatTokenizer
+from dflash_fast.records import ChatTokenizer
 
 PROMPTS = [
     {"conversations": [{"role": "user", "content": "parse the arguments"}], "source": "argparse.py"},

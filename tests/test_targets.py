@@ -17,7 +17,8 @@ from dflash_fast import target as target_module
 from dflash_fast.config import load_config
 from dflash_fast.errors import UserError
 from dflash_fast.evaluate import evaluate
-from dflash_fast.extract import ChatTokenizer, extract, read_examples
+from dflash_fast.extract import extract
+from dflash_fast.records import ChatTokenizer, read_examples
 from dflash_fast.target import load_target, weight_bytes
 from dflash_fast.trainer import train
 
