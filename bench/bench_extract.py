@@ -32,7 +32,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.harness import peak_memory_mb, time_calls_ms, write_results  # noqa: E402
-from dflash_fast.extract import TargetRunner, _run_shards  # noqa: E402
+from dflash_fast.capture import TargetRunner  # noqa: E402
+from dflash_fast.extract import _run_shards  # noqa: E402
 from dflash_fast.layer_ids import default_layer_ids  # noqa: E402
 from dflash_fast.records import Example  # noqa: E402
 from dflash_fast.store_format import Layout  # noqa: E402

@@ -332,7 +332,7 @@ MUTATIONS: List[Mutation] = [
     ),
     Mutation(
         "teacher-from-an-intermediate-layer",
-        "dflash_fast/extract.py",
+        "dflash_fast/capture.py",
         "last = self._captured.pop()",
         "last = out.hidden_states[-2]",
         [T_EXTRACT_LAST],
@@ -348,7 +348,7 @@ MUTATIONS: List[Mutation] = [
     ),
     Mutation(
         "stored-last-after-the-final-norm",
-        "dflash_fast/extract.py",
+        "dflash_fast/capture.py",
         "self.norm.register_forward_pre_hook(lambda _module, args: self._captured.append(args[0]))",
         "self.norm.register_forward_hook(lambda _module, _args, out: self._captured.append(out))",
         [T_EXTRACT_LAST],

@@ -15,6 +15,7 @@ import pytest
 import torch
 from tiny_targets import make_tiny_target, make_tokenizer, sample_records, write_jsonl
 
+from dflash_fast import capture as capture_module
 from dflash_fast import cli
 from dflash_fast import extract as extract_module
 from dflash_fast import target as target_module
@@ -249,13 +250,13 @@ def test_fp8_store_reads_back_as_bf16_batches_of_the_same_contract(targets, data
 def test_fp8_parity_checks_last_as_the_store_holds_it(targets, data, tmp_path, monkeypatch):
     # A quantiser that clips everything above absmax / 16 leaves the compute-dtype parity intact; the fp8 check
     # catches it. (A wrong per-token scale alone would not matter to the teacher: RMSNorm removes it.)
-    real = extract_module.quantize_fp8
+    real = capture_module.quantize_fp8
 
     def clipping(x):
         q, scale = real(x)
         return q.float().clamp(-28, 28).to(q.dtype), scale
 
-    monkeypatch.setattr(extract_module, "quantize_fp8", clipping)
+    monkeypatch.setattr(capture_module, "quantize_fp8", clipping)
     with pytest.raises(RuntimeError, match=r"parity check failed: lm_head\(model.norm\(last as stored in fp8\)\)"):
         run_extract(targets["qwen3"], data, tmp_path, dtype="fp8")
     assert not os.path.exists(tmp_path / MANIFEST)
@@ -265,7 +266,7 @@ def test_fp8_parity_checks_last_as_the_store_holds_it(targets, data, tmp_path, m
 
 def test_parity_mismatch_aborts_before_writing_anything(targets, data, tmp_path, monkeypatch):
     # A mis-described final norm: the recomputed logits cannot match the model's.
-    monkeypatch.setattr(extract_module, "detect_norm_kind", lambda _norm: ("rmsnorm_zero_centred", 1e-6))
+    monkeypatch.setattr(capture_module, "detect_norm_kind", lambda _norm: ("rmsnorm_zero_centred", 1e-6))
     with pytest.raises(UserError, match="parity check failed"):  # one error line from the CLI, no traceback
         run_extract(targets["qwen3"], data, tmp_path)
     assert not os.path.exists(tmp_path / MANIFEST)
