@@ -16,8 +16,8 @@ import torch
 from dflash_fast.batches import make_loader, row_batches, steps_per_epoch
 from dflash_fast.config import TrainConfig
 from dflash_fast.eager import needs_last
-from dflash_fast.extract import ExtractOptions
 from dflash_fast.online import OnlineBatches, OnlineSource
+from dflash_fast.plan import ExtractOptions
 from dflash_fast.store import HiddenStateStore
 
 

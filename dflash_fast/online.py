@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from dflash_fast.batches import RowBatches
-from dflash_fast.extract import ExtractOptions, job_manifest, make_runner, plan_batches, plan_job
+from dflash_fast.plan import ExtractOptions, job_manifest, make_runner, plan_batches, plan_job
 
 
 class OnlineSource:

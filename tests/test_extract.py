@@ -18,6 +18,7 @@ from tiny_targets import make_tiny_target, make_tokenizer, sample_records, write
 from dflash_fast import capture as capture_module
 from dflash_fast import cli
 from dflash_fast import extract as extract_module
+from dflash_fast import plan as plan_module
 from dflash_fast import target as target_module
 from dflash_fast.batches import make_loader
 from dflash_fast.eager import rms_norm
@@ -564,7 +565,7 @@ def test_extraction_refuses_to_start_without_the_free_space_naming_both_numbers(
     out = tmp_path / "store"
     needed = extract_module.estimate(targets["qwen3"], data, out, layer_ids=LAYER_IDS, dtype="fp32")["needed"]
     monkeypatch.setattr(extract_module, "free_bytes", lambda _path: needed - 1)
-    monkeypatch.setattr(extract_module, "load_target", lambda *_a, **_k: pytest.fail("the model must not load"))
+    monkeypatch.setattr(plan_module, "load_target", lambda *_a, **_k: pytest.fail("the model must not load"))
     with pytest.raises(extract_module.NotEnoughDisk,
                        match=rf"store needs {needed:,} bytes .* has {needed - 1:,} bytes .* free"):
         run_extract(targets["qwen3"], data, out)
