@@ -168,8 +168,8 @@ MUTATIONS: List[Mutation] = [
     Mutation(
         "trainer-ignores-loss-gamma",
         "dflash_fast/trainer.py",
-        "gamma=loss.gamma,",
-        "gamma=7.0,",
+        "gamma=loss.gamma, weighting=loss.weighting,",
+        "gamma=7.0, weighting=loss.weighting,",
         [T_TRAINER],
         "loss.gamma sets w_j",
     ),
