@@ -33,6 +33,7 @@ from bench.bench_extract import MODELS, build_target  # noqa: E402
 from bench.harness import write_results  # noqa: E402
 from dflash_fast import trainer  # noqa: E402
 from dflash_fast.config import load_config  # noqa: E402
+from dflash_fast.distributed import init_distributed  # noqa: E402
 from dflash_fast.extract import extract  # noqa: E402
 from dflash_fast.quickstart import REPO, TARGET  # noqa: E402
 
@@ -75,7 +76,7 @@ def time_path(path, overrides, steps):
     """Build a Trainer for one path and time `steps` train_steps after one untimed -> row. train_step synchronises
     the device after every phase, so wall-clock time is the step's time on a GPU too."""
     cfg = load_config(os.path.join(REPO, "configs", "tiny.yaml"), overrides)
-    t = trainer.Trainer(cfg, *trainer.init_distributed())
+    t = trainer.Trainer(cfg, *init_distributed())
     timed = []
     try:
         t.train_step()

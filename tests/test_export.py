@@ -721,8 +721,9 @@ def trained(tiny):  # noqa: F811 (the fixture imported above)
 def trainer_for(store, out, **extra):
     from dflash_fast import trainer
     from dflash_fast.config import load_config
+    from dflash_fast.distributed import init_distributed
 
-    return trainer.Trainer(load_config(TINY_YAML, settings(store, out, **extra)), *trainer.init_distributed())
+    return trainer.Trainer(load_config(TINY_YAML, settings(store, out, **extra)), *init_distributed())
 
 
 def zlab_like_drafter_for_the_tiny_target(directory, layer_ids=(1, 2), hidden=32, vocab=TARGET_V):

@@ -125,7 +125,7 @@ def test_newton_schulz_ran_on_every_drafter_matrix(tiny, tmp_path, stage):  # no
                                           optimizer__grad_clip=0, schedule__warmup_ratio=0, schedule__steps=1,
                                           deepspeed=ds_json(tmp_path, stage)))
     distributed.quiet_deepspeed()
-    t = trainer.Trainer(cfg, *trainer.init_distributed())
+    t = trainer.Trainer(cfg, *distributed.init_distributed())
     before = gathered(t.engine)
     grads, ref_params = reference_gradients(t, cfg)
     for name, w in before.items():

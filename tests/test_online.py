@@ -16,6 +16,8 @@ from tiny_targets import make_tiny_target, sample_records, write_jsonl
 
 from dflash_fast import trainer
 from dflash_fast.config import ConfigError, load_config
+from dflash_fast.data import TrainStream, open_batches, open_source
+from dflash_fast.distributed import init_distributed
 from dflash_fast.extract import extract
 from dflash_fast.online import OnlineBatches
 from dflash_fast.trainer import train
@@ -99,9 +101,9 @@ def assert_same_batch(a, b, exact=False):
 def first_step(cfg, monkeypatch):
     """One optimizer step of a Trainer built from `cfg` -> (its micro-batches, loss, the gradient of every
     trainable parameter as the optimizer receives it). ZeRO stage 0: the gradients stay in `.grad`."""
-    t = trainer.Trainer(cfg, *trainer.init_distributed())
+    t = trainer.Trainer(cfg, *init_distributed())
     batches, grads = [], {}
-    real_next, real_step = trainer.TrainStream.__next__, t.engine.step
+    real_next, real_step = TrainStream.__next__, t.engine.step
 
     def keep_batch(stream):
         batches.append(real_next(stream))
@@ -111,7 +113,7 @@ def first_step(cfg, monkeypatch):
         grads.update({n: p.grad.detach().clone() for n, p in t.engine.module.named_parameters() if p.grad is not None})
         return real_step()
 
-    monkeypatch.setattr(trainer.TrainStream, "__next__", keep_batch)
+    monkeypatch.setattr(TrainStream, "__next__", keep_batch)
     monkeypatch.setattr(t.engine, "step", keep_grads)
     try:
         sums, _, _ = t.train_step()
@@ -160,13 +162,13 @@ def test_online_batches_follow_the_store_through_epochs_and_validation(tiny, tmp
     extra = dict(data__val_fraction=0.1, data__batch_rows=1)
     store_cfg = config(tiny, str(tmp_path), "store", **extra)
     online_cfg = config(tiny, str(tmp_path), "online", **extra)
-    store, online = trainer.open_source(store_cfg), trainer.open_source(online_cfg)
+    store, online = open_source(store_cfg), open_source(online_cfg)
     assert (online.lengths == store.lengths).all() and online.manifest["num_tokens"] == store.manifest["num_tokens"]
     assert online.manifest["layer_ids"] == store.manifest["layer_ids"] and online.manifest["has_last"]
     assert online.manifest["extraction"]["job"] == store.manifest["extraction"]["job"], "the same job: same data"
     for split, epoch in (("train", 0), ("train", 1), ("val", 0)):
-        a = trainer.open_batches(store, store_cfg, 0, 1, split, True, epoch)
-        b = trainer.open_batches(online, online_cfg, 0, 1, split, True, epoch)
+        a = open_batches(store, store_cfg, 0, 1, split, True, epoch)
+        b = open_batches(online, online_cfg, 0, 1, split, True, epoch)
         assert isinstance(b, OnlineBatches)
         pairs = list(zip(a, b, strict=True))
         assert len(pairs) >= 3
@@ -182,10 +184,10 @@ def test_online_fp8_batches_equal_an_fp8_store_s(tiny, tmp_path):
             progress=False)
     store_cfg = config(tiny, str(tmp_path), "store", data__store=store_dir)
     online_cfg = config(tiny, str(tmp_path), "online", data__online__dtype="fp8")
-    store, online = trainer.open_source(store_cfg), trainer.open_source(online_cfg)
+    store, online = open_source(store_cfg), open_source(online_cfg)
     assert online.manifest["dtype"] == store.manifest["dtype"] == "float8_e4m3fn"
-    a = trainer.open_batches(store, store_cfg, 0, 1, "train", True)
-    b = trainer.open_batches(online, online_cfg, 0, 1, "train", True)
+    a = open_batches(store, store_cfg, 0, 1, "train", True)
+    b = open_batches(online, online_cfg, 0, 1, "train", True)
     for x, y in zip(a, b, strict=True):
         assert x["hidden"].dtype == torch.bfloat16  # dequantised by the loader on both paths
         assert_same_batch(x, y)
@@ -269,4 +271,4 @@ def test_online_config_is_validated_naming_the_key(overrides, match):
 
 def test_online_with_a_missing_jsonl_names_it(tiny, tmp_path):
     with pytest.raises(ValueError, match=r"data.source=online over data.jsonl=.*nope.jsonl"):
-        trainer.open_source(config(tiny, str(tmp_path), "online", data__jsonl=str(tmp_path / "nope.jsonl")))
+        open_source(config(tiny, str(tmp_path), "online", data__jsonl=str(tmp_path / "nope.jsonl")))

@@ -16,6 +16,7 @@ from tiny_targets import make_tiny_target, sample_records, write_jsonl
 from dflash_fast import trainer
 from dflash_fast.batches import make_loader
 from dflash_fast.config import load_config
+from dflash_fast.distributed import init_distributed
 from dflash_fast.drafter import build_drafter
 from dflash_fast.extract import extract
 from dflash_fast.store import HiddenStateStore
@@ -72,7 +73,7 @@ def config(store, out, **extra):
 def uninterrupted(store, tmp_path_factory):
     """One run of STEPS steps, with the drafter's weights as they were before step 1."""
     out = str(tmp_path_factory.mktemp("whole"))
-    run = trainer.Trainer(config(store, out), *trainer.init_distributed())
+    run = trainer.Trainer(config(store, out), *init_distributed())
     initial = {name: p.detach().clone() for name, p in run.engine.module.named_parameters()}
     loss_kind = run.loss_kind
     run.run()
