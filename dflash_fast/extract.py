@@ -5,7 +5,7 @@
 Per token it keeps the outputs of the tapped decoder layers (`hidden`), the
 residual entering the final norm (`last`, captured by a hook on the norm) and
 the teacher's next-token summary (top-k ids/logits and the full log-sum-exp)
-taken from the logits the forward computes anyway (SPEC.md §1-2, store.py).
+taken from the logits the forward computes anyway (SPEC.md §1-2, store_format.py).
 
 Before anything is written, and again every `parity_every` batches, the
 extractor recomputes `lm_head(final_norm(last))` with the norm kind it will
@@ -18,6 +18,12 @@ Ranks launched by torchrun or the deepspeed launcher (RANK / WORLD_SIZE /
 LOCAL_RANK) take every WORLD_SIZE-th JSONL record, write their own shards,
 and leave a note in `ranks/`; rank 0 waits for every note and writes the one
 manifest.
+
+The parts live apart: records.py (JSONL -> tokenized documents), plan.py (the job,
+validated before the model loads), capture.py (the target forward: taps, `last`,
+the parity checks, the teacher summary), store_writer.py (shards, the manifest).
+This module runs them: the disk check and `--estimate`, the resumable shard loop,
+the rank barrier, the summary, and the command line.
 """
 import argparse
 import hashlib
