@@ -11,7 +11,7 @@ after a warm-up:
 
   bare forward          model(input_ids, attention_mask, use_cache=False): the logits the teacher needs, nothing kept
   forward + hidden      the same with output_hidden_states=True (what the taps cost on the GPU)
-  extract (runner)      extract.TargetRunner: forward, final-norm hook, taps, fp32 top-k and lse over V, copies to host
+  extract (runner)      capture.TargetRunner: forward, final-norm hook, taps, fp32 top-k and lse over V, copies to host
   extract + write       extract._run_shards: the runner plus StoreWriter shards (pre-sized files, fsync, rename)
                         in a temporary directory, over all batches: tokens/s and bytes/s written
 

@@ -28,8 +28,8 @@ from dflash_fast.store_format import (
 class HiddenStateStore:
     """Memory-mapped reader of a store directory written by `dflash-fast extract`.
 
-    `store[i]` -> dict of torch tensors (views of the mapped files; see the
-    module docstring for names, shapes and dtypes). `store.lengths` [N] int64
+    `store[i]` -> dict of torch tensors (views of the mapped files; store_format.py's
+    docstring gives names, shapes and dtypes). `store.lengths` [N] int64
     holds every item's token count without touching the big files.
     """
 
