@@ -9,9 +9,10 @@ DeepSpeed JSON), optimizer, precision and loss kind, per rank of `--world-size` 
 `--rows` rows. The same function plans `train.py --plan` and refuses a run that does not fit its GPU. The model is
 checked against what a CPU step allocates in tests/test_memory.py.
 
-Tables: the peak per rank at each T and A (with and without activation checkpointing, and with the target
-online), its terms at A = 512, the training states per ZeRO stage, optimizer and world size, and the loss kernel's
-workspace against bench/lm_head_model.py's modelled peak (its results JSON, when it has been run).
+Results: <out>/memory_model_<world size>rank.{json,md}. Tables: the peak per rank at each T and A (with and
+without activation checkpointing, and with the target online), its terms at A = 512, the training states per
+ZeRO stage, optimizer and world size, and the loss kernel's workspace against bench/lm_head_model.py's modelled
+peak (its results JSON, when it has been run).
 """
 import argparse
 import dataclasses
@@ -134,14 +135,15 @@ def main(argv=None) -> List[Dict]:
         fits=f"peak + {RESERVE / GIB:.0f} GiB reserve <= 141 GB (one H200)",
         what="a model (dflash_fast/memory.py), not a measurement",
     )
-    md = write_results("memory_model", rows, args.out, meta=meta)
+    name = f"memory_model_{args.world_size}rank"
+    md = write_results(name, rows, args.out, meta=meta)
     md += "\n### terms at A = 512 (GiB)\n\n" + markdown_table(terms)
     md += "\n### training states per rank (GiB)\n\n" + markdown_table(states)
     if loss:
         md += "\n### loss kernel workspace: ours (an upper bound) vs bench/lm_head_model.py's modelled peak\n\n"
         md += markdown_table([dict(r, ours_gib=round(r.pop("ours") / GIB, 2), peak_gib=round(r.pop("peak") / GIB, 2))
                               for r in loss])
-    with open(os.path.join(args.out, "memory_model.md"), "w") as f:
+    with open(os.path.join(args.out, f"{name}.md"), "w") as f:
         f.write(md)
     print(md)
     return rows

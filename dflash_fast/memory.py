@@ -208,12 +208,14 @@ def loss_workspace(cfg: DrafterConfig, n: int, tokens: int, setup: Setup) -> int
 
 
 def layer_backward_bytes(cfg: DrafterConfig, q: int, tokens: int, e: int) -> int:
-    """The gradient temporaries of one layer's backward (transient): the residual's gradient, then the larger of
-    the MLP's (d product, d gate, d up [Q, I]) and the attention's (dq, dk, dv of blocks and context)."""
+    """The gradient temporaries of one layer's backward (transient): the incoming gradient [Q, H], then the largest
+    of the MLP's (d of the down projection's input [Q, I] with its weight gradient [H, I]; then d gate, d up and
+    d product [Q, I]) and the attention's (dq, dk, dv of blocks and context)."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
     qd, kvd = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    mlp = 3 * e * q * cfg.intermediate_size
+    mlp = max(e * (q * i + i * h), 3 * e * q * i)
     attention = 2 * e * q * qd + 2 * e * (q + tokens) * kvd + 8 * q * cfg.num_attention_heads
-    return 2 * e * q * cfg.hidden_size + max(mlp, attention)
+    return e * q * h + max(mlp, attention)
 
 
 def online_forward_bytes(target: OnlineTarget, e: int) -> int:

@@ -24,6 +24,7 @@ from dflash_fast.memory import (
     Step,
     batch_bytes,
     largest,
+    layer_backward_bytes,
     layer_block_bytes,
     layer_context_bytes,
     loss_workspace,
@@ -107,6 +108,7 @@ def drafter(layers: int, checkpointing: bool = False) -> DFlashDrafter:
 class Measured:
     forward_end: int  # live after the forward: what the backward needs
     forward_peak: int
+    backward_peak: int  # the most the backward holds beyond forward_end
     step_peak: int
 
 
@@ -117,8 +119,9 @@ def measure(layers: int, checkpointing: bool = False) -> Measured:
         with live:
             out = d(b, loss_kind="kl")
             forward_end, forward_peak = live.live, live.peak
+            live.peak = live.live
             out.loss.backward()
-    return Measured(forward_end, forward_peak, live.peak)
+    return Measured(forward_end, forward_peak, live.peak - forward_end, max(forward_peak, live.peak))
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +157,10 @@ def test_loss_kernel_workspace_matches_the_model(two_layers):
            loss_workspace(config(2), A * B, T, SETUP), "the loss kernel's chunk buffers")
 
 
+def test_one_layers_backward_matches_the_model(two_layers):
+    within(two_layers.backward_peak, layer_backward_bytes(config(2), A * B, T, 4), "one layer's backward")
+
+
 def test_step_peak_matches_the_model(two_layers):
     plan = step_memory(config(2), Step(T, A), SETUP)
     within(two_layers.step_peak, plan.peak - sum(plan.resident[k] for k in STATES), "the step's peak")
@@ -161,8 +168,11 @@ def test_step_peak_matches_the_model(two_layers):
 
 def test_checkpointing_keeps_one_input_per_layer():
     checkpointed = [measure(n, checkpointing=True) for n in (1, 2)]
-    within(checkpointed[1].forward_end - checkpointed[0].forward_end, A * B * H * 4, "a checkpointed layer")
-    plan = step_memory(config(2), Step(T, A), dataclasses.replace(SETUP, checkpointing=True))
+    plans = [step_memory(config(n), Step(T, A), dataclasses.replace(SETUP, checkpointing=True)) for n in (1, 2)]
+    within(checkpointed[1].forward_end - checkpointed[0].forward_end,
+           plans[1].resident["layer inputs (checkpointed)"] - plans[0].resident["layer inputs (checkpointed)"],
+           "a checkpointed layer")
+    plan = plans[1]
     within(checkpointed[1].step_peak, plan.peak - sum(plan.resident[k] for k in STATES), "the checkpointed peak")
 
 
@@ -177,6 +187,15 @@ def test_batch_and_training_states_match_the_model():
     within(held, states["optimizer states"], "AdamW's states")
     within(sum(p.numel() * 4 for p in d.parameters()), states["weights"], "the weights")
     assert trainable_parameters(config(2)) * 4 == states["gradients"]
+
+
+def test_16_bit_adamw_keeps_an_fp32_master_and_two_moments():
+    """ZeRO's count for mixed-precision Adam (Rajbhandari et al. 2020): 2 + 2 + 12 bytes per parameter."""
+    params = trainable_parameters(config(2))
+    states = training_states(config(2), Setup(dtype_bytes=2, zero_stage=0))
+    assert (states["weights"], states["gradients"], states["optimizer states"]) == (2 * params, 2 * params,
+                                                                                  12 * params)
+    assert training_states(config(2), Setup(dtype_bytes=4, zero_stage=0))["optimizer states"] == 8 * params
 
 
 def test_zero_stages_split_states_over_the_ranks():
