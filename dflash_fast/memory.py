@@ -125,7 +125,8 @@ def run_setup(cfg: TrainConfig, ds: Dict, world_size: int, dtype_bytes: int, den
 
 
 def gib(b: float) -> str:
-    return f"{b / GIB:.2f} GiB"
+    """Bytes in GiB (MiB below one GiB), for the plan's lines."""
+    return f"{b / GIB:.2f} GiB" if b >= GIB else f"{b / 2**20:.2f} MiB"
 
 
 def training_states(cfg: DrafterConfig, setup: Setup) -> Dict[str, int]:

@@ -7,18 +7,20 @@ in-place copies into storages created outside torch's dispatch, so they are not 
 with the measurement it predicts, so that dropping any one of them from the model fails a check here.
 """
 import dataclasses
+import math
 import os
 import re
 import weakref
 
 import pytest
 import torch
-from test_trainer import TINY_YAML, settings, tiny  # noqa: F401 (tiny is a fixture)
+from test_trainer import TINY_YAML, losses, run, settings, tiny  # noqa: F401 (tiny is a fixture)
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from dflash_fast import drafter as drafter_module
 from dflash_fast import ops, trainer
 from dflash_fast.batches import sample_anchors
-from dflash_fast.drafter import DFlashDrafter, DrafterConfig, trainable_parameters
+from dflash_fast.drafter import DFlashDrafter, DrafterConfig, trainable_parameters, trainable_shapes
 from dflash_fast.memory import (
     Setup,
     Step,
@@ -206,8 +208,11 @@ def test_zero_stages_split_states_over_the_ranks():
         part = training_states(cfg, Setup(zero_stage=stage, world_size=8))
         for key in ("weights", "gradients", "optimizer states"):
             assert part[key] == (-(-whole[key] // 8) if key in split else whole[key]), (stage, key)
-    adam, muon = (training_states(cfg, Setup(optimizer=o))["optimizer states"] for o in ("adamw", "muon"))
-    assert muon < adam  # one momentum on the matrices instead of two moments
+    matrices = sum(math.prod(s) for s in trainable_shapes(cfg).values() if len(s) == 2)
+    params = trainable_parameters(cfg)
+    # Muon: the fp32 master, one momentum on the matrices, its auxiliary AdamW's two moments on the norms
+    assert training_states(cfg, Setup(optimizer="muon"))["optimizer states"] == (4 * params + 4 * matrices
+                                                                                 + 8 * (params - matrices))
 
 
 def test_largest_finds_the_last_size_that_fits():
@@ -219,7 +224,10 @@ def test_largest_finds_the_last_size_that_fits():
 
 
 @pytest.mark.parametrize("backend", ["eager", "triton"])
-def test_checkpointed_layers_give_the_same_loss_and_gradients(backend):
+def test_checkpointed_layers_give_the_same_loss_and_gradients(backend, monkeypatch):
+    calls = []
+    checkpoint = drafter_module.checkpoint
+    monkeypatch.setattr(drafter_module, "checkpoint", lambda *a, **k: calls.append(1) or checkpoint(*a, **k))
     b = batch(seed=1)
     results = []
     for checkpointing in (False, True):
@@ -228,6 +236,7 @@ def test_checkpointed_layers_give_the_same_loss_and_gradients(backend):
             loss = d(b, loss_kind="kl", noise_std=0.1, seed=3).loss
             loss.backward()
         results.append((loss.detach(), {n: p.grad.clone() for n, p in d.named_parameters()}))
+    assert len(calls) == 2  # the checkpointed forward went through torch.utils.checkpoint, once a layer
     (plain, plain_grads), (ckpt, ckpt_grads) = results
     torch.testing.assert_close(ckpt, plain, rtol=0, atol=0)
     assert plain_grads.keys() == ckpt_grads.keys()
@@ -261,3 +270,22 @@ def test_a_run_whose_plan_exceeds_the_device_refuses_to_start_naming_both(tiny, 
     assert len(err) == 1 and err[0].startswith("error: the memory plan of this run needs "), err
     assert "but the device has 1,000,000 bytes" in err[0] and "data.seq_len=64" in err[0]
     assert not os.path.exists(os.path.join(out, "checkpoints"))
+
+
+def test_plan_of_an_online_run_holds_the_target(tiny, tmp_path, capsys):  # noqa: F811
+    online = settings(tiny, str(tmp_path / "run"), data__source="online", data__jsonl=str(tiny.root / "data.jsonl"),
+                      model__target=tiny.target, model__layer_ids="[1,2]", data__online__max_seq_len=64)
+    trainer.main(["--config", TINY_YAML, "--plan", *online])
+    text = capsys.readouterr().out
+    assert float(re.search(r"online target weights\s+([\d.]+) [MG]iB", text).group(1)) > 0
+    assert float(re.search(r"online target forward\s+([\d.]+) [MG]iB", text).group(1)) > 0
+
+
+def test_activation_checkpointing_reaches_the_trained_drafter(tiny, tmp_path, monkeypatch):  # noqa: F811
+    calls = []
+    checkpoint = drafter_module.checkpoint
+    monkeypatch.setattr(drafter_module, "checkpoint", lambda *a, **k: calls.append(1) or checkpoint(*a, **k))
+    out = str(tmp_path / "checkpointed")
+    run(tiny, out, schedule__steps=2, export="false", model__activation_checkpointing="true")
+    assert len(calls) == 2 * 1 * 1  # 2 steps x 1 micro-batch x 1 layer (validation runs without gradients)
+    assert len(losses(out)) == 2
