@@ -58,9 +58,7 @@ def build_run_drafter(cfg: TrainConfig, store_path: str, manifest: Dict, target:
     m = cfg.model
     torch.manual_seed(cfg.seed)
     if m.init_from:
-        drafter = init_from_export(m, m.init_from, store_path, manifest, target, loss_kind, dtype, log)
-        drafter.checkpoint_layers = m.activation_checkpointing
-        return drafter
+        return init_from_export(m, m.init_from, store_path, manifest, target, loss_kind, dtype, log)
     try:
         check_target(target)
         drafter = build_drafter(
@@ -77,7 +75,6 @@ def build_run_drafter(cfg: TrainConfig, store_path: str, manifest: Dict, target:
             f"target; model.mask_token_id sets the mask token): {e}"
         ) from None
     check_store_matches(store_path, manifest, drafter.config, target, loss_kind)
-    drafter.checkpoint_layers = m.activation_checkpointing
     return drafter
 
 

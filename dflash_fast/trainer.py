@@ -101,6 +101,7 @@ class Trainer:
         self.with_last = needs_last(self.loss_kind, stored_labels=True)
         self.precision, self.dtype = resolve_precision(cfg.precision)
         drafter = build_run_drafter(cfg, self.store.path, manifest, self.target, self.loss_kind, self.dtype, self.log)
+        drafter.checkpoint_layers = cfg.model.activation_checkpointing
         self.export_format = export_format(cfg, drafter.config)
         self.block_size, self.sample_from_anchor = drafter.config.block_size, drafter.config.sample_from_anchor
 
