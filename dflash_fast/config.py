@@ -54,6 +54,9 @@ class ModelConfig:
     # An export directory (speculators or z-lab layout, ours or a published drafter) to continue training: it fixes
     # the architecture above (a key set to other than its default must agree with it) and the starting weights.
     init_from: Optional[str] = None
+    # Keep only each drafter layer's input for the backward and recompute the layer there (torch.utils.checkpoint,
+    # non-reentrant): the saved activations of all layers but one become one [Q, H] tensor each (docs/memory.md).
+    activation_checkpointing: bool = False
 
     def drafter_options(self) -> Dict[str, Any]:
         """The architecture keys (`DRAFTER_OPTIONS`) as `DrafterConfig.from_target` takes them."""

@@ -20,6 +20,7 @@ from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from dflash_fast import ops
 from dflash_fast.dspark import MARKOV_HEAD_TYPES, ConfidenceHead, MarkovHead, head_shapes
@@ -584,6 +585,8 @@ class DFlashDrafter(nn.Module):
             if cfg.confidence_head
             else None
         )
+        # Activation checkpointing of the layers (model.activation_checkpointing): a training choice, not architecture.
+        self.checkpoint_layers = False
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02):
@@ -642,7 +645,10 @@ class DFlashDrafter(nn.Module):
         blk_cs, ctx_cs = self.rope.cos_sin(blk_pos, x.dtype), self.rope.cos_sin(ctx_positions, x.dtype)
         attn = dict(anchors=anchors, anchor_valid=anchor_valid, document_ids=document_ids, block_size=b)
         for layer in self.layers:
-            x = layer(x, ctx, self.rope, blk_cs, ctx_cs, attn)
+            if self.checkpoint_layers and torch.is_grad_enabled():  # keep x only; recompute the layer in backward
+                x = checkpoint(layer, x, ctx, self.rope, blk_cs, ctx_cs, attn, use_reentrant=False)
+            else:
+                x = layer(x, ctx, self.rope, blk_cs, ctx_cs, attn)
         return x
 
     def batch_states(self, batch: Dict[str, torch.Tensor], noise_std: float = 0.0, seed: int = 0) -> torch.Tensor:

@@ -3,6 +3,7 @@
     build_run_drafter   a fresh drafter on the target's frozen tensors (seeded by `seed`), or the drafter of an
                         export (model.init_from); either must match the store: layer ids, the target's sizes and
                         fingerprint, and what the loss kind reads (StoreMismatch names both values)
+    planned_drafter_config  the architecture build_run_drafter would build, from config files (train.py --plan)
     resolve_loss_kind   loss.kind=auto -> kl where the store has `last`, else kl_topk
     export_format       the layout the run's final export takes, refused before step 1 if no engine would serve it
 """
@@ -75,6 +76,25 @@ def build_run_drafter(cfg: TrainConfig, store_path: str, manifest: Dict, target:
         ) from None
     check_store_matches(store_path, manifest, drafter.config, target, loss_kind)
     return drafter
+
+
+def planned_drafter_config(cfg: TrainConfig, manifest: Dict, target: str) -> DrafterConfig:
+    """The architecture build_run_drafter would build, from the config files alone (no weight is read): what
+    `train.py --plan` sizes. The mask token id changes no size: the last embedding row stands in for it."""
+    from transformers import AutoConfig
+
+    m = cfg.model
+    try:
+        target_config = AutoConfig.from_pretrained(check_target(target))
+        if m.init_from:
+            return config_from_export(read_export_config(m.init_from), target_config)
+        text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+        mask = text.vocab_size - 1 if m.mask_token_id is None else m.mask_token_id
+        return DrafterConfig.from_target(target_config, m.layer_ids or manifest["layer_ids"], mask,
+                                         **m.drafter_options())
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"cannot size the drafter of target {target!r} (model.target, model.init_from): {e}") \
+            from None
 
 
 def init_from_export(m: ModelConfig, path: str, store_path: str, manifest: Dict, target: str, loss_kind: str,

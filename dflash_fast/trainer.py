@@ -65,8 +65,9 @@ from dflash_fast.eager import has_kl, needs_last
 from dflash_fast.errors import DEBUG_ENV, UserError, run_reporting_errors
 from dflash_fast.export import ENGINES, export_drafter
 from dflash_fast.lock import output_lock
+from dflash_fast.memory import check_fits, device_bytes, gib, largest_fitting, run_plan, step_of
 from dflash_fast.metrics import MetricsLog, Sums, Window, progress_bar, show_step, train_record, val_record
-from dflash_fast.model import build_run_drafter, export_format, resolve_loss_kind
+from dflash_fast.model import build_run_drafter, export_format, planned_drafter_config, resolve_loss_kind
 from dflash_fast.online import OnlineBatches
 from dflash_fast.optim import build_engine, check_muon_stepped, deepspeed_config, total_steps
 from dflash_fast.store_format import torch_dtype
@@ -81,7 +82,8 @@ class NonFiniteLoss(UserError):
 class Trainer:
     """Builds everything from a validated config; `run()` trains, checkpoints, validates and exports."""
 
-    def __init__(self, cfg: TrainConfig, rank: int, world_size: int):
+    def __init__(self, cfg: TrainConfig, rank: int, world_size: int, device_memory: Optional[int] = None):
+        """`device_memory`: the bytes the memory plan must fit (default: the GPU's; a CPU run has no limit)."""
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.out_dir = cfg.output_dir
         self.checkpoints_dir = os.path.join(self.out_dir, "checkpoints")
@@ -99,6 +101,7 @@ class Trainer:
         self.with_last = needs_last(self.loss_kind, stored_labels=True)
         self.precision, self.dtype = resolve_precision(cfg.precision)
         drafter = build_run_drafter(cfg, self.store.path, manifest, self.target, self.loss_kind, self.dtype, self.log)
+        drafter.checkpoint_layers = cfg.model.activation_checkpointing
         self.export_format = export_format(cfg, drafter.config)
         self.block_size, self.sample_from_anchor = drafter.config.block_size, drafter.config.sample_from_anchor
 
@@ -106,6 +109,9 @@ class Trainer:
         # No register_external_parameter for fc, hidden_norm and norm (read by DFlashDrafter.forward, not by their
         # own forward): ZeRO-3 detects such reads and gathers the parameters itself.
         self.zero_stage = ds.get("zero_optimization", {}).get("stage", 0)
+        plan = run_plan(cfg, drafter.config, ds, world_size, self.dtype, self.loss_kind, manifest, self.target)
+        check_fits(plan, device_bytes() if device_memory is None else device_memory, cfg)
+        self.log(f"memory plan: {gib(plan.peak)} per rank at the peak of a step (train.py --plan shows its terms)")
         num_params = sum(p.numel() for p in drafter.parameters())
         self.stream = TrainStream(self.store, cfg, rank, world_size, with_last=self.with_last)
         self.total_steps = total_steps(cfg.schedule, self.stream.per_epoch)
@@ -328,12 +334,41 @@ class Trainer:
                 signal.signal(s, handler)
 
 
-def train(cfg: TrainConfig) -> Dict:
+def train(cfg: TrainConfig, device_memory: Optional[int] = None) -> Dict:
     """Run one training job (this process is one rank); see Trainer.run for the result."""
     quiet_deepspeed()
     rank, world_size = init_distributed()
     with output_lock(cfg.output_dir, rank):  # one run writes an output directory at a time
-        return Trainer(cfg, rank, world_size).run()
+        return Trainer(cfg, rank, world_size, device_memory).run()
+
+
+def plan(cfg: TrainConfig, device_memory: Optional[int] = None) -> str:
+    """`train.py --plan`: the memory plan of one step per rank (dflash_fast/memory.py) and, against the GPU (or
+    `device_memory`), whether it fits and the largest data.seq_len and data.num_anchors that do. Nothing is
+    trained, no weight is read (online, the target is loaded to read the documents)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    source = open_source(cfg)
+    manifest = source.manifest
+    target = cfg.model.target or manifest["target"]["path"]
+    precision, dtype = resolve_precision(cfg.precision)
+    loss_kind = resolve_loss_kind(cfg.loss.kind, manifest)
+    drafter = planned_drafter_config(cfg, manifest, target)
+    ds = deepspeed_config(cfg.deepspeed, cfg, precision)
+    memory = run_plan(cfg, drafter, ds, world_size, dtype, loss_kind, manifest, target)
+    d = cfg.data
+    lines = [f"memory plan per rank: {world_size} rank(s), ZeRO-{ds.get('zero_optimization', {}).get('stage', 0)}, "
+             f"{cfg.optimizer.kind}, {precision}, loss {loss_kind}; a micro-batch of {d.batch_rows} row(s) of "
+             f"data.seq_len={d.seq_len} tokens, data.num_anchors={d.num_anchors}; activation checkpointing "
+             f"{'on' if cfg.model.activation_checkpointing else 'off'}", memory.lines()]
+    limit = device_bytes() if device_memory is None else device_memory
+    if limit is None:
+        lines.append("no GPU here: nothing to fit (pass --device-memory BYTES to plan for a GPU, e.g. 141e9)")
+        return "\n".join(lines)
+    longest, most = largest_fitting(drafter, step_of(cfg), memory.setup, limit)
+    lines += [f"device memory {limit:,} bytes ({gib(limit)}): {'fits' if memory.peak <= limit else 'does NOT fit'}",
+              f"largest data.seq_len at data.num_anchors={d.num_anchors}: {longest}",
+              f"largest data.num_anchors at data.seq_len={d.seq_len}: {most}"]
+    return "\n".join(lines)
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -352,6 +387,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument(
         "--local_rank", type=int, default=None, help=argparse.SUPPRESS
     )  # the deepspeed launcher's; LOCAL_RANK is used
+    p.add_argument("--plan", action="store_true",
+                   help="print the memory plan of one training step per rank and the largest data.seq_len and "
+                        "data.num_anchors that fit the GPU, then exit (docs/memory.md)")
+    p.add_argument("--device-memory", type=float, default=None, metavar="BYTES",
+                   help="the bytes per rank the plan must fit instead of the GPU's (e.g. 141e9 to plan an H200 "
+                        "run on a machine without one); a run whose plan exceeds it refuses to start")
     p.add_argument("--debug", action="store_true", help=f"show the traceback of an error (also: {DEBUG_ENV}=1)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides such as optimizer.lr=3e-4")
     return p.parse_intermixed_args(argv)
@@ -363,8 +404,16 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parse_args(argv)
     overrides = list(args.overrides) + (["checkpoint.resume=latest"] if args.resume else [])
 
+    device_memory = None if args.device_memory is None else int(args.device_memory)
+
     def run() -> None:
-        train(load_config(args.config, overrides))
+        cfg = load_config(args.config, overrides)
+        if args.plan:
+            text = plan(cfg, device_memory)
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(text)
+            return
+        train(cfg, device_memory)
 
     ours = not dist.is_initialized()  # a caller's group (several runs in one process) is the caller's to destroy
     try:

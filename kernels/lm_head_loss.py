@@ -99,12 +99,14 @@ from dflash_fast.eager import (
 
 # Bytes of one chunk's buffers (fp32 logits of its rows and their teacher rows, dlogits): 1.5 GiB on a GPU;
 # 16-row chunks under the interpreter, so that small tests cross chunk boundaries.
-CHUNK_BYTES = 3 << 29 if ON_GPU else 1 << 16
+GPU_CHUNK_BYTES = 3 << 29
+CHUNK_BYTES = GPU_CHUNK_BYTES if ON_GPU else 1 << 16
 # Vocabulary ids per logits tile, fixed so that the softmax partials have one layout whatever config runs.
 # 128: with 128-row tiles the accumulator is 64 registers a thread; [128, 256] tiles spill under Triton 3.6.
 LOGITS_BLOCK_V = 128
 # Rows per chunk are a multiple of this (a whole number of the GEMMs' row tiles).
-ROW_ALIGN = 128 if ON_GPU else 16
+GPU_ROW_ALIGN = 128
+ROW_ALIGN = GPU_ROW_ALIGN if ON_GPU else 16
 
 _LOGITS_TILES = autotune_configs(
     ("BLOCK_M", "BLOCK_K"), [(128, 64, 8, 3), (128, 64, 8, 4), (128, 32, 8, 4), (64, 64, 4, 4)], (16, 64, 4, 1)
@@ -518,16 +520,18 @@ class Chunk(NamedTuple):
     teacher_of: Optional[torch.Tensor]
 
 
-def chunk_rows(n: int, v: int, element_size: int, with_teacher: bool, block: int = 1) -> int:
+def chunk_rows(n: int, v: int, element_size: int, with_teacher: bool, block: int = 1,
+               budget: int = CHUNK_BYTES, row_align: int = ROW_ALIGN) -> int:
     """Drafter rows per chunk: fp32 logits of the rows (and of as many teacher rows), and their dlogits,
-    within CHUNK_BYTES; a power-of-two multiple of ROW_ALIGN and of `block` (the D-PACE block).
+    within `budget` bytes (CHUNK_BYTES); a power-of-two multiple of `row_align` (ROW_ALIGN) and of `block` (the
+    D-PACE block). dflash_fast/memory.py passes the GPU's values to plan a GPU run from any machine.
 
     Powers of two keep the input-gradient GEMM's grid in whole waves: 1024 rows at H = 4096 are
     8 x 32 = 256 programs of 128 x 128, one wave at 2 per SM on 132 SMs (1664 rows, what the budget
     allows without a stored teacher, would be 416 programs: 1.6 waves).
     """
-    align = ROW_ALIGN * block // math.gcd(ROW_ALIGN, block)
-    fits = max(1, CHUNK_BYTES // (v * ((8 if with_teacher else 4) + element_size)) // align)
+    align = row_align * block // math.gcd(row_align, block)
+    fits = max(1, budget // (v * ((8 if with_teacher else 4) + element_size)) // align)
     return min(align << (fits.bit_length() - 1), n)
 
 
