@@ -50,7 +50,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.harness import peak_memory_mb, time_calls_ms, time_ms, write_results  # noqa: E402
 from dflash_fast import ops  # noqa: E402
 from dflash_fast.batches import sample_anchors  # noqa: E402
-from dflash_fast.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
+from dflash_fast.drafter import DFlashDrafter  # noqa: E402
+from dflash_fast.drafter_config import DrafterConfig  # noqa: E402
 from dflash_fast.eager import needs_last  # noqa: E402
 from dflash_fast.export import qwen3_layer  # noqa: E402
 

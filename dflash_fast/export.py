@@ -37,15 +37,8 @@ import torch
 
 from dflash_fast import ops
 from dflash_fast.checkpoint import load_drafter_for_export
-from dflash_fast.drafter import (
-    DFlashDrafter,
-    DrafterConfig,
-    check_tensors,
-    load_frozen_tensors,
-    read_tensors,
-    stderr_line,
-    value_problems,
-)
+from dflash_fast.drafter import DFlashDrafter, check_tensors, load_frozen_tensors, read_tensors, stderr_line
+from dflash_fast.drafter_config import DrafterConfig, value_problems
 from dflash_fast.errors import (
     BOOL,
     INT,

@@ -9,13 +9,13 @@ from tiny_targets import tiny_model, tiny_sizes
 from dflash_fast import eager, ops
 from dflash_fast.drafter import (
     DFlashDrafter,
-    DrafterConfig,
     DrafterOutput,
     build_drafter,
     position_weights,
     resolve_mask_token_id,
     slot_metrics,
 )
+from dflash_fast.drafter_config import DrafterConfig
 
 V, H, K, B = 96, 32, 3, 4
 

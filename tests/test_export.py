@@ -18,7 +18,8 @@ from transformers import AutoConfig, Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 from dflash_fast import export
-from dflash_fast.drafter import DFlashDrafter, DrafterConfig, Rope
+from dflash_fast.drafter import DFlashDrafter, Rope
+from dflash_fast.drafter_config import DrafterConfig
 from dflash_fast.export import (
     ENGINES,
     FORMATS,

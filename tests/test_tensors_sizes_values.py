@@ -16,14 +16,8 @@ from tiny_targets import make_tiny_target
 from dflash_fast import cli
 from dflash_fast.checkpoint import WEIGHTS, CheckpointError, load_drafter_for_export, write_marker, write_weights
 from dflash_fast.config import ConfigError, load_config
-from dflash_fast.drafter import (
-    TENSORS_PER_LAYER,
-    DFlashDrafter,
-    DrafterConfig,
-    build_drafter,
-    trainable_parameters,
-    trainable_shapes,
-)
+from dflash_fast.drafter import TENSORS_PER_LAYER, DFlashDrafter, build_drafter, trainable_parameters, trainable_shapes
+from dflash_fast.drafter_config import DrafterConfig
 from dflash_fast.evaluate import load_drafter
 from dflash_fast.export import ExportError, export_drafter, load_exported
 
