@@ -37,7 +37,7 @@ import torch
 
 from dflash_fast import ops
 from dflash_fast.checkpoint import load_drafter_for_export
-from dflash_fast.drafter import DFlashDrafter, check_tensors, load_frozen_tensors, read_tensors, stderr_line
+from dflash_fast.drafter import DFlashDrafter
 from dflash_fast.drafter_config import DrafterConfig, value_problems
 from dflash_fast.errors import (
     BOOL,
@@ -53,6 +53,7 @@ from dflash_fast.errors import (
     read_mapping,
 )
 from dflash_fast.store import check_layer_ids, default_layer_ids, torch_dtype, write_json_atomic
+from dflash_fast.weights import check_tensors, load_frozen_tensors, read_tensors, stderr_line
 
 FORMATS = ("speculators", "zlab")
 ENGINES = {"speculators": ("speculators", "vllm"), "zlab": ("sglang", "vllm")}
