@@ -18,7 +18,7 @@ from transformers import AutoConfig, Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 from dflash_fast import export
-from dflash_fast.drafter import DFlashDrafter, Rope
+from dflash_fast.drafter import DFlashDrafter
 from dflash_fast.drafter_config import DrafterConfig
 from dflash_fast.export import (
     ENGINES,
@@ -31,6 +31,7 @@ from dflash_fast.export import (
     load_exported,
     served_architectures,
 )
+from dflash_fast.layers import Rope
 
 V, H, B = 96, 32, 4
 
