@@ -9,7 +9,9 @@ DSpark (SPEC §8, `markov_rank > 0` or `confidence_head`): the same backbone plu
 `dflash_fast.dspark`; the Markov bias rides in the lm_head loss (eager.Markov), the confidence head is
 trained against the acceptance rate the loss returns.
 
-The three hot ops go through `dflash_fast.ops`; everything else is plain torch.
+The three hot ops go through `dflash_fast.ops`; everything else is plain torch. Here: where every slot's teacher
+lives (`slot_targets`, `slot_teacher`), `DFlashDrafter`, the metrics' sums and `build_drafter`; the architecture is
+`drafter_config.DrafterConfig`, the decoder layer `layers.DecoderLayer`, the weights read from files `weights`.
 """
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
@@ -96,6 +98,52 @@ def gather_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     r, t = x.shape[:2]
     idx = rows.reshape(r, -1)
     return x.gather(1, idx.view(*idx.shape, *([1] * (x.dim() - 2))).expand(-1, -1, *x.shape[2:])).flatten(0, 1)
+
+
+def slot_teacher(
+    batch: Dict[str, torch.Tensor], targets: Targets, loss_kind: str, target_norm: torch.Tensor, dtype: torch.dtype
+) -> Tuple[Teacher, Optional[torch.Tensor]]:
+    """What every slot is scored against for `loss_kind` (SPEC §5: the teacher at the predicted position - 1;
+    ce_data's label at the predicted position), and the stored teacher argmax [R*A*B] (None without topk ids).
+    `target_norm`: the target's effective final-norm weight [H]; `dtype`: the compute dtype of `last`."""
+    stored_argmax = (
+        gather_rows(batch["teacher_topk_ids"], targets.teacher_row)[:, 0] if "teacher_topk_ids" in batch else None
+    )
+    if needs_last(loss_kind, stored_argmax is not None):
+        if "last" not in batch:
+            raise ValueError(
+                f"loss kind {loss_kind!r} needs `last` in the store; use ce or kl_topk with a --no-last store"
+            )
+        teacher = Teacher(
+            last=batch["last"].flatten(0, 1).to(dtype),
+            final_norm_weight=target_norm.to(dtype),
+            index=teacher_index(targets, batch["last"].shape[1]),
+        )
+    elif loss_kind == "ce":
+        teacher = Teacher(labels=stored_argmax)
+    elif loss_kind == "ce_data":
+        teacher = Teacher(labels=gather_rows(batch["input_ids"], targets.position))
+    elif loss_kind == "kl_topk":
+        teacher = Teacher(
+            topk_ids=gather_rows(batch["teacher_topk_ids"], targets.teacher_row),
+            topk_logits=gather_rows(batch["teacher_topk_logits"], targets.teacher_row),
+            topk_lse=gather_rows(batch["teacher_lse"], targets.teacher_row),
+        )
+    else:
+        raise ValueError(f"unknown loss kind {loss_kind!r}")
+    return teacher, stored_argmax
+
+
+def confidence_terms(
+    confidence_logit: torch.Tensor, alpha: torch.Tensor, decay: torch.Tensor, slot_mask: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """DSpark's confidence head (SPEC §8) on confidence logits [R*A*B]: its BCE against the acceptance rate alpha
+    [R*A*B], weighted with the decay [R, A, B] over the trained slots (slot_mask [R, A, B]), and its probability
+    [R, A, B] (no gradient)."""
+    logit = confidence_logit.float()
+    bce = F.binary_cross_entropy_with_logits(logit, alpha, reduction="none")
+    confidence_loss = (bce * decay.reshape(-1)).sum() / slot_mask.sum().clamp(min=1)
+    return confidence_loss, torch.sigmoid(logit.detach()).view(slot_mask.shape)
 
 
 class DrafterOutput(NamedTuple):
@@ -249,31 +297,7 @@ class DFlashDrafter(nn.Module):
                 f"kind {loss_kind!r} has none; use one of {DENSE_KINDS} (a store with `last`)"
             )
         markov, confidence_logit = self.dspark_heads(x, gather_rows(batch["input_ids"], targets.prev_position))
-        stored_argmax = (
-            gather_rows(batch["teacher_topk_ids"], targets.teacher_row)[:, 0] if "teacher_topk_ids" in batch else None
-        )
-        if needs_last(loss_kind, stored_argmax is not None):
-            if "last" not in batch:
-                raise ValueError(
-                    f"loss kind {loss_kind!r} needs `last` in the store; use ce or kl_topk with a --no-last store"
-                )
-            teacher = Teacher(
-                last=batch["last"].flatten(0, 1).to(x.dtype),
-                final_norm_weight=self.target_norm.to(x.dtype),
-                index=teacher_index(targets, batch["last"].shape[1]),
-            )
-        elif loss_kind == "ce":
-            teacher = Teacher(labels=stored_argmax)
-        elif loss_kind == "ce_data":
-            teacher = Teacher(labels=gather_rows(batch["input_ids"], targets.position))
-        elif loss_kind == "kl_topk":
-            teacher = Teacher(
-                topk_ids=gather_rows(batch["teacher_topk_ids"], targets.teacher_row),
-                topk_logits=gather_rows(batch["teacher_topk_logits"], targets.teacher_row),
-                topk_lse=gather_rows(batch["teacher_lse"], targets.teacher_row),
-            )
-        else:
-            raise ValueError(f"unknown loss kind {loss_kind!r}")
+        teacher, stored_argmax = slot_teacher(batch, targets, loss_kind, self.target_norm, x.dtype)
         out = ops.lm_head_loss(
             x.reshape(n, -1),
             self.norm.weight,
@@ -289,22 +313,10 @@ class DFlashDrafter(nn.Module):
         teacher_argmax = stored_argmax if stored_argmax is not None and loss_kind == "ce_data" else out.teacher_argmax
         loss, confidence_loss, confidence = out.loss, None, None
         if confidence_logit is not None:
-            logit = confidence_logit.float()
-            bce = F.binary_cross_entropy_with_logits(logit, out.alpha, reduction="none")
-            confidence_loss = (bce * decay.reshape(n)).sum() / targets.slot_mask.sum().clamp(min=1)
+            confidence_loss, confidence = confidence_terms(confidence_logit, out.alpha, decay, targets.slot_mask)
             loss = loss + confidence_alpha * confidence_loss
-            confidence = torch.sigmoid(logit.detach()).view(r, a, b)
-        return DrafterOutput(
-            loss,
-            out.kl,
-            out.draft_argmax.view(r, a, b),
-            teacher_argmax.view(r, a, b),
-            targets.slot_mask,
-            out.alpha.view(r, a, b),
-            cfg.first_slot,
-            confidence_loss,
-            confidence,
-        )
+        return DrafterOutput(loss, out.kl, out.draft_argmax.view(r, a, b), teacher_argmax.view(r, a, b),
+                             targets.slot_mask, out.alpha.view(r, a, b), cfg.first_slot, confidence_loss, confidence)
 
     def dspark_heads(self, x: torch.Tensor, prev_ids: torch.Tensor) -> Tuple[Optional[Markov], Optional[torch.Tensor]]:
         """DSpark's heads on pre-norm block states x [R, A*B, H] with the previous tokens prev_ids [R*A*B]
