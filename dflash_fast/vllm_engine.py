@@ -19,7 +19,8 @@ import torch
 
 from dflash_fast.errors import UserError
 from dflash_fast.evaluate import SpecResult, Tally, _report
-from dflash_fast.export import DFLASH_ONLY, config_from_export, normal_rope, read_export_config
+from dflash_fast.export import config_from_export, normal_rope, read_export_config
+from dflash_fast.layouts import DFLASH_ONLY
 from dflash_fast.regenerate import cut_response, encode_prompt, eos_token_ids, read_prompts
 from dflash_fast.target import check_target
 

@@ -17,13 +17,11 @@ from test_trainer import TINY_YAML, settings, tiny  # noqa: F401 (tiny: the stor
 from transformers import AutoConfig, Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-from dflash_fast import export
+from dflash_fast import export, layouts
 from dflash_fast.drafter import DFlashDrafter
 from dflash_fast.drafter_config import DrafterConfig
 from dflash_fast.export import (
     ENGINES,
-    FORMATS,
-    ExportError,
     architecture,
     export_drafter,
     gate_batch,
@@ -32,6 +30,7 @@ from dflash_fast.export import (
     served_architectures,
 )
 from dflash_fast.layers import Rope
+from dflash_fast.layouts import FORMATS, ExportError
 
 V, H, B = 96, 32, 4
 
@@ -209,14 +208,14 @@ def test_sliding_window_survives_the_reload_through_qwen3config(tmp_path):
 
 def test_a_drafter_whose_window_the_engines_drop_is_never_written(tmp_path, monkeypatch):
     """The gate is what makes the issue-12 class of bug unshippable: reintroduce it and the export is refused."""
-    original = export.qwen3_layer
+    original = layouts.qwen3_layer
 
     def without_use_sliding_window(cfg):
         layer = original(cfg)
         layer.pop("use_sliding_window")
         return layer
 
-    monkeypatch.setattr(export, "qwen3_layer", without_use_sliding_window)
+    monkeypatch.setattr(layouts, "qwen3_layer", without_use_sliding_window)
     d = make_drafter(layer_types=["full", "sliding"], sliding_window=5)
     with pytest.raises(ExportError, match=r"layer_windows: trained \[None, 5\], speculators serves \[None, None\]"):
         export_drafter(d, str(tmp_path / "export"), "tiny-target", torch.float32)
@@ -662,7 +661,7 @@ def test_vllm_gives_every_layer_of_a_speculators_export_one_in_block_rule():
     for a speculators export algos.py's update_dflash always sets dflash_config.causal = not
     sliding_window_non_causal (default true), a rule for every layer, full ones included."""
     cfg = make_config(layer_types=["full", "sliding"], sliding_window=5)
-    config = export.speculators_config(cfg, "t")
+    config = layouts.speculators_config(cfg, "t")
     assert config["transformer_layer_config"]["is_causal"] is False and config["sliding_window_non_causal"] is True
     assert served_architectures(config)["vllm"]["layer_causal"] == [False, False]
     config["transformer_layer_config"].pop("is_causal")
@@ -672,7 +671,7 @@ def test_vllm_gives_every_layer_of_a_speculators_export_one_in_block_rule():
     config.pop("sliding_window_non_causal")
     assert served_architectures(config)["vllm"]["layer_causal"] == [False, False], "vLLM's default: non-causal"
     # the zlab layout is read natively (no update_dflash): sliding layers causal, full layers bidirectional
-    zlab = export.zlab_config(cfg, "t")
+    zlab = layouts.zlab_config(cfg, "t")
     zlab.pop("is_causal")
     assert served_architectures(zlab)["vllm"]["layer_causal"] == [False, True]
 
@@ -688,7 +687,7 @@ def test_a_full_layer_drafter_is_exported_bidirectional_for_every_vllm_rule(tmp_
 
 
 def test_vllm_reads_the_block_from_the_proposal_method():
-    config = export.speculators_config(make_config(), "t")
+    config = layouts.speculators_config(make_config(), "t")
     config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] = 7
     served = served_architectures(config)
     assert served["vllm"]["block_size"] == 8 and served["speculators"]["block_size"] == B
@@ -696,7 +695,7 @@ def test_vllm_reads_the_block_from_the_proposal_method():
 
 def test_speculators_takes_head_dim_from_qwen3config_defaults():
     """Qwen3Config's head_dim default is 128, vLLM's is hidden / heads: an export without head_dim is refused."""
-    config = export.speculators_config(make_config(), "t")
+    config = layouts.speculators_config(make_config(), "t")
     config["transformer_layer_config"].pop("head_dim")
     served = served_architectures(config)
     assert served["speculators"]["head_dim"] == 128 and served["vllm"]["head_dim"] == H // 4
@@ -738,7 +737,7 @@ def zlab_like_drafter_for_the_tiny_target(directory, layer_ids=(1, 2), hidden=32
     torch.manual_seed(5)
     d = DFlashDrafter(cfg)
     d.reset_parameters(std=0.1)
-    config = export.zlab_config(cfg, "somewhere/else")
+    config = layouts.zlab_config(cfg, "somewhere/else")
     config.pop("dflash_fast")  # a published drafter carries no dflash-fast metadata
     os.makedirs(directory, exist_ok=True)
     save_file({n: p.detach() for n, p in d.named_parameters()}, os.path.join(directory, "model.safetensors"))
@@ -783,7 +782,7 @@ def test_init_from_starts_training_from_a_published_drafter(trained):
     # the fine-tuned drafter, gated: causal sliding + bidirectional full layers serve only from the zlab layout
     exported = load_exported(result["export"], trained.target)
     assert exported.config == t.engine.module.config
-    assert export.export_format(written_config(result["export"])) == "zlab"
+    assert layouts.export_format(written_config(result["export"])) == "zlab"
     evaluated = load_drafter(os.path.join(trained.root, "published"), trained.target)
     assert architecture(evaluated.config) == architecture(published.config), "eval reads the z-lab layout too"
 

@@ -93,7 +93,8 @@ def test_an_export_config_key_of_the_wrong_type_is_one_error_naming_its_path(tmp
     import torch
     from test_export import edit_config, make_drafter
 
-    from dflash_fast.export import ExportError, export_drafter, load_exported
+    from dflash_fast.export import export_drafter, load_exported
+    from dflash_fast.layouts import ExportError
 
     out = export_drafter(make_drafter(), str(tmp_path / "export"), "tiny-target", torch.float32, fmt=fmt)
     edit_config(out, edit)

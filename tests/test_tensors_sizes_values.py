@@ -20,7 +20,8 @@ from dflash_fast.config import ConfigError, load_config
 from dflash_fast.drafter import DFlashDrafter, build_drafter
 from dflash_fast.drafter_config import DrafterConfig
 from dflash_fast.evaluate import load_drafter
-from dflash_fast.export import ExportError, export_drafter, load_exported
+from dflash_fast.export import export_drafter, load_exported
+from dflash_fast.layouts import ExportError
 from dflash_fast.weights import TENSORS_PER_LAYER, trainable_parameters, trainable_shapes
 
 
