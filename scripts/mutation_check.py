@@ -365,7 +365,7 @@ MUTATIONS: List[Mutation] = [
     ),
     Mutation(
         "import-layer-ids-not-shifted",
-        "dflash_fast/export.py",
+        "dflash_fast/engines.py",
         '"layer_ids": [i - 1 for i in aux],',
         '"layer_ids": list(aux),',
         [T_EXPORT],

@@ -3,7 +3,7 @@ config classes, the gate that refuses a mismatch, published drafters loaded back
 
 What runs for real here: transformers' Qwen3Config / AutoConfig / Qwen3RotaryEmbedding and safetensors. What
 does not (not installed, GPU-only): speculators, vLLM, SGLang; their config handling is reproduced in
-dflash_fast/export.py (`_speculators_view`, `_vllm_speculators_view`, `_sglang_view`, `_vllm_zlab_view`, each
+dflash_fast/engines.py (`_speculators_view`, `_vllm_speculators_view`, `_sglang_view`, `_vllm_zlab_view`, each
 citing the file and function it follows) and pinned below against what those files do.
 """
 import json
@@ -17,18 +17,11 @@ from test_trainer import TINY_YAML, settings, tiny  # noqa: F401 (tiny: the stor
 from transformers import AutoConfig, Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-from dflash_fast import export, layouts
+from dflash_fast import engines, export, layouts
 from dflash_fast.drafter import DFlashDrafter
 from dflash_fast.drafter_config import DrafterConfig
-from dflash_fast.export import (
-    ENGINES,
-    architecture,
-    export_drafter,
-    gate_batch,
-    gate_logits,
-    load_exported,
-    served_architectures,
-)
+from dflash_fast.engines import ENGINES, architecture, served_architectures
+from dflash_fast.export import export_drafter, gate_batch, gate_logits, load_exported
 from dflash_fast.layers import Rope
 from dflash_fast.layouts import FORMATS, ExportError
 
@@ -350,7 +343,7 @@ def test_a_published_zlab_drafter_loads_as_sglang_serves_it(tmp_path):
     export_drafter(d, str(tmp_path / "again"), "t", torch.bfloat16, fmt="zlab")
     with pytest.raises(ExportError, match=r"trained \[True, True, False\], vllm serves \[True, True, True\]"):
         export_drafter(d, str(tmp_path / "spec"), "t", torch.bfloat16, fmt="speculators")
-    assert export.servable_format(cfg) == "zlab"
+    assert engines.servable_format(cfg) == "zlab"
 
 
 def test_a_zlab_drafter_without_layer_ids_gets_z_labs_default(tmp_path):
@@ -700,7 +693,7 @@ def test_speculators_takes_head_dim_from_qwen3config_defaults():
     served = served_architectures(config)
     assert served["speculators"]["head_dim"] == 128 and served["vllm"]["head_dim"] == H // 4
     with pytest.raises(ExportError, match="head_dim: trained 128, vllm serves 8"):
-        export.config_from_export(config)
+        engines.config_from_export(config)
 
 
 # ---------------------------------------------------------------- the trainer: its export, model.init_from
