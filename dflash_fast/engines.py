@@ -11,8 +11,16 @@ the engines agree on, `check_made_for` refuses one made for another target.
 from typing import Dict, List
 
 from dflash_fast.drafter_config import DrafterConfig, value_problems
-from dflash_fast.errors import is_int
-from dflash_fast.layouts import DFLASH_ONLY, FORMATS, HF_LAYER_TYPES, ExportError, export_format, format_config
+from dflash_fast.errors import check_schema, is_int
+from dflash_fast.layouts import (
+    CONFIG_SCHEMAS,
+    DFLASH_ONLY,
+    FORMATS,
+    HF_LAYER_TYPES,
+    ExportError,
+    export_format,
+    format_config,
+)
 from dflash_fast.store import check_layer_ids, default_layer_ids
 
 ENGINES = {"speculators": ("speculators", "vllm"), "zlab": ("sglang", "vllm")}
@@ -104,13 +112,6 @@ def _need(config: Dict, key: str, where: str):
     return config[key]
 
 
-def _int_list(value, key: str) -> List[int]:
-    """A layer-id list read from config.json, refused naming the key when it is not a list of integers."""
-    if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
-        raise ExportError(f"config.json: {key}={value!r} is not a list of integer layer ids")
-    return value
-
-
 def _hf_config(layer: Dict, where: str):
     """transformers' config class for the layer config's model_type, built from it (Qwen3Config for ours)."""
     from huggingface_hub.errors import StrictDataclassError
@@ -165,7 +166,7 @@ def _speculators_view(config: Dict) -> Dict:
     picks the sliding variant of per-layer-type parameters, which our drafter cannot express)."""
     where = "speculators (DFlashSpeculatorConfig / DFlashDraftModel)"
     hf = _hf_config(_need(config, "transformer_layer_config", where), where)
-    aux = _int_list(_need(config, "aux_hidden_state_layer_ids", where), "aux_hidden_state_layer_ids")
+    aux = _need(config, "aux_hidden_state_layer_ids", where)
     dspark = config.get("speculators_model_type") == "dspark"
     if config.get("sample_from_anchor", False) and not dspark:
         raise ExportError(f"{where}: a DFlash drafter with sample_from_anchor=true: dflash-fast trains that as DSpark")
@@ -280,7 +281,7 @@ def _vllm_speculators_view(config: Dict) -> Dict:
     layer = dict(_need(config, "transformer_layer_config", where))
     for key in VLLM_READS:
         _need(layer, key, where + ": transformer_layer_config")
-    aux = _int_list(_need(config, "aux_hidden_state_layer_ids", where), "aux_hidden_state_layer_ids")
+    aux = _need(config, "aux_hidden_state_layer_ids", where)
     layer["dflash_config"] = {
         "mask_token_id": _need(config, "mask_token_id", where),
         "target_layer_ids": [i - 1 for i in aux],
@@ -315,9 +316,7 @@ def _zlab_ids(config: Dict, hf, where: str):
     build_target_layer_ids(num_target_layers, num_hidden_layers) (dflash/model.py)."""
     dflash = config["dflash_config"]
     ids = dflash.get("target_layer_ids", config.get("target_layer_ids"))
-    if ids is not None:
-        _int_list(ids, "dflash_config.target_layer_ids")
-    else:
+    if ids is None:
         num_target = dflash.get("num_target_layers", config.get("num_target_layers"))
         if num_target is None:
             raise ExportError(f"config.json has neither dflash_config.target_layer_ids nor num_target_layers ({where})")
@@ -391,7 +390,8 @@ VIEWS = {
 
 
 def served_architectures(config: Dict) -> Dict[str, Dict]:
-    """{engine: architecture as that engine builds it} for a config.json of either layout."""
+    """{engine: architecture as that engine builds it} for a config.json of either layout, judged first by its
+    layout's declared schema (layouts.CONFIG_SCHEMAS: the JSON kind of every key the views read)."""
     fmt = export_format(config)
     if fmt is None:
         raise ExportError(
@@ -399,6 +399,7 @@ def served_architectures(config: Dict) -> Dict[str, Dict]:
             "(speculators layout) "
             "nor architectures ['DFlashDraftModel'] with a dflash_config (z-lab layout)"
         )
+    check_schema(config, CONFIG_SCHEMAS[fmt], "config.json", ExportError)  # every view trusts the JSON kinds
     served = {}
     for engine in ENGINES[fmt]:
         try:

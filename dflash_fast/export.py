@@ -32,7 +32,7 @@ from dflash_fast.engines import (
     mismatches,
     served_architectures,
 )
-from dflash_fast.errors import WEIGHTS_INDEX_SCHEMA, Obj, check_schema, read_mapping
+from dflash_fast.errors import Is, MapOf, Obj, check_schema, read_mapping
 from dflash_fast.layouts import CONFIG_SCHEMAS, FORMATS, ExportError, export_format, format_config
 from dflash_fast.store import torch_dtype, write_json_atomic
 from dflash_fast.weights import check_tensors, load_frozen_tensors, read_tensors, stderr_line
@@ -42,6 +42,11 @@ WEIGHTS_INDEX = "model.safetensors.index.json"
 # Tensors other tools save next to the drafter that come from the target here: speculators' DFlashDraftModel
 # saves embed_tokens / lm_head (src/speculators/models/dflash/core.py, _keys_to_ignore_on_load_missing).
 FROZEN_TENSORS = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight")
+# An export's safetensors index: errors.WEIGHTS_INDEX_SCHEMA, every shard a file inside the export directory.
+EXPORT_INDEX_SCHEMA = Obj({"weight_map": MapOf(Is(
+    "a shard's file name (shards are file names inside the export directory)",
+    lambda v: isinstance(v, str) and os.path.basename(v) == v and v not in ("", ".", ".."),
+))})
 # The gate's logits check: a drafter rebuilt from the export against the trained one with its weights rounded to
 # the export dtype, both in fp32 on the eager ops.
 GATE_TOLERANCE = dict(rtol=1e-5, atol=1e-5)
@@ -65,14 +70,10 @@ def read_weights(
 
     index = os.path.join(export_dir, WEIGHTS_INDEX)
     if os.path.exists(index):
-        weight_map = _read_json(index, WEIGHTS_INDEX_SCHEMA)["weight_map"]
+        weight_map = _read_json(index, EXPORT_INDEX_SCHEMA)["weight_map"]
         if not weight_map:
             raise ExportError(f"{index} has no weight_map object ({{tensor name: shard file}})")
-        names = sorted(set(weight_map.values()), key=str)
-        for name in names:
-            if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
-                raise ExportError(f"{index} lists the shard {name!r}: shards are file names inside {export_dir}")
-        files = [os.path.join(export_dir, name) for name in names]
+        files = [os.path.join(export_dir, name) for name in sorted(set(weight_map.values()))]
         stored = set()
         for path in files:
             try:

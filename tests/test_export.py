@@ -446,6 +446,41 @@ def test_a_hand_edited_value_that_cannot_be_served_is_refused_by_name(tmp_path, 
         load_exported(out)
 
 
+
+def _set_zlab_layer_id(c):
+    c["dflash_config"]["target_layer_ids"] = [0, "1", 2]
+
+
+@pytest.mark.parametrize(
+    "write, edit, error",
+    [
+        (layouts.speculators_config, lambda c: c.update(sliding_window_non_causal="no"),
+         r'config.json: sliding_window_non_causal must be true or false, got "no"'),
+        (layouts.speculators_config, lambda c: c.update(aux_hidden_state_layer_ids=[1, "2", 3]),
+         r'config.json: aux_hidden_state_layer_ids\[1\] must be an integer, got "2"'),
+        (layouts.zlab_config, _set_zlab_layer_id,
+         r'config.json: dflash_config.target_layer_ids\[1\] must be an integer, got "1"'),
+    ],
+    ids=["flag_a_string", "speculators_layer_id_a_string", "zlab_layer_id_a_string"],
+)
+def test_the_engine_views_read_config_json_through_its_layouts_schema(write, edit, error):
+    """served_architectures judges a config.json by its layout's declared schema (layouts.CONFIG_SCHEMAS), as
+    read_export_config does: a string where a flag belongs is refused by name, never read as true."""
+    config = write(make_config(), "t")
+    edit(config)
+    with pytest.raises(ExportError, match=error):
+        served_architectures(config)
+
+
+@pytest.mark.parametrize("name", ["../model-00001-of-00002.safetensors", "", "sub/model.safetensors"])
+def test_an_index_naming_a_shard_outside_the_export_is_refused_naming_the_field(spec_export, name):
+    shard(spec_export)
+    with open(os.path.join(spec_export, "model.safetensors.index.json"), "w") as f:
+        json.dump({"weight_map": {"fc.weight": name}}, f)
+    with pytest.raises(ExportError, match=r"model.safetensors.index.json: weight_map.fc.weight must be a shard's file "
+                                          r"name \(shards are file names inside the export directory\), got "):
+        load_exported(spec_export)
+
 @pytest.mark.parametrize("ids, tapped", [([1, 2, 3, 4], 4), ([1, 2], 2)], ids=["more_ids_than_fc", "fewer_ids_than_fc"])
 def test_an_fc_that_does_not_cover_the_layer_ids_is_refused_never_sliced(spec_export, ids, tapped):
     edit_config(spec_export, lambda c: c.update(aux_hidden_state_layer_ids=ids))
