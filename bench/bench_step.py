@@ -50,9 +50,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.harness import peak_memory_mb, time_calls_ms, time_ms, write_results  # noqa: E402
 from dflash_fast import ops  # noqa: E402
 from dflash_fast.batches import sample_anchors  # noqa: E402
-from dflash_fast.drafter import DFlashDrafter, DrafterConfig  # noqa: E402
+from dflash_fast.drafter import DFlashDrafter  # noqa: E402
+from dflash_fast.drafter_config import DrafterConfig  # noqa: E402
 from dflash_fast.eager import needs_last  # noqa: E402
-from dflash_fast.export import qwen3_layer  # noqa: E402
+from dflash_fast.layouts import qwen3_layer  # noqa: E402
 
 FULL = dict(H=4096, Hq=32, Hkv=8, D=128, I=12288, V=151936, K=5, L=5, B=16, A=512, T=3072, docs=4)
 SMOKE = dict(H=32, Hq=2, Hkv=1, D=16, I=64, V=256, K=2, L=2, B=4, A=6, T=48, docs=3)

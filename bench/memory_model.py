@@ -29,6 +29,7 @@ from bench.harness import markdown_table, write_results  # noqa: E402
 from bench.lm_head_model import REFERENCE  # noqa: E402
 from dflash_fast.config import load_config  # noqa: E402
 from dflash_fast.eager import needs_last  # noqa: E402
+from dflash_fast.layer_ids import default_layer_ids  # noqa: E402
 from dflash_fast.memory import (  # noqa: E402
     GIB,
     OnlineTarget,
@@ -40,7 +41,6 @@ from dflash_fast.memory import (  # noqa: E402
     training_states,
 )
 from dflash_fast.optim import deepspeed_config  # noqa: E402
-from dflash_fast.store import default_layer_ids  # noqa: E402
 
 SEQ_LENS = (3072, 8192, 32768, 131072)
 ANCHORS = (512, 1024, 2048)
@@ -53,7 +53,7 @@ def qwen3_8b_drafter(cfg):
     model.* options."""
     from transformers import Qwen3Config
 
-    from dflash_fast.drafter import DrafterConfig
+    from dflash_fast.drafter_config import DrafterConfig
 
     target = Qwen3Config(**MODELS["8b"])
     ids = cfg.model.layer_ids or default_layer_ids(target.num_hidden_layers)

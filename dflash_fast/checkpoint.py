@@ -31,9 +31,11 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 import numpy as np
 import torch
 
-from dflash_fast.drafter import DFlashDrafter, DrafterConfig, check_tensors, read_tensors, stderr_line
+from dflash_fast.drafter import DFlashDrafter
+from dflash_fast.drafter_config import DrafterConfig
 from dflash_fast.errors import COUNT, LIST, OBJECT, SHA256, STR, ConfigError, MapOf, Obj, read_mapping, schema_problem
 from dflash_fast.store_format import TMP_SUFFIX, sha256_file, write_json_atomic
+from dflash_fast.weights import check_tensors, read_tensors, stderr_line
 
 CHECKPOINT_TAG = re.compile(r"^step(\d{8})$")
 MARKER = "dflash_fast.json"  # written last into a checkpoint: client state + every other file's size and sha256

@@ -347,7 +347,7 @@ def _numbers(node, prefix: str = ""):
 def validate(cfg: TrainConfig) -> None:
     """Ranges and choices; what needs the store or the target is checked by the trainer."""
     from dflash_fast import ops
-    from dflash_fast.drafter import MAX_BLOCK_SIZE
+    from dflash_fast.drafter_config import MAX_BLOCK_SIZE
     from dflash_fast.dspark import MARKOV_HEAD_TYPES
     from dflash_fast.eager import DENSE_KINDS, LOSS_KINDS, WEIGHTINGS
 
@@ -370,7 +370,7 @@ def validate(cfg: TrainConfig) -> None:
     _check(m.num_layers >= 1, f"model.num_layers={m.num_layers} must be >= 1")
     _check(m.block_size >= 2, f"model.block_size={m.block_size} must be >= 2 (slot 0 is the given token)")
     _check(m.block_size <= MAX_BLOCK_SIZE,
-           f"model.block_size={m.block_size} is beyond {MAX_BLOCK_SIZE} (dflash_fast.drafter.MAX_BLOCK_SIZE)")
+           f"model.block_size={m.block_size} is beyond {MAX_BLOCK_SIZE} (dflash_fast.drafter_config.MAX_BLOCK_SIZE)")
     _check(m.mask_token_id is None or m.mask_token_id >= 0, f"model.mask_token_id={m.mask_token_id} must be >= 0")
     _check(m.sliding_window is None or m.sliding_window >= 1,
            f"model.sliding_window={m.sliding_window} must be >= 1 (or null: no sliding layer)")

@@ -11,7 +11,7 @@ the environment, shows the traceback of every error.
 
 A file a user may hand us is read through `read_mapping`, and the shape of what it holds is declared once, next to
 its reader, with `Obj` / `ListOf` / `MapOf` / `Nullable` / `Is` (store_format.MANIFEST_SCHEMA, checkpoint.MARKER_SCHEMA,
-export.CONFIG_SCHEMAS, ...): `check_schema` turns the first field that does not fit into one error naming the
+layouts.CONFIG_SCHEMAS, ...): `check_schema` turns the first field that does not fit into one error naming the
 file and the field's path, `manifest.json: shards[3].num_tokens must be a non-negative integer, got "12"`.
 """
 import json

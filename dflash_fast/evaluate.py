@@ -37,7 +37,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, 
 import torch
 
 from dflash_fast.cli import call_with_flags
-from dflash_fast.drafter import DFlashDrafter, load_frozen_tensors, slot_metrics
+from dflash_fast.drafter import DFlashDrafter, slot_metrics
 from dflash_fast.errors import UserError
 from dflash_fast.layer_ids import check_layer_ids, default_layer_ids
 from dflash_fast.regenerate import (
@@ -49,6 +49,7 @@ from dflash_fast.regenerate import (
     read_prompts,
 )
 from dflash_fast.target import check_target, final_norm_module, tapped_layers
+from dflash_fast.weights import load_frozen_tensors
 
 # propose(hidden [T, K, H_t] of positions 0..T-1, anchor token x_T, context_ids [T+1] = x_0..x_T) -> [B-1] guesses,
 # or (guesses, their predicted acceptance probabilities [B-1]).

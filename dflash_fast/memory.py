@@ -37,11 +37,12 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from dflash_fast.config import OnlineConfig, TrainConfig
-from dflash_fast.drafter import DrafterConfig, trainable_shapes
+from dflash_fast.drafter_config import DrafterConfig
 from dflash_fast.eager import needs_last
 from dflash_fast.errors import UserError
 from dflash_fast.kernels.lm_head_loss import GPU_CHUNK_BYTES, GPU_ROW_ALIGN, chunk_rows
 from dflash_fast.target import device_memory, weight_bytes
+from dflash_fast.weights import trainable_shapes
 
 GIB = 1 << 30
 ZERO_STAGES = (0, 1, 2, 3)

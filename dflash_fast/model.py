@@ -12,9 +12,12 @@ from typing import Callable, Dict, Optional
 import torch
 
 from dflash_fast.config import DRAFTER_OPTIONS, ConfigError, ModelConfig, TrainConfig
-from dflash_fast.drafter import DFlashDrafter, DrafterConfig, build_drafter
+from dflash_fast.drafter import DFlashDrafter, build_drafter
+from dflash_fast.drafter_config import DrafterConfig
 from dflash_fast.eager import needs_last
-from dflash_fast.export import ExportError, config_from_export, load_exported, read_export_config, servable_format
+from dflash_fast.engines import config_from_export, servable_format
+from dflash_fast.export import load_exported, read_export_config
+from dflash_fast.layouts import ExportError
 from dflash_fast.target import check_target, config_sha256
 
 

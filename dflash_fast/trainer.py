@@ -62,8 +62,9 @@ from dflash_fast.data import TrainStream, data_identity, open_batches, open_sour
 from dflash_fast.distributed import gathered_state, init_distributed, quiet_deepspeed, resolve_precision, sharing
 from dflash_fast.drafter import DrafterOutput, slot_targets
 from dflash_fast.eager import has_kl, needs_last
+from dflash_fast.engines import ENGINES
 from dflash_fast.errors import DEBUG_ENV, UserError, run_reporting_errors
-from dflash_fast.export import ENGINES, export_drafter
+from dflash_fast.export import export_drafter
 from dflash_fast.lock import output_lock
 from dflash_fast.memory import check_fits, device_bytes, gib, largest_fitting, run_plan, step_of
 from dflash_fast.metrics import MetricsLog, Sums, Window, progress_bar, show_step, train_record, val_record

@@ -17,9 +17,11 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from dflash_fast.engines import config_from_export, normal_rope
 from dflash_fast.errors import UserError
 from dflash_fast.evaluate import SpecResult, Tally, _report
-from dflash_fast.export import DFLASH_ONLY, config_from_export, normal_rope, read_export_config
+from dflash_fast.export import read_export_config
+from dflash_fast.layouts import DFLASH_ONLY
 from dflash_fast.regenerate import cut_response, encode_prompt, eos_token_ids, read_prompts
 from dflash_fast.target import check_target
 
@@ -148,10 +150,10 @@ def evaluate_vllm(
 
 
 def vllm_architecture(export_dir: str) -> Dict:
-    """What vLLM itself builds from an export, in `dflash_fast.export.ARCHITECTURE`'s terms: its own config loader
+    """What vLLM itself builds from an export, in `dflash_fast.engines.ARCHITECTURE`'s terms: its own config loader
     (vllm.transformers_utils.config.get_config: the speculators adapter, or transformers for the z-lab layout) and
     its DFlash model's per-layer rule (qwen3_dflash._resolve_layer_attention). Our model of the same reading is
-    export.served_architectures(config)["vllm"]; tests/test_vllm.py holds the two equal."""
+    engines.served_architectures(config)["vllm"]; tests/test_vllm.py holds the two equal."""
     from unittest import mock
 
     _vllm()

@@ -357,7 +357,7 @@ MUTATIONS: List[Mutation] = [
     # ---- SPEC §1: the export's layer-id convention
     Mutation(
         "export-layer-ids-not-shifted",
-        "dflash_fast/export.py",
+        "dflash_fast/layouts.py",
         '"aux_hidden_state_layer_ids": [i + 1 for i in cfg.layer_ids],',
         '"aux_hidden_state_layer_ids": list(cfg.layer_ids),',
         [T_EXPORT],
@@ -365,7 +365,7 @@ MUTATIONS: List[Mutation] = [
     ),
     Mutation(
         "import-layer-ids-not-shifted",
-        "dflash_fast/export.py",
+        "dflash_fast/engines.py",
         '"layer_ids": [i - 1 for i in aux],',
         '"layer_ids": list(aux),',
         [T_EXPORT],

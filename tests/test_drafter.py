@@ -9,13 +9,13 @@ from tiny_targets import tiny_model, tiny_sizes
 from dflash_fast import eager, ops
 from dflash_fast.drafter import (
     DFlashDrafter,
-    DrafterConfig,
     DrafterOutput,
     build_drafter,
     position_weights,
     resolve_mask_token_id,
     slot_metrics,
 )
+from dflash_fast.drafter_config import DrafterConfig
 
 V, H, K, B = 96, 32, 3, 4
 
@@ -395,7 +395,7 @@ def test_a_target_without_an_embedding_is_refused_by_name(tmp_path):
 
     from safetensors.torch import save_file
 
-    from dflash_fast.drafter import load_frozen_tensors
+    from dflash_fast.weights import load_frozen_tensors
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", "tie_word_embeddings": True}))
     save_file({"model.norm.weight": torch.ones(8)}, str(tmp_path / "model.safetensors"))

@@ -248,7 +248,8 @@ def test_the_gate_compares_the_markov_bias_and_the_confidence(tmp_path, monkeypa
 
 @pytest.mark.parametrize("head_type", ["gated", "rnn"])
 def test_a_markov_head_vllm_does_not_serve_is_never_exported(tmp_path, head_type):
-    from dflash_fast.export import ExportError, export_drafter
+    from dflash_fast.export import export_drafter
+    from dflash_fast.layouts import ExportError
 
     with pytest.raises(ExportError, match="markov_head_type: trained '" + head_type):
         export_drafter(dspark_drafter(head_type), str(tmp_path / "export"), "t", torch.float32)

@@ -3,7 +3,7 @@ config classes, the gate that refuses a mismatch, published drafters loaded back
 
 What runs for real here: transformers' Qwen3Config / AutoConfig / Qwen3RotaryEmbedding and safetensors. What
 does not (not installed, GPU-only): speculators, vLLM, SGLang; their config handling is reproduced in
-dflash_fast/export.py (`_speculators_view`, `_vllm_speculators_view`, `_sglang_view`, `_vllm_zlab_view`, each
+dflash_fast/engines.py (`_speculators_view`, `_vllm_speculators_view`, `_sglang_view`, `_vllm_zlab_view`, each
 citing the file and function it follows) and pinned below against what those files do.
 """
 import json
@@ -17,19 +17,13 @@ from test_trainer import TINY_YAML, settings, tiny  # noqa: F401 (tiny: the stor
 from transformers import AutoConfig, Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-from dflash_fast import export
-from dflash_fast.drafter import DFlashDrafter, DrafterConfig, Rope
-from dflash_fast.export import (
-    ENGINES,
-    FORMATS,
-    ExportError,
-    architecture,
-    export_drafter,
-    gate_batch,
-    gate_logits,
-    load_exported,
-    served_architectures,
-)
+from dflash_fast import engines, export, layouts
+from dflash_fast.drafter import DFlashDrafter
+from dflash_fast.drafter_config import DrafterConfig
+from dflash_fast.engines import ENGINES, architecture, served_architectures
+from dflash_fast.export import export_drafter, gate_batch, gate_logits, load_exported
+from dflash_fast.layers import Rope
+from dflash_fast.layouts import FORMATS, ExportError
 
 V, H, B = 96, 32, 4
 
@@ -207,14 +201,14 @@ def test_sliding_window_survives_the_reload_through_qwen3config(tmp_path):
 
 def test_a_drafter_whose_window_the_engines_drop_is_never_written(tmp_path, monkeypatch):
     """The gate is what makes the issue-12 class of bug unshippable: reintroduce it and the export is refused."""
-    original = export.qwen3_layer
+    original = layouts.qwen3_layer
 
     def without_use_sliding_window(cfg):
         layer = original(cfg)
         layer.pop("use_sliding_window")
         return layer
 
-    monkeypatch.setattr(export, "qwen3_layer", without_use_sliding_window)
+    monkeypatch.setattr(layouts, "qwen3_layer", without_use_sliding_window)
     d = make_drafter(layer_types=["full", "sliding"], sliding_window=5)
     with pytest.raises(ExportError, match=r"layer_windows: trained \[None, 5\], speculators serves \[None, None\]"):
         export_drafter(d, str(tmp_path / "export"), "tiny-target", torch.float32)
@@ -349,7 +343,7 @@ def test_a_published_zlab_drafter_loads_as_sglang_serves_it(tmp_path):
     export_drafter(d, str(tmp_path / "again"), "t", torch.bfloat16, fmt="zlab")
     with pytest.raises(ExportError, match=r"trained \[True, True, False\], vllm serves \[True, True, True\]"):
         export_drafter(d, str(tmp_path / "spec"), "t", torch.bfloat16, fmt="speculators")
-    assert export.servable_format(cfg) == "zlab"
+    assert engines.servable_format(cfg) == "zlab"
 
 
 def test_a_zlab_drafter_without_layer_ids_gets_z_labs_default(tmp_path):
@@ -451,6 +445,41 @@ def test_a_hand_edited_value_that_cannot_be_served_is_refused_by_name(tmp_path, 
     with pytest.raises(ExportError, match=error):
         load_exported(out)
 
+
+
+def _set_zlab_layer_id(c):
+    c["dflash_config"]["target_layer_ids"] = [0, "1", 2]
+
+
+@pytest.mark.parametrize(
+    "write, edit, error",
+    [
+        (layouts.speculators_config, lambda c: c.update(sliding_window_non_causal="no"),
+         r'config.json: sliding_window_non_causal must be true or false, got "no"'),
+        (layouts.speculators_config, lambda c: c.update(aux_hidden_state_layer_ids=[1, "2", 3]),
+         r'config.json: aux_hidden_state_layer_ids\[1\] must be an integer, got "2"'),
+        (layouts.zlab_config, _set_zlab_layer_id,
+         r'config.json: dflash_config.target_layer_ids\[1\] must be an integer, got "1"'),
+    ],
+    ids=["flag_a_string", "speculators_layer_id_a_string", "zlab_layer_id_a_string"],
+)
+def test_the_engine_views_read_config_json_through_its_layouts_schema(write, edit, error):
+    """served_architectures judges a config.json by its layout's declared schema (layouts.CONFIG_SCHEMAS), as
+    read_export_config does: a string where a flag belongs is refused by name, never read as true."""
+    config = write(make_config(), "t")
+    edit(config)
+    with pytest.raises(ExportError, match=error):
+        served_architectures(config)
+
+
+@pytest.mark.parametrize("name", ["../model-00001-of-00002.safetensors", "", "sub/model.safetensors"])
+def test_an_index_naming_a_shard_outside_the_export_is_refused_naming_the_field(spec_export, name):
+    shard(spec_export)
+    with open(os.path.join(spec_export, "model.safetensors.index.json"), "w") as f:
+        json.dump({"weight_map": {"fc.weight": name}}, f)
+    with pytest.raises(ExportError, match=r"model.safetensors.index.json: weight_map.fc.weight must be a shard's file "
+                                          r"name \(shards are file names inside the export directory\), got "):
+        load_exported(spec_export)
 
 @pytest.mark.parametrize("ids, tapped", [([1, 2, 3, 4], 4), ([1, 2], 2)], ids=["more_ids_than_fc", "fewer_ids_than_fc"])
 def test_an_fc_that_does_not_cover_the_layer_ids_is_refused_never_sliced(spec_export, ids, tapped):
@@ -660,7 +689,7 @@ def test_vllm_gives_every_layer_of_a_speculators_export_one_in_block_rule():
     for a speculators export algos.py's update_dflash always sets dflash_config.causal = not
     sliding_window_non_causal (default true), a rule for every layer, full ones included."""
     cfg = make_config(layer_types=["full", "sliding"], sliding_window=5)
-    config = export.speculators_config(cfg, "t")
+    config = layouts.speculators_config(cfg, "t")
     assert config["transformer_layer_config"]["is_causal"] is False and config["sliding_window_non_causal"] is True
     assert served_architectures(config)["vllm"]["layer_causal"] == [False, False]
     config["transformer_layer_config"].pop("is_causal")
@@ -670,7 +699,7 @@ def test_vllm_gives_every_layer_of_a_speculators_export_one_in_block_rule():
     config.pop("sliding_window_non_causal")
     assert served_architectures(config)["vllm"]["layer_causal"] == [False, False], "vLLM's default: non-causal"
     # the zlab layout is read natively (no update_dflash): sliding layers causal, full layers bidirectional
-    zlab = export.zlab_config(cfg, "t")
+    zlab = layouts.zlab_config(cfg, "t")
     zlab.pop("is_causal")
     assert served_architectures(zlab)["vllm"]["layer_causal"] == [False, True]
 
@@ -686,7 +715,7 @@ def test_a_full_layer_drafter_is_exported_bidirectional_for_every_vllm_rule(tmp_
 
 
 def test_vllm_reads_the_block_from_the_proposal_method():
-    config = export.speculators_config(make_config(), "t")
+    config = layouts.speculators_config(make_config(), "t")
     config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] = 7
     served = served_architectures(config)
     assert served["vllm"]["block_size"] == 8 and served["speculators"]["block_size"] == B
@@ -694,12 +723,12 @@ def test_vllm_reads_the_block_from_the_proposal_method():
 
 def test_speculators_takes_head_dim_from_qwen3config_defaults():
     """Qwen3Config's head_dim default is 128, vLLM's is hidden / heads: an export without head_dim is refused."""
-    config = export.speculators_config(make_config(), "t")
+    config = layouts.speculators_config(make_config(), "t")
     config["transformer_layer_config"].pop("head_dim")
     served = served_architectures(config)
     assert served["speculators"]["head_dim"] == 128 and served["vllm"]["head_dim"] == H // 4
     with pytest.raises(ExportError, match="head_dim: trained 128, vllm serves 8"):
-        export.config_from_export(config)
+        engines.config_from_export(config)
 
 
 # ---------------------------------------------------------------- the trainer: its export, model.init_from
@@ -737,7 +766,7 @@ def zlab_like_drafter_for_the_tiny_target(directory, layer_ids=(1, 2), hidden=32
     torch.manual_seed(5)
     d = DFlashDrafter(cfg)
     d.reset_parameters(std=0.1)
-    config = export.zlab_config(cfg, "somewhere/else")
+    config = layouts.zlab_config(cfg, "somewhere/else")
     config.pop("dflash_fast")  # a published drafter carries no dflash-fast metadata
     os.makedirs(directory, exist_ok=True)
     save_file({n: p.detach() for n, p in d.named_parameters()}, os.path.join(directory, "model.safetensors"))
@@ -782,7 +811,7 @@ def test_init_from_starts_training_from_a_published_drafter(trained):
     # the fine-tuned drafter, gated: causal sliding + bidirectional full layers serve only from the zlab layout
     exported = load_exported(result["export"], trained.target)
     assert exported.config == t.engine.module.config
-    assert export.export_format(written_config(result["export"])) == "zlab"
+    assert layouts.export_format(written_config(result["export"])) == "zlab"
     evaluated = load_drafter(os.path.join(trained.root, "published"), trained.target)
     assert architecture(evaluated.config) == architecture(published.config), "eval reads the z-lab layout too"
 

@@ -93,7 +93,8 @@ def test_an_export_config_key_of_the_wrong_type_is_one_error_naming_its_path(tmp
     import torch
     from test_export import edit_config, make_drafter
 
-    from dflash_fast.export import ExportError, export_drafter, load_exported
+    from dflash_fast.export import export_drafter, load_exported
+    from dflash_fast.layouts import ExportError
 
     out = export_drafter(make_drafter(), str(tmp_path / "export"), "tiny-target", torch.float32, fmt=fmt)
     edit_config(out, edit)
@@ -129,8 +130,8 @@ def test_a_training_config_nested_too_deeply_to_parse_is_one_config_error(tmp_pa
 @pytest.mark.parametrize("weight_map, message", [([], "weight_map must be an object, got a list"),
                                                  ({"lm_head.weight": 3}, "weight_map.lm_head.weight must be a string")])
 def test_a_target_index_of_the_wrong_shape_is_one_error_naming_the_field(tmp_path, weight_map, message):
-    from dflash_fast.drafter import target_tensor_files
     from dflash_fast.target import _safetensors_files
+    from dflash_fast.weights import target_tensor_files
 
     index = tmp_path / "model.safetensors.index.json"
     index.write_text(json.dumps({"weight_map": weight_map}))
@@ -142,7 +143,7 @@ def test_a_target_index_of_the_wrong_shape_is_one_error_naming_the_field(tmp_pat
 @pytest.mark.parametrize("text, message", [("[" * 100_000, "is not valid JSON"), ('{"text_config": []}',
                                            "text_config must be an object, got a list")])
 def test_a_target_config_that_is_no_model_config_is_one_error_naming_the_file(tmp_path, text, message):
-    from dflash_fast.drafter import load_frozen_tensors
+    from dflash_fast.weights import load_frozen_tensors
 
     (tmp_path / "config.json").write_text(text)
     with pytest.raises(ValueError, match=f"{tmp_path / 'config.json'}:? {message}"):

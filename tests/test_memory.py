@@ -20,7 +20,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dflash_fast import drafter as drafter_module
 from dflash_fast import ops, trainer
 from dflash_fast.batches import sample_anchors
-from dflash_fast.drafter import DFlashDrafter, DrafterConfig, trainable_parameters, trainable_shapes
+from dflash_fast.drafter import DFlashDrafter
+from dflash_fast.drafter_config import DrafterConfig
 from dflash_fast.memory import (
     Setup,
     Step,
@@ -33,6 +34,7 @@ from dflash_fast.memory import (
     step_memory,
     training_states,
 )
+from dflash_fast.weights import trainable_parameters, trainable_shapes
 
 H, V, K, B, T, A, INTER = 64, 256, 3, 4, 64, 8, 160
 TOPK = 8

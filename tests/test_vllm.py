@@ -17,8 +17,9 @@ if os.environ.get("DFLASH_REQUIRE_VLLM") != "1":
 
 from dflash_fast import ops  # noqa: E402 (vLLM's absence skips the module first)
 from dflash_fast.drafter import DFlashDrafter, build_drafter  # noqa: E402
+from dflash_fast.engines import architecture, served_architectures  # noqa: E402
 from dflash_fast.evaluate import TargetRunner, evaluate, greedy_generate, response_row  # noqa: E402
-from dflash_fast.export import architecture, export_drafter, read_export_config, served_architectures  # noqa: E402
+from dflash_fast.export import export_drafter, read_export_config  # noqa: E402
 from dflash_fast.quickstart import ASSETS, TARGET  # noqa: E402
 from dflash_fast.regenerate import load_model, read_prompts, regenerate  # noqa: E402
 from dflash_fast.vllm_engine import evaluate_vllm, vllm_architecture  # noqa: E402
