@@ -724,7 +724,9 @@ def matmul_backward(
     (row_scale * e), from the same reads of a (`_matmul_bwd_kernel`, HAS_MARKOV)."""
     m, nc = c.shape
     k = b.shape[0]
-    e, w2, row_scale, de, dw2 = markov if markov is not None else (c, b, c, c, c)
+    # Without the Markov bias dw2 is an empty view: the autotuner's restore_value copy of it costs nothing (c may
+    # be the [V, H] fp32 dW accumulator).
+    e, w2, row_scale, de, dw2 = markov if markov is not None else (c, b, c, c, c[:0])
     _matmul_bwd_kernel[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(nc, meta["BLOCK_NC"]),)](
         a,
         b,
