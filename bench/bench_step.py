@@ -1,6 +1,6 @@
 """One full DFlash drafter training step: our Triton path vs our eager path vs vllm-project/speculators.
 
-    python bench/bench_step.py [--loss kl|ce|kl_topk] [--impls triton,eager,liger,speculators] [--out DIR]
+    python bench/bench_step.py [--loss KIND] [--impls triton,eager,liger,speculators] [--out DIR]
     python bench/bench_step.py --smoke        # CPU: tiny fp32 shapes, Triton interpreter (CI only)
 
 A step is fc-concat, the drafter layers, norm + lm_head + loss, backward, gradient
@@ -52,15 +52,19 @@ from dflash_fast import ops  # noqa: E402
 from dflash_fast.batches import sample_anchors  # noqa: E402
 from dflash_fast.drafter import DFlashDrafter  # noqa: E402
 from dflash_fast.drafter_config import DrafterConfig  # noqa: E402
-from dflash_fast.eager import needs_last  # noqa: E402
+from dflash_fast.eager import LOSS_KINDS, needs_last  # noqa: E402
 from dflash_fast.layouts import qwen3_layer  # noqa: E402
+from dflash_fast.model import resolve_loss_kind  # noqa: E402
 
 FULL = dict(H=4096, Hq=32, Hkv=8, D=128, I=12288, V=151936, K=5, L=5, B=16, A=512, T=3072, docs=4)
 SMOKE = dict(H=32, Hq=2, Hkv=1, D=16, I=64, V=256, K=2, L=2, B=4, A=6, T=48, docs=3)
 IMPLS = ("triton", "speculators", "liger", "eager")  # the headline pair first: a timeout keeps what ran
-LOSSES = ("kl", "ce", "kl_topk")
-# speculators has no loss on a stored top-k teacher: it always runs the full teacher lm_head.
-PEER_LOSS = {"kl": "kl_div", "ce": "ce", "kl_topk": "kl_div"}
+# The kinds the config's loss.kind accepts; `auto` is what it is on a store with `last` (the synthetic row has it).
+LOSSES = ("auto",) + LOSS_KINDS
+# speculators' name of each kind (speculators.losses); it has no loss on a stored top-k teacher (it always runs
+# the full teacher lm_head) and none against the dataset's tokens (ce_data: no speculators row).
+PEER_LOSS = {"kl": "kl_div", "ce": "ce", "kl_topk": "kl_div", "tv": "tv", "lk": "nla", "lk_hybrid": "lk_hybrid",
+             "rkl": "rkl", "jsd": "jsd"}
 GAMMA = 7.0
 CLIP = 1.0
 TOPK = 8
@@ -341,13 +345,14 @@ def parse_args(argv=None):
     p.add_argument(
         "--smoke", action="store_true", help="tiny fp32 shapes on CPU through the Triton interpreter (CI only)"
     )
-    p.add_argument("--loss", choices=LOSSES, default="kl", help="loss kind (default kl: full teacher)")
+    p.add_argument("--loss", choices=LOSSES, default="kl", help="loss kind, as loss.kind (default kl: full teacher)")
     p.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated contenders from {IMPLS}")
     p.add_argument("--seq-len", type=int, default=FULL["T"], help="T, tokens in the row (GPU run)")
     p.add_argument("--anchors", type=int, default=FULL["A"], help="A, anchors per row (GPU run)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--out", default=os.path.join("bench", "results"), help="results folder (default bench/results)")
     args = p.parse_args(argv)
+    args.loss = resolve_loss_kind(args.loss, {"has_last": True})
     args.impls = [i.strip() for i in args.impls.split(",") if i.strip()]
     bad = [i for i in args.impls if i not in IMPLS]
     if bad or not args.impls:
@@ -397,12 +402,15 @@ def main(argv=None):
         flops = step_flops(s, pairs, teacher=ours_teacher or impl == "speculators")
         row = {
             "impl": impl,
-            "loss_kind": PEER_LOSS[args.loss] if impl == "speculators" else args.loss,
+            "loss_kind": PEER_LOSS.get(args.loss) if impl == "speculators" else args.loss,
             "dtype": str(dtype).replace("torch.", ""),
             "tflop_per_step": flops["total"] / 1e12,
         }
         try:
-            row.update(run_contender(builders[impl], reps))
+            if row["loss_kind"] is None:
+                row["note"] = f"speculators has no loss {args.loss!r}"
+            else:
+                row.update(run_contender(builders[impl], reps))
         except ImportError as err:
             row["note"] = f"not installed ({err})"
         except Exception as err:  # noqa: BLE001 -- on a GPU an OOM or a peer's API change is a result, not a crash

@@ -2,6 +2,7 @@
 
     python bench/lm_head_model.py                 # reference shapes: N = 8192 and 32768, every loss kind
     python bench/lm_head_model.py --small         # small shapes, what tests/test_lm_head_model.py runs
+    python bench/lm_head_model.py --rows 1 --cases 'DSpark|^kl$'   # N = 8192 only: kl and DSpark (docs/dspark.md)
     .venv36/bin/python bench/lm_head_model.py     # the same under Triton 3.6
 
 Nothing here is a measurement. The model runs the kernel module's own host code on CPU tensors with every
@@ -173,21 +174,27 @@ def cost_dlogits(a) -> Cost:
 
 
 def cost_matmul(a) -> Cost:
-    """c[M, NC] (+)= a[M, K] @ b[K, NC] in the grouped order."""
+    """c[M, NC] (+)= a[M, K] @ b[K, NC] in the grouped order. With HAS_MARKOV (DSpark) the programs of column tile
+    i_c < cdiv(R, BLOCK_R) also read W2's columns [i_c BLOCK_R, +BLOCK_R) [K, BLOCK_R] and e's [BLOCK_M, BLOCK_R]
+    in the same step as their a tile (no second read of a), write de and add into dW2 [K, R] fp32: one read and
+    one write of dW2 per launch (a column tile's row tiles run in one wave here, so L2 merges their adds)."""
     m, nc, k, bm, bnc = a["M"], a["NC"], a["K"], a["BLOCK_M"], a["BLOCK_NC"]
     rows, cols = _rows(m, bm), _rows(nc, bnc)
-    return _gemm_cost(
-        grouped(len(rows), len(cols), a["group_m"]),
-        len(rows),
-        len(cols),
-        rows,
-        cols,
-        k,
-        _elt(a["a_ptr"]),
-        _elt(a["b_ptr"]),
-        _elt(a["c_ptr"]),
-        read_out=bool(a["ACCUMULATE"]),
-    )
+    order = grouped(len(rows), len(cols), a["group_m"])
+    cost = _gemm_cost(order, len(rows), len(cols), rows, cols, k, _elt(a["a_ptr"]), _elt(a["b_ptr"]),
+                      _elt(a["c_ptr"]), read_out=bool(a["ACCUMULATE"]))
+    if a["HAS_MARKOV"]:
+        r, br = a["R"], a["BLOCK_R"]
+        slices = _rows(r, br)
+        for (i, j), program in zip(order, cost.programs):
+            if j < len(slices):
+                program[0] += (("w2", j), ("e", i, j))
+                cost.flops += 2 * 2.0 * rows[i] * slices[j] * k  # de and dW2
+        cost.tile_bytes.update({("w2", j): k * slices[j] * _elt(a["w2_ptr"]) for j in range(len(slices))})
+        cost.tile_bytes.update({("e", i, j): rows[i] * slices[j] * _elt(a["e_ptr"])
+                                for i in range(len(rows)) for j in range(len(slices))})
+        cost.write_bytes += m * r * _elt(a["de_ptr"]) + 2 * 4.0 * k * r
+    return cost
 
 
 COSTS: Dict[str, Callable[[Dict], Cost]] = {
@@ -534,6 +541,8 @@ def parse_args(argv=None):
     p.add_argument("--small", action="store_true", help="small shapes (the CI test): H=256, V=4099, A=32, T=192")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--cases", default="", help="regex over the case labels ('kl', 'ce(labels)', 'kl, D-PACE', ...)")
+    p.add_argument("--rows", type=int, nargs="+", help="training rows per call, N = rows x A x B (default: reference "
+                   "1 4, small 1)")
     return p.parse_args(argv)
 
 
@@ -552,7 +561,7 @@ def main(argv=None) -> List[Dict]:
     dtype = torch_dtype(args.dtype)
     rows, kernel_rows = [], []
     try:
-        for r in s["rows"]:
+        for r in args.rows or s["rows"]:
             for kind, dpace in CASES:
                 if re.search(args.cases, f"{kind}, D-PACE" if dpace else kind):
                     recorder.recorder.case, recorder.recorder.dtype = f"lm_head_loss {args.dtype} {kind}", args.dtype
@@ -564,7 +573,8 @@ def main(argv=None) -> List[Dict]:
         shutil.rmtree(cc._CACHE_DIR, ignore_errors=True)
     shape = {k: s[k] for k in ("H", "V", "B", "A", "T", "docs")}
     meta = dict(
-        shapes=f"{shape}, N = rows x A x B for rows in {s['rows']}, {args.dtype}; lm_head frozen (the drafter's case)",
+        shapes=f"{shape}, N = rows x A x B for rows in {tuple(args.rows or s['rows'])}, {args.dtype}; lm_head frozen "
+               "(the drafter's case)",
         gpu="H200 as PERF.md: 790 TFLOP/s dense bf16 (measured), 4.3 TB/s, 132 SMs, 50 MB L2, 228 KB smem per SM",
         unit="one GEMM unit = 2 N V H FLOPs; floor: 3 units for kl, the other dense kinds and teacher ce, 2 for the "
              "others",

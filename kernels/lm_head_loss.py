@@ -43,7 +43,9 @@ once per chunk, not once per slot.
      dh of the chunk and its share of d norm_weight; with a trainable lm_head also
      dW += dlogits^T @ (w/denom * xd) into an fp32 accumulator [V, H] (tile order: one row tile of
      dW for every column tile before the next, so each dlogits tile is read once); with DSpark's Markov
-     bias the same two GEMMs against W2 [V, r]: de [C, r] and dW2 += [V, r] (fp32 accumulator).
+     bias the dxd GEMM takes W2 [V, r] as a second B operand (HAS_MARKOV): its programs spread W2's r
+     columns among them and form de [C, r] and dW2 += [V, r] (fp32, atomic adds) from the dlogits tiles
+     they load for dxd anyway, so dlogits is read once for all three GEMMs.
 
 FLOPs, in GEMM units of 2 N V H (~10.2 TFLOP at N = 8192, H = 4096, V = 151936):
   kl, tv, lk, lk_hybrid, rkl, jsd, ce against argmax(t): 1 (s) + U/N (t, U = sum_c U_c: ~0.35 N at the
@@ -334,7 +336,16 @@ def _row_scales(b_alpha, KIND: tl.constexpr):
     return b_tv_scale, b_lam
 
 
-@triton.autotune(configs=_ROW_TILES, key=["V", "HAS_TEACHER", "HAS_REST", "WRITE_GRAD", "KIND"])
+def _prune_row_tiles(configs, named_args, **kwargs):  # noqa: ARG001 (the autotuner's signature)
+    """lk and rkl run without the (1, 1024) tile: compiled for sm_90 by Triton 3.9 it spills 4-8 bytes for them at
+    the reference shape (bench/compile_check.py), their other two tiles do not."""
+    if kwargs.get("KIND") in ("lk", "rkl"):
+        return [c for c in configs if (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_V"]) != (1, 1024)] or configs
+    return configs
+
+
+@triton.autotune(configs=_ROW_TILES, key=["V", "HAS_TEACHER", "HAS_REST", "WRITE_GRAD", "KIND"],
+                 prune_configs_by={"early_config_prune": _prune_row_tiles})
 @triton.jit
 def _dlogits_bwd_kernel(
     logits_ptr,
@@ -456,16 +467,50 @@ def _dlogits_bwd_kernel(
         tl.store(out_ptr + 6 * N + o_n, b_div_p, mask=m_n)
 
 
-@triton.autotune(configs=_MATMUL_TILES, key=["NC", "ACCUMULATE", "HAS_SCALE"], restore_value=["c_ptr"])
+@triton.jit
+def _matmul_step(a_ptr, b_ptr, scale_ptr, o_m, m_m, o_c, m_c, o_k, K, stride_am, stride_ak, stride_bk,
+                 HAS_SCALE: tl.constexpr):
+    """One K step of `_matmul_bwd_kernel`: the a tile [BLOCK_M, BLOCK_K] and the (scaled) b tile [BLOCK_K, BLOCK_NC]."""
+    m_k = o_k < K
+    b_a = tl.load(
+        a_ptr + o_m.to(tl.int64)[:, None] * stride_am + o_k.to(tl.int64)[None, :] * stride_ak,
+        mask=m_m[:, None] & m_k[None, :],
+        other=0.0,
+    )
+    b_b = tl.load(
+        b_ptr + o_k.to(tl.int64)[:, None] * stride_bk + o_c[None, :], mask=m_k[:, None] & m_c[None, :], other=0.0
+    )
+    if HAS_SCALE:
+        b_scale = tl.load(scale_ptr + o_k, mask=m_k, other=0.0)
+        b_b = (b_b.to(tl.float32) * b_scale[:, None]).to(b_a.dtype)
+    return b_a, b_b
+
+
+def _markov_slice(args) -> int:
+    """Columns of W2 [V, R] per program of `_matmul_bwd_kernel`: the R columns spread over the programs of a row
+    tile (one per BLOCK_NC columns of the output), at least 16 (the narrowest tl.dot)."""
+    programs = triton.cdiv(args["NC"], args["BLOCK_NC"])
+    return max(16, triton.next_power_of_2(triton.cdiv(args["R"], programs)))
+
+
+@triton.autotune(configs=_MATMUL_TILES, key=["NC", "ACCUMULATE", "HAS_SCALE", "HAS_MARKOV"],
+                 restore_value=["c_ptr", "dw2_ptr"])
+@triton.heuristics({"BLOCK_R": _markov_slice})
 @triton.jit
 def _matmul_bwd_kernel(
     a_ptr,
     b_ptr,
     c_ptr,
     scale_ptr,
+    w2_ptr,
+    e_ptr,
+    row_scale_ptr,
+    de_ptr,
+    dw2_ptr,
     M,
     NC,
     K,
+    R,
     stride_am,
     stride_ak,
     stride_bk,
@@ -473,33 +518,57 @@ def _matmul_bwd_kernel(
     group_m,
     ACCUMULATE: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    HAS_MARKOV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_NC: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
     """c[M, NC] (+)= a[M, K] @ (scale[K, None] * b[K, NC]), fp32 accumulation; b and c have unit column
-    stride; programs in `_tile_order` with group_m row tiles per group."""
+    stride; programs in `_tile_order` with group_m row tiles per group.
+
+    HAS_MARKOV (DSpark's Markov bias; a = dlogits [M, K = V] row-major, c = dxd): the programs of column tile
+    i_c < cdiv(R, BLOCK_R) also take columns [i_c BLOCK_R, (i_c + 1) BLOCK_R) of W2 [K, R] and of e [M, R] and,
+    from the same a tiles (one read of dlogits for all three GEMMs),
+      de[m, r] = row_scale[m] sum_k a[m, k] W2[k, r]                 (de [M, R], stored in its dtype)
+      dW2[k, r] += sum_m a[m, k] (row_scale[m] e[m, r])             (dW2 [K, R] fp32, an atomic add per K step:
+                                                                     the M / BLOCK_M row tiles share its rows)
+    The row tiles' adds land in no fixed order, so dW2 may differ in its last bits from run to run. Only the
+    programs with a slice run the Markov loop: the others keep the plain loop's registers.
+    """
     i_m, i_c = _tile_order(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(NC, BLOCK_NC), group_m)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_c = i_c * BLOCK_NC + tl.arange(0, BLOCK_NC)
     m_m, m_c = o_m < M, o_c < NC
     b_acc = tl.zeros([BLOCK_M, BLOCK_NC], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        o_k = k0 + tl.arange(0, BLOCK_K)
-        m_k = o_k < K
-        b_a = tl.load(
-            a_ptr + o_m.to(tl.int64)[:, None] * stride_am + o_k.to(tl.int64)[None, :] * stride_ak,
-            mask=m_m[:, None] & m_k[None, :],
-            other=0.0,
-        )
-        b_b = tl.load(
-            b_ptr + o_k.to(tl.int64)[:, None] * stride_bk + o_c[None, :], mask=m_k[:, None] & m_c[None, :], other=0.0
-        )
-        if HAS_SCALE:
-            b_scale = tl.load(scale_ptr + o_k, mask=m_k, other=0.0)
-            b_b = (b_b.to(tl.float32) * b_scale[:, None]).to(b_a.dtype)
-        b_acc = tl.dot(b_a, b_b, b_acc, input_precision=DOT_PRECISION)
+    if HAS_MARKOV and i_c * BLOCK_R < R:
+        o_r = i_c * BLOCK_R + tl.arange(0, BLOCK_R)
+        m_r = o_r < R
+        b_row_scale = tl.load(row_scale_ptr + o_m, mask=m_m, other=0.0)
+        b_e = tl.load(e_ptr + o_m.to(tl.int64)[:, None] * R + o_r[None, :], mask=m_m[:, None] & m_r[None, :], other=0.0)
+        b_se = (b_e.to(tl.float32) * b_row_scale[:, None]).to(a_ptr.dtype.element_ty)  # [BLOCK_M, BLOCK_R]
+        b_de = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            o_k = k0 + tl.arange(0, BLOCK_K)
+            b_a, b_b = _matmul_step(a_ptr, b_ptr, scale_ptr, o_m, m_m, o_c, m_c, o_k, K, stride_am, stride_ak,
+                                    stride_bk, HAS_SCALE)
+            b_acc = tl.dot(b_a, b_b, b_acc, input_precision=DOT_PRECISION)
+            m_kr = (o_k < K)[:, None] & m_r[None, :]
+            o_kr = o_k.to(tl.int64)[:, None] * R + o_r[None, :]
+            b_w2 = tl.load(w2_ptr + o_kr, mask=m_kr, other=0.0).to(a_ptr.dtype.element_ty)  # [BLOCK_K, BLOCK_R]
+            b_de = tl.dot(b_a, b_w2, b_de, input_precision=DOT_PRECISION)
+            b_dw2 = tl.dot(tl.trans(b_a), b_se, input_precision=DOT_PRECISION)  # [BLOCK_K, BLOCK_R]
+            tl.atomic_add(dw2_ptr + o_kr, b_dw2, mask=m_kr, sem="relaxed")
+        b_de = b_de * b_row_scale[:, None]
+        p_de = de_ptr + o_m.to(tl.int64)[:, None] * R + o_r[None, :]
+        tl.store(p_de, b_de.to(de_ptr.dtype.element_ty), mask=m_m[:, None] & m_r[None, :])
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            o_k = k0 + tl.arange(0, BLOCK_K)
+            b_a, b_b = _matmul_step(a_ptr, b_ptr, scale_ptr, o_m, m_m, o_c, m_c, o_k, K, stride_am, stride_ak,
+                                    stride_bk, HAS_SCALE)
+            b_acc = tl.dot(b_a, b_b, b_acc, input_precision=DOT_PRECISION)
     p_out = c_ptr + o_m.to(tl.int64)[:, None] * stride_cm + o_c[None, :]
     m_out = m_m[:, None] & m_c[None, :]
     if ACCUMULATE:
@@ -633,6 +702,17 @@ def dlogits_backward(
     return out
 
 
+class MarkovGrads(NamedTuple):
+    """The Markov bias's share of pass 6: e [M, r] and w2 [V, r] (contiguous), the rows' w/denom [M]; de [M, r]
+    to write and dw2 [V, r] fp32 to add to."""
+
+    e: torch.Tensor
+    w2: torch.Tensor
+    row_scale: torch.Tensor
+    de: torch.Tensor
+    dw2: torch.Tensor
+
+
 def matmul_backward(
     a: torch.Tensor,
     a_strides: Tuple[int, int],
@@ -641,18 +721,30 @@ def matmul_backward(
     accumulate: bool,
     group_m: int,
     scale: Optional[torch.Tensor] = None,
+    markov: Optional[MarkovGrads] = None,
 ) -> None:
-    """Pass 6: c[M, NC] (+)= a[M, K] @ (scale[:, None] * b[K, NC]); a given by its (row, column) strides."""
+    """Pass 6: c[M, NC] (+)= a[M, K] @ (scale[:, None] * b[K, NC]); a given by its (row, column) strides.
+    With `markov` (a = dlogits, row-major) also markov.de = row_scale * a @ w2 and markov.dw2 += a^T @
+    (row_scale * e), from the same reads of a (`_matmul_bwd_kernel`, HAS_MARKOV)."""
     m, nc = c.shape
     k = b.shape[0]
+    # Without the Markov bias dw2 is an empty view: the autotuner's restore_value copy of it costs nothing (c may
+    # be the [V, H] fp32 dW accumulator).
+    e, w2, row_scale, de, dw2 = markov if markov is not None else (c, b, c, c, c[:0])
     _matmul_bwd_kernel[lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(nc, meta["BLOCK_NC"]),)](
         a,
         b,
         c,
         scale if scale is not None else c,
+        w2,
+        e,
+        row_scale,
+        de,
+        dw2,
         m,
         nc,
         k,
+        e.shape[1] if markov is not None else 0,
         a_strides[0],
         a_strides[1],
         b.stride(0),
@@ -660,6 +752,7 @@ def matmul_backward(
         group_m,
         ACCUMULATE=accumulate,
         HAS_SCALE=scale is not None,
+        HAS_MARKOV=markov is not None,
         DOT_PRECISION=dot_precision(a.dtype),
     )
 
@@ -810,24 +903,28 @@ def lm_head_loss_forward(h, norm_weight, lm_head_weight, weights, kind, normaliz
         if not need_any:
             continue
         row_scale = (row_weight[lo:hi] / denom).contiguous()
-        if need_dx:
+        chunk_grads = None
+        if grad_e is not None or grad_w2 is not None:  # either output needs the kernel's both: scratch for the other
+            chunk_grads = MarkovGrads(
+                chunk_markov.e,
+                markov.w2,
+                row_scale,
+                grad_e[lo:hi] if grad_e is not None else torch.empty(c, r, dtype=h.dtype, device=device),
+                grad_w2 if grad_w2 is not None else torch.zeros(v, r, dtype=torch.float32, device=device),
+            )
+        if need_dx or chunk_grads is not None:
+            # dxd, and with DSpark's Markov bias de and dW2 from the same reads of dlogits
             dxd = torch.empty(c, hid, dtype=torch.float32, device=device)
-            matmul_backward(dlogits, (v, 1), weight, dxd, accumulate=False, group_m=c)
-            dh_chunk, dnorm_chunk = rms_norm_backward(h[lo:hi], norm_weight.float(), rstd, dxd, row_scale)
-            if grad_h is not None:
-                grad_h[lo:hi] = dh_chunk
-            if grad_norm is not None:
-                grad_norm += dnorm_chunk
+            matmul_backward(dlogits, (v, 1), weight, dxd, accumulate=False, group_m=c, markov=chunk_grads)
+            if need_dx:
+                dh_chunk, dnorm_chunk = rms_norm_backward(h[lo:hi], norm_weight.float(), rstd, dxd, row_scale)
+                if grad_h is not None:
+                    grad_h[lo:hi] = dh_chunk
+                if grad_norm is not None:
+                    grad_norm += dnorm_chunk
         if grad_head is not None:
             # One row tile of dW for every column tile first (group 1): each dlogits tile is read once.
             matmul_backward(dlogits, (1, v), xd, grad_head, accumulate=lo > 0, group_m=1, scale=row_scale)
-        # DSpark's Markov bias w2 @ e: de = w/denom * dlogits @ w2 [C, r], dw2 += dlogits^T @ (w/denom * e) [V, r]
-        if grad_e is not None:
-            de = torch.empty(c, r, dtype=torch.float32, device=device)
-            matmul_backward(dlogits, (v, 1), markov.w2, de, accumulate=False, group_m=c)
-            grad_e[lo:hi] = de * row_scale[:, None]
-        if grad_w2 is not None:
-            matmul_backward(dlogits, (1, v), chunk_markov.e, grad_w2, accumulate=lo > 0, group_m=1, scale=row_scale)
     loss = (per_row * row_weight).sum() / denom
     kl = None if kl_row is None else (kl_row * row_weight).sum() / denom
     grads = (

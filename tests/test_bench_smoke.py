@@ -12,8 +12,8 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from bench.bench_step import FULL, SMOKE, make_batch, step_flops, visible_pairs  # noqa: E402
-from dflash_fast.eager import anchored_attention_mask  # noqa: E402
+from bench.bench_step import FULL, PEER_LOSS, SMOKE, make_batch, parse_args, step_flops, visible_pairs  # noqa: E402
+from dflash_fast.eager import LOSS_KINDS, anchored_attention_mask  # noqa: E402
 
 
 def run_smoke(script, out_dir, *extra):
@@ -38,6 +38,14 @@ def step_run(request, tmp_path_factory):
     return request.param, run_smoke(
         "bench_step.py", tmp_path_factory.mktemp(f"step_{request.param}"), "--loss", request.param
     )
+
+
+def test_step_accepts_every_loss_kind_the_config_accepts():
+    """--loss takes loss.kind's values (eager.LOSS_KINDS and `auto`, which is kl: the synthetic row has `last`)."""
+    for kind in LOSS_KINDS:
+        assert parse_args(["--loss", kind]).loss == kind
+    assert parse_args(["--loss", "auto"]).loss == "kl"
+    assert set(PEER_LOSS) <= set(LOSS_KINDS)
 
 
 def test_step_smoke_times_every_contender_or_says_why_not(step_run):

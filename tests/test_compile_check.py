@@ -77,6 +77,20 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
         )
 
 
+def test_no_bf16_config_of_the_loss_spills_for_any_kind_at_the_reference_shape(tmp_path):
+    """Every autotune config that the autotuner keeps for every loss kind's kernels (the row pass's variants above
+    all: its (1, 1024) tile spilled 4-8 bytes for lk and rkl under Triton 3.9) and for DSpark's Markov bias
+    compiles for sm_90 without spills in bf16: the autotuner may pick any of them."""
+    rows = run_compile_check(tmp_path, "--ops", "lm_head_loss", "--dtypes", "bf16", "--shapes", "reference",
+                             "--configs", "all", "--cases", " kl$|kl_topk| tv$| lk$|lk_hybrid|rkl|jsd|DSpark")
+    assert {r["variant"].split("KIND=")[-1] for r in rows if r["kernel"] == "_dlogits_bwd_kernel"} >= {
+        "kl", "tv", "lk", "lk_hybrid", "rkl", "jsd"}
+    assert any("HAS_MARKOV=True" in r["variant"] for r in rows if r["kernel"] == "_matmul_bwd_kernel")
+    spills = [f"{r['kernel']} {r['case']} {r['variant']} {r['config']} w{r['warps']}: {r['spill_store_bytes']} bytes"
+              for r in rows if r["status"] != "ok"]
+    assert not spills, "\n".join(spills)
+
+
 # The kernels whose main loop carries an op's FLOPs: every config of their GPU autotune lists must compile
 # to loops with asynchronous (pipelined) loads and a main loop whose every MMA is at least n64 wide (the
 # narrowest, not only the widest: the dK/dV before issue 18 mixed m64n32 with m64n64), and at least one

@@ -284,3 +284,43 @@ def test_fused_markov_bias_equals_the_eager_twin_across_chunks(kind, dpace):
     assert torch.equal(got.draft_argmax, want.draft_argmax) and torch.equal(got.teacher_argmax, want.teacher_argmax)
     for name, g, wg in zip(("h", "norm_weight", "e", "w2"), got_grads, want_grads):
         torch.testing.assert_close(g, wg, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("trained", ["e,w2", "e", "w2"])
+def test_fused_markov_gradients_come_from_one_read_of_dlogits_on_odd_shapes(dtype, trained):
+    """de and dW2 come out of the dxd GEMM (HAS_MARKOV): r = 53 columns of W2 spread over the programs of a row tile
+    (H = 150: three column tiles under the interpreter, two slices of 32, the last partial), dW2 summed over
+    chunks by atomic adds; either input
+    alone may train. fp32 and fp16 inputs against the eager twin on the same values in fp32 (max error relative
+    to the largest entry, as tests/test_kernel_lm_head_loss.py)."""
+    from dflash_fast.kernels.lm_head_loss import lm_head_loss as fused
+
+    gen = torch.Generator().manual_seed(5)
+    n, h, v, r, u = 45, 150, 203, 53, 23
+    x, w = torch.randn(n, h, generator=gen), 0.3 * torch.randn(v, h, generator=gen)
+    norm = 1 + 0.1 * torch.randn(h, generator=gen)
+    e, w2 = torch.randn(n, r, generator=gen), 0.3 * torch.randn(v, r, generator=gen)
+    weights = torch.rand(n, generator=gen)
+    weights[::4] = 0
+    last = torch.randn(u, h, generator=gen)
+    index = torch.randint(0, u, (n,), generator=gen)
+    train = {"e": "e" in trained.split(","), "w2": "w2" in trained.split(",")}
+    results = []
+    for fn, dt in ((eager.lm_head_loss, torch.float32), (fused, dtype)):
+        inputs = [t.to(dtype).to(dt).requires_grad_(grad) for t, grad in
+                  ((x, True), (norm, True), (e, train["e"]), (w2, train["w2"]))]
+        teacher = eager.Teacher(last=last.to(dtype).to(dt), final_norm_weight=torch.ones(h, dtype=dt), index=index)
+        out = fn(inputs[0], inputs[1], w.to(dtype).to(dt), weights, "kl", 30, EPS, teacher,
+                 markov=eager.Markov(*inputs[2:]))
+        out.loss.backward()
+        results.append((out, [t.grad for t in inputs]))
+    (want, want_grads), (got, got_grads) = results
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.loss, want.loss, rtol=tol, atol=tol)
+    for name, g, wg in zip(("h", "norm_weight", "e", "w2"), got_grads, want_grads):
+        assert (g is None) == (wg is None) == (name in train and not train[name]), name
+        if g is not None:
+            assert g.dtype == dtype, name
+            err = (g.float() - wg).abs().max() / wg.abs().max()
+            assert err <= (2e-5 if dtype == torch.float32 else 1e-2), (name, float(err))

@@ -43,9 +43,9 @@ def test_default_paths_stay_within_their_unit_budget_and_never_spill(tmp_path):
 
 
 def test_dspark_markov_bias_costs_a_tenth_more_than_kl_and_no_n_by_v_tensor(tmp_path):
-    """DSpark's Markov bias rides in kl's GEMMs (r = H / 16 more columns): GEMM units within 1.1x of kl's, and no
-    [N, V] tensor of its own (its extra memory is de [N, r] and the fp32 dW2 accumulator [V, r]). HBM bytes are
-    not within 1.1x (docs/dspark.md): de and dW2 each read the chunk's dlogits once more."""
+    """DSpark's Markov bias rides in kl's GEMMs (r = H / 16 more columns): GEMM units and HBM bytes within 1.1x of
+    kl's (de and dW2 come from the dxd GEMM's reads of dlogits, not from two more reads of it: 1.235x before), and
+    no [N, V] tensor of its own (its extra memory is de [N, r] and the fp32 dW2 accumulator [V, r])."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["OMP_NUM_THREADS"] = "1"
     cmd = [sys.executable, os.path.join(REPO, "bench", "lm_head_model.py"), "--small", "--out", str(tmp_path),
@@ -56,7 +56,7 @@ def test_dspark_markov_bias_costs_a_tenth_more_than_kl_and_no_n_by_v_tensor(tmp_
         rows = {r["case"]: r for r in json.load(f)["rows"]}
     dspark, kl = rows["kl(DSpark)"], rows["kl"]
     assert kl["units"] < dspark["units"] <= 1.1 * kl["units"], (dspark, kl)
-    assert kl["hbm_bytes"] < dspark["hbm_bytes"], (dspark, kl)
+    assert kl["hbm_bytes"] < dspark["hbm_bytes"] <= 1.1 * kl["hbm_bytes"], (dspark, kl)
     n, v = dspark["N"], 4099  # bench/lm_head_model.py SMALL
     assert dspark["peak_extra_bytes"] - kl["peak_extra_bytes"] < n * v * 4 / 4, (dspark, kl)
 
