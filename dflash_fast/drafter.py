@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from dflash_fast import ops
 from dflash_fast.dspark import MARKOV_HEAD_TYPES, ConfidenceHead, MarkovHead, head_shapes
-from dflash_fast.eager import DENSE_KINDS, DPace, Markov, Teacher, needs_last, rms_norm
+from dflash_fast.eager import DENSE_KINDS, WINDOW_RULES, DPace, Markov, Teacher, check_window, needs_last, rms_norm
 from dflash_fast.errors import OBJECT, WEIGHTS_INDEX_SCHEMA, Obj, is_int, read_json_object
 from dflash_fast.store import final_norm_weight
 
@@ -75,6 +75,7 @@ class DrafterConfig:
     block_size: int = 16
     layer_types: Optional[List[str]] = None  # per layer "full" | "sliding"; None = all full
     sliding_window: Optional[int] = None
+    window_from: str = "anchor"  # a sliding window's keys end at the anchor (SPEC §4) or at each query (the engines)
     causal_in_block: Union[bool, List[bool]] = False  # one flag for every layer, or one per layer (kept as a list)
     target_model_type: str = ""
     # DSpark (SPEC §8); the defaults are DFlash.
@@ -97,6 +98,8 @@ class DrafterConfig:
                 raise ValueError(f"drafter layer kind {kind!r} is not one of {LAYER_KINDS}")
         if "sliding" in self.layer_types and not self.sliding_window:
             raise ValueError("a 'sliding' drafter layer needs sliding_window > 0")
+        if "sliding" in self.layer_types:
+            check_window(self.sliding_window, self.window_from, self.block_size)
         if isinstance(self.causal_in_block, bool):
             self.causal_in_block = [self.causal_in_block] * self.num_layers
         self.causal_in_block = list(self.causal_in_block)
@@ -184,6 +187,9 @@ def value_problems(values: Mapping) -> List[str]:
     window = values.get("sliding_window")
     if window is not None and (not is_int(window) or window < 1):
         problems.append(f"sliding_window={window!r} is not an integer >= 1")
+    window_from = values.get("window_from", "anchor")
+    if window_from not in WINDOW_RULES:
+        problems.append(f"window_from={window_from!r} is not one of {WINDOW_RULES}")
     rank, head = values.get("markov_rank", 0), values.get("markov_head_type", "vanilla")
     if not is_int(rank) or rank < 0:
         problems.append(f"markov_rank={rank!r} is not an integer >= 0")
@@ -478,10 +484,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
         self.window = cfg.sliding_window if cfg.layer_types[index] == "sliding" else None
+        self.window_from = cfg.window_from
         self.causal_in_block = cfg.causal_in_block[index]
 
     def forward(self, x, ctx, rope, blk_cos_sin, ctx_cos_sin, attn: Dict) -> torch.Tensor:
-        attn = dict(attn, window=self.window, causal_in_block=self.causal_in_block)
+        attn = dict(attn, window=self.window, window_from=self.window_from, causal_in_block=self.causal_in_block)
         x = x + self.self_attn(self.input_layernorm(x), ctx, rope, blk_cos_sin, ctx_cos_sin, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
