@@ -122,7 +122,7 @@ def tiles_after(plan, n_anchor: int, block_size: int, block_m: int, block_n: int
     """Context tiles of each anchor tile of row r (in anchor order) in the forward / dQ, as `_context_tiles`
     lays them (all of [min lo, max hi) of the tile's valid anchors, in tiles of block_n from min lo)."""
     per_tile = anchors_per_tile(block_m, block_size)
-    lo, hi, valid = (x[r].tolist() for x in plan)
+    lo, hi, valid = (x[r].tolist() for x in plan[:3])
     counts = []
     for a0 in range(0, n_anchor, per_tile):
         rows = [i for i in range(a0, min(a0 + per_tile, n_anchor)) if valid[i]]
@@ -144,7 +144,7 @@ def forward_visited_pairs(plan, block_size: int, block_m: int, block_n: int) -> 
 
 def tiles_before_query(plan, n_anchor: int, block_size: int, block_m: int, block_n: int, causal: bool):
     """Per query tile of the forward / dQ before issue 18 (in row order): context + own-block key tiles."""
-    lo, hi, valid = (x[0].tolist() for x in plan)
+    lo, hi, valid = (x[0].tolist() for x in plan[:3])
     n_q = n_anchor * block_size
     counts = []
     for m0 in range(0, n_q, block_m):
@@ -372,7 +372,7 @@ def main(argv=None) -> int:
         for docs_name, lengths in (("1 document", [t]), ("random documents", None)):
             document_ids, anchors, valid = make_row(t, SHAPE["A"], doc_lengths=lengths)
             plan = visibility_plan(anchors, valid, document_ids, None)
-            ranges = context_ranges(plan, t)
+            ranges = context_ranges(plan, t, SHAPE["B"])
             for design, folder, kernels, launch in designs:
                 rows = load_rows(os.path.join(folder, f"compile_check_{args.triton}.json"))
                 passes = model(kernels, launch, rows, plan, ranges, t)

@@ -44,6 +44,9 @@ class ModelConfig:
     mask_token_id: Optional[int] = None  # None = the tokenizer's mask token, else the last unused embedding row
     layer_types: Optional[List[str]] = None  # per drafter layer "full" | "sliding"; None = all full
     sliding_window: Optional[int] = None
+    # Where a sliding window's keys end: "anchor" (SPEC §4, speculators' training) or "query" (each slot's own
+    # position: what vLLM and SGLang serve; docs/training.md, Sliding windows)
+    window_from: str = "anchor"
     causal_in_block: bool = False
     # DSpark (SPEC §8, docs/dspark.md): the DFlash backbone plus a Markov logit bias and a confidence head.
     sample_from_anchor: bool = False  # slot j predicts the token at anchor + j + 1 (slot 0 included); DSpark's default
@@ -69,6 +72,7 @@ DRAFTER_OPTIONS = (
     "block_size",
     "layer_types",
     "sliding_window",
+    "window_from",
     "causal_in_block",
     "sample_from_anchor",
     "markov_rank",
@@ -349,7 +353,7 @@ def validate(cfg: TrainConfig) -> None:
     from dflash_fast import ops
     from dflash_fast.drafter_config import MAX_BLOCK_SIZE
     from dflash_fast.dspark import MARKOV_HEAD_TYPES
-    from dflash_fast.eager import DENSE_KINDS, LOSS_KINDS, WEIGHTINGS
+    from dflash_fast.eager import DENSE_KINDS, LOSS_KINDS, WEIGHTINGS, WINDOW_RULES
 
     for key, value in _numbers(cfg):
         _check(math.isfinite(value), f"{key}={value} is not a finite number")
@@ -385,6 +389,12 @@ def validate(cfg: TrainConfig) -> None:
     _check(
         "sliding" not in (m.layer_types or []) or bool(m.sliding_window and m.sliding_window > 0),
         "model.layer_types has 'sliding' layers: set model.sliding_window > 0",
+    )
+    _check(m.window_from in WINDOW_RULES, f"model.window_from={m.window_from!r} is not one of {WINDOW_RULES}")
+    _check(
+        m.window_from != "query" or "sliding" not in (m.layer_types or []) or m.sliding_window >= m.block_size,
+        f"model.window_from=query needs model.sliding_window >= model.block_size (the engines would window the "
+        f"block's own keys too): got {m.sliding_window} < {m.block_size}",
     )
     _check(
         d.seq_len >= m.block_size,

@@ -6,6 +6,7 @@ import math
 from typing import Dict, List, Mapping, Optional, Union
 
 from dflash_fast.dspark import MARKOV_HEAD_TYPES
+from dflash_fast.eager import WINDOW_RULES, check_window
 from dflash_fast.errors import is_int
 
 LAYER_KINDS = ("full", "sliding")
@@ -44,6 +45,7 @@ class DrafterConfig:
     block_size: int = 16
     layer_types: Optional[List[str]] = None  # per layer "full" | "sliding"; None = all full
     sliding_window: Optional[int] = None
+    window_from: str = "anchor"  # a sliding window's keys end at the anchor (SPEC §4) or at each query (the engines)
     causal_in_block: Union[bool, List[bool]] = False  # one flag for every layer, or one per layer (kept as a list)
     target_model_type: str = ""
     # DSpark (SPEC §8); the defaults are DFlash.
@@ -66,6 +68,8 @@ class DrafterConfig:
                 raise ValueError(f"drafter layer kind {kind!r} is not one of {LAYER_KINDS}")
         if "sliding" in self.layer_types and not self.sliding_window:
             raise ValueError("a 'sliding' drafter layer needs sliding_window > 0")
+        if "sliding" in self.layer_types:
+            check_window(self.sliding_window, self.window_from, self.block_size)
         if isinstance(self.causal_in_block, bool):
             self.causal_in_block = [self.causal_in_block] * self.num_layers
         self.causal_in_block = list(self.causal_in_block)
@@ -153,6 +157,9 @@ def value_problems(values: Mapping) -> List[str]:
     window = values.get("sliding_window")
     if window is not None and (not is_int(window) or window < 1):
         problems.append(f"sliding_window={window!r} is not an integer >= 1")
+    window_from = values.get("window_from", "anchor")
+    if window_from not in WINDOW_RULES:
+        problems.append(f"window_from={window_from!r} is not one of {WINDOW_RULES}")
     rank, head = values.get("markov_rank", 0), values.get("markov_head_type", "vanilla")
     if not is_int(rank) or rank < 0:
         problems.append(f"markov_rank={rank!r} is not an integer >= 0")

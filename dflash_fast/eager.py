@@ -69,21 +69,44 @@ def document_starts(document_ids: torch.Tensor) -> torch.Tensor:
     return torch.where(new_doc, pos, torch.zeros_like(pos)).cummax(dim=1).values
 
 
+# Where a sliding window's W context keys end (model.window_from): "anchor" is SPEC §4 (every slot of a block sees
+# a-W..a-1, as speculators 0.9.0 trains); "query" is the window of each query's own position a+j, keys p > a+j-W
+# (what vLLM, SGLang and z-lab's inference serve: docs/vllm.md "Sliding windows").
+WINDOW_RULES = ("anchor", "query")
+
+
+def check_window(window: Optional[int], window_from: str, block_size: int) -> None:
+    """The window arguments both twins take: a rule of WINDOW_RULES, and with the query rule a window that
+    holds the whole block (the engines would window the block's own keys too, which neither twin does)."""
+    if window_from not in WINDOW_RULES:
+        raise ValueError(f"window_from={window_from!r} is not one of {WINDOW_RULES}")
+    if window_from == "query" and window is not None and window < block_size:
+        raise ValueError(f"window_from='query' with window {window} < block_size {block_size}: the engines then "
+                         "window the block's own keys too; use a window >= block_size")
+
+
 def context_visibility(
     anchors: torch.Tensor,
     anchor_valid: torch.Tensor,
     document_ids: torch.Tensor,
+    block_size: int,
     window: Optional[int] = None,
+    window_from: str = "anchor",
 ) -> torch.Tensor:
-    """[R, A, T] bool: block i sees context key p iff doc[p] == doc[a_i] and p < a_i (strictly before
-    the anchor) and, with a window W, p >= a_i - W. Invalid anchors see nothing."""
+    """[R, A, B, T] bool: slot j of block i sees context key p iff doc[p] == doc[a_i] and p < a_i (strictly
+    before the anchor) and, with a window W, p >= a_i - W (window_from "anchor": one window per block) or
+    p > a_i + j - W (window_from "query": the window of the slot's own position a_i + j). Invalid anchors see
+    nothing."""
     t = document_ids.shape[1]
     p = torch.arange(t, device=anchors.device)
     anchor_doc = document_ids.gather(1, anchors.clamp(0, t - 1))  # [R, A]
     ctx = (document_ids[:, None, :] == anchor_doc[:, :, None]) & (p[None, None, :] < anchors[:, :, None])
+    ctx = ctx[:, :, None, :].expand(-1, -1, block_size, -1)
     if window is not None:
-        ctx &= p[None, None, :] >= anchors[:, :, None] - window
-    return ctx & anchor_valid[:, :, None]
+        j = torch.arange(block_size, device=anchors.device)
+        first = anchors[:, :, None] - window if window_from == "anchor" else anchors[:, :, None] + j - window + 1
+        ctx = ctx & (p[None, None, None, :] >= first[..., None])
+    return ctx & anchor_valid[:, :, None, None]
 
 
 def block_visibility(block_size: int, causal_in_block: bool, device=None) -> torch.Tensor:
@@ -94,13 +117,14 @@ def block_visibility(block_size: int, causal_in_block: bool, device=None) -> tor
 
 def anchored_attention_mask(
     anchors: torch.Tensor, anchor_valid: torch.Tensor, document_ids: torch.Tensor, block_size: int,
-    window: Optional[int] = None, causal_in_block: bool = False,
+    window: Optional[int] = None, causal_in_block: bool = False, window_from: str = "anchor",
 ) -> torch.Tensor:
     """SPEC §4 visibility as one dense boolean mask [R, A*B, T + A*B] (context keys, then block keys):
     context as in `context_visibility`, block keys of the query's own block only."""
+    check_window(window, window_from, block_size)
     r, a = anchors.shape
     b = block_size
-    ctx = context_visibility(anchors, anchor_valid, document_ids, window)[:, :, None, :].expand(-1, -1, b, -1)
+    ctx = context_visibility(anchors, anchor_valid, document_ids, b, window, window_from)
     same_block = torch.eye(a, dtype=torch.bool, device=anchors.device)
     blk = same_block[:, None, :, None] & block_visibility(b, causal_in_block, anchors.device)[None, :, None, :]
     blk = blk.reshape(1, a, b, a * b) & anchor_valid[:, :, None, None]
@@ -120,16 +144,19 @@ def anchored_attention(
     window: Optional[int] = None,
     causal_in_block: bool = False,
     scale: Optional[float] = None,
+    window_from: str = "anchor",
 ) -> torch.Tensor:
     """Anchored block attention of the drafter (SPEC §4), masked-softmax reference.
 
     q: [R, A*B, Hq, D]; k_ctx, v_ctx: [R, T, Hkv, D]; k_blk, v_blk: [R, A*B, Hkv, D];
     anchors: [R, A] int64, sorted, row positions; anchor_valid: [R, A] bool;
     document_ids: [R, T] (contiguous runs) -> out [R, A*B, Hq, D] in q.dtype.
-    Rows of invalid anchors are zero. Hq must be a multiple of Hkv (GQA).
+    Rows of invalid anchors are zero. Hq must be a multiple of Hkv (GQA). window_from: where a window
+    ends, `context_visibility`.
     Scores are [R, Hq, A, B, T + B]: every block against the whole context (masked) and against its
     own B slots; blocks never meet, so the [A*B, A*B] block-to-block scores are never formed.
     """
+    check_window(window, window_from, block_size)
     r, n_q, hq, d = q.shape
     a, b = anchors.shape[1], block_size
     rep = hq // k_ctx.shape[2]
@@ -139,7 +166,7 @@ def anchored_attention(
     kb = k_blk.float().view(r, a, b, -1, d).repeat_interleave(rep, dim=3)
     vb = v_blk.float().view(r, a, b, -1, d).repeat_interleave(rep, dim=3)
     s_ctx = torch.einsum("rajhd,rthd->rhajt", qb, kc).masked_fill(
-        ~context_visibility(anchors, anchor_valid, document_ids, window)[:, None, :, None, :], float("-inf"))
+        ~context_visibility(anchors, anchor_valid, document_ids, b, window, window_from)[:, None], float("-inf"))
     s_blk = torch.einsum("rajhd,rakhd->rhajk", qb, kb).masked_fill(
         ~(block_visibility(b, causal_in_block, q.device) & anchor_valid[:, None, :, None, None]), float("-inf"))
     probs = torch.softmax(torch.cat([s_ctx, s_blk], dim=-1) * scale, dim=-1).nan_to_num(0.0)  # invalid rows -> 0

@@ -11,6 +11,7 @@ the engines agree on, `check_made_for` refuses one made for another target.
 from typing import Dict, List
 
 from dflash_fast.drafter_config import DrafterConfig, value_problems
+from dflash_fast.eager import WINDOW_RULES
 from dflash_fast.errors import check_schema, is_int
 from dflash_fast.layer_ids import check_layer_ids, default_layer_ids
 from dflash_fast.layouts import (
@@ -43,6 +44,7 @@ ARCHITECTURE = (
     "num_layers",
     "layer_windows",
     "layer_causal",
+    "window_from",  # where a sliding window ends (eager.WINDOW_RULES); None without a sliding layer
     # DSpark (SPEC §8); DFlash drafters: false, 0, "vanilla", false, true
     "sample_from_anchor",
     "markov_rank",
@@ -51,7 +53,13 @@ ARCHITECTURE = (
     "confidence_head_with_markov",
 )
 # Why an engine reads a field differently, and the fix, for the mismatches that have a known cause.
+# Fields where an engine that serves another rule than the drafter trained with still runs it, at a lower acceptance:
+# export warns of them (naming the field) instead of refusing, and reads them back from our own metadata.
+SERVING_RULES = ("window_from",)
 HINTS = {
+    "window_from": "vLLM, SGLang and z-lab end each query's sliding window at its own position, speculators 0.9.0 "
+    "trains SPEC §4's window at the anchor: the drafter runs, but accepts fewer tokens than it would with the rule "
+    "it trained with; train with model.window_from=query to serve in vLLM or SGLang (docs/vllm.md)",
     "layer_causal": "speculators serves full-attention layers bidirectional in the block and all sliding layers "
     "one rule, vLLM gives every layer of a speculators export one rule (sliding_window_non_causal), SGLang and vLLM "
     "serve a zlab export's full layers bidirectional and sliding layers causal (set model.causal_in_block to match, "
@@ -86,6 +94,7 @@ def architecture(cfg: DrafterConfig) -> Dict:
         "num_layers": cfg.num_layers,
         "layer_windows": [cfg.sliding_window if k == "sliding" else None for k in cfg.layer_types],
         "layer_causal": list(cfg.causal_in_block),
+        "window_from": cfg.window_from if "sliding" in cfg.layer_types else None,
         **_dspark_fields(*(getattr(cfg, key) for key in DFLASH_ONLY)),
     }
 
@@ -186,6 +195,7 @@ def _speculators_view(config: Dict) -> Dict:
         "rope_parameters": normal_rope(rope),
         "layer_windows": [hf.sliding_window if t == "sliding_attention" else None for t in types],
         "layer_causal": [t == "sliding_attention" and not non_causal for t in types],
+        "window_from": "anchor" if "sliding_attention" in types else None,  # kv_base_pos >= q_anchor - sliding_window
         **(_speculators_dspark(config) if dspark else DFLASH_ONLY),
     }
 
@@ -225,7 +235,8 @@ def _vllm_layers(hf, where: str):
     """vLLM, vllm/model_executor/models/qwen3_dflash.py: _resolve_layer_attention (sliding per layer_types, or
     every layer with dflash_config.use_swa and no sliding layer; the window from dflash_config.swa_window_size or
     sliding_window, an error when neither) and _dflash_layer_causal (is_causal, else dflash_config.causal, else
-    causal exactly on the layer_types' sliding layers)."""
+    causal exactly on the layer_types' sliding layers). The window is Attention's per_layer_sliding_window, a
+    window of each query's own position (window_from "query")."""
     dflash = getattr(hf, "dflash_config", None) or {}
     types = getattr(hf, "layer_types", None)
     _layer_types(hf, where)
@@ -306,6 +317,7 @@ def _vllm_speculators_view(config: Dict) -> Dict:
         "rope_parameters": _vllm_rope(hf),
         "layer_windows": windows,
         "layer_causal": causal,
+        "window_from": "query" if any(w is not None for w in windows) else None,
         **dspark,
     }
 
@@ -355,6 +367,7 @@ def _sglang_view(config: Dict) -> Dict:
         "rope_parameters": rope,
         "layer_windows": [hf.sliding_window if t == "sliding_attention" else None for t in types],
         "layer_causal": [t == "sliding_attention" for t in types],
+        "window_from": "query" if "sliding_attention" in types else None,  # RadixAttention window_left = W - 1
         **DFLASH_ONLY,
     }
 
@@ -377,6 +390,7 @@ def _vllm_zlab_view(config: Dict) -> Dict:
         "rope_parameters": _vllm_rope(hf),
         "layer_windows": windows,
         "layer_causal": causal,
+        "window_from": "query" if any(w is not None for w in windows) else None,
         **DFLASH_ONLY,
     }
 
@@ -415,16 +429,20 @@ def _check_values(arch: Dict) -> None:
     hand-edited `"block_size": "16"` or `"rope_theta": -1` would otherwise build a drafter that fails far from the
     cause): the drafter's own value rules (value_problems), each sliding window included."""
     windows = dict.fromkeys(w for w in arch["layer_windows"] if w is not None)
-    problems = value_problems(arch) + [p for w in windows for p in value_problems({"sliding_window": w})]
+    read = {k: v for k, v in arch.items() if k not in SERVING_RULES}  # the engines' rules, not read from the file
+    problems = value_problems(read) + [p for w in windows for p in value_problems({"sliding_window": w})]
     if problems:
         raise ExportError("config.json:\n  - " + "\n  - ".join(problems))
 
 
-def mismatches(expected: Dict, served: Dict[str, Dict]) -> List[str]:
-    """One line per field where an engine's architecture differs from `expected`, with the known cause."""
+def mismatches(expected: Dict, served: Dict[str, Dict], serving_rules: bool = False) -> List[str]:
+    """One line per field where an engine's architecture differs from `expected`, with the known cause: the fields
+    an engine must build as trained, or with serving_rules the SERVING_RULES."""
     lines = []
     for engine, arch in served.items():
         for field in ARCHITECTURE:
+            if (field in SERVING_RULES) != serving_rules:
+                continue
             if arch[field] != expected[field]:
                 hint = f" ({HINTS[field]})" if field in HINTS else ""
                 lines.append(f"{field}: trained {expected[field]!r}, {engine} serves {arch[field]!r}{hint}")
@@ -452,15 +470,17 @@ def servable_format(cfg: DrafterConfig) -> str:
     raise ExportError("\n".join(problems))
 
 
-def config_from_architecture(arch: Dict, target_num_layers: int, target_model_type: str = "") -> DrafterConfig:
+def config_from_architecture(arch: Dict, target_num_layers: int, target_model_type: str = "",
+                             window_from: str = "anchor") -> DrafterConfig:
     windows = {w for w in arch["layer_windows"] if w is not None}
     if len(windows) > 1:
         raise ExportError(f"the layers use different sliding windows {sorted(windows)}; dflash-fast drafters use one")
-    kept = {k: arch[k] for k in ARCHITECTURE if k not in ("layer_windows", "layer_causal")}
+    kept = {k: arch[k] for k in ARCHITECTURE if k not in ("layer_windows", "layer_causal", *SERVING_RULES)}
     return DrafterConfig(
         **kept,
         layer_types=["sliding" if w is not None else "full" for w in arch["layer_windows"]],
         sliding_window=windows.pop() if windows else None,
+        window_from=window_from,
         causal_in_block=arch["layer_causal"],
         target_num_layers=target_num_layers,
         target_model_type=target_model_type,
@@ -469,7 +489,8 @@ def config_from_architecture(arch: Dict, target_num_layers: int, target_model_ty
 
 def config_from_export(config: Dict, target_config=None) -> DrafterConfig:
     """The DrafterConfig of an export of either layout (ours or another tool's), as its engines serve it; refused
-    when they would serve it differently."""
+    when they would serve it differently. The window rule is the one it trained with (our metadata's
+    window_from; SPEC §4's "anchor" for an export without it), whichever rule an engine serves."""
     served = served_architectures(config)
     engines = list(served)
     first = served[engines[0]]
@@ -488,6 +509,9 @@ def config_from_export(config: Dict, target_config=None) -> DrafterConfig:
     if target_layers is not None and (not is_int(target_layers) or target_layers < 1):
         raise ExportError(f"config.json: the target's layer count {target_layers!r} is not an integer >= 1")
     model_type = ours.get("target_model_type", "")
+    window_from = ours.get("window_from", "anchor")
+    if value_problems({"window_from": window_from}):
+        raise ExportError(f"config.json: dflash_fast.window_from={window_from!r} is not one of {WINDOW_RULES}")
     if target_config is not None:
         tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
         target_layers, model_type = target_layers or tc.num_hidden_layers, model_type or tc.model_type
@@ -498,7 +522,7 @@ def config_from_export(config: Dict, target_config=None) -> DrafterConfig:
     except ValueError as e:
         raise ExportError(f"the export's target layer ids {ids} (our convention): {e}") from None
     try:
-        return config_from_architecture(first, target_layers, model_type)
+        return config_from_architecture(first, target_layers, model_type, window_from)
     except (TypeError, ValueError) as e:
         raise ExportError(f"the export's drafter is not one dflash-fast can build: {e}") from None
 

@@ -212,14 +212,17 @@ def export_drafter(
     dtype: Optional[torch.dtype] = torch.bfloat16,
     state_dict: Optional[Dict[str, torch.Tensor]] = None,
     fmt: str = "speculators",
+    warn: Callable[[str], None] = stderr_line,
 ) -> str:
     """Write OUT/config.json and OUT/model.safetensors in `fmt`, gated: written into a temporary directory beside
     OUT, read back as the serving engines read it, and renamed to OUT only when it passes; nothing is left behind
-    on failure. `state_dict` overrides the module's own weights (e.g. gathered from ZeRO-3). Returns out_dir."""
+    on failure. `state_dict` overrides the module's own weights (e.g. gathered from ZeRO-3). An engine that serves
+    another SERVING_RULES rule than the drafter trained with is warned of (one line each). Returns out_dir."""
     from safetensors.torch import save_file
 
     cfg = drafter.config
     check_servable(cfg, fmt)
+    rules = mismatches(architecture(cfg), served_architectures(format_config(cfg, fmt, verifier="")), True)
     out_dir = os.path.abspath(out_dir)
     if os.path.exists(out_dir) and not _is_replaceable(out_dir):
         raise ExportError(f"{out_dir} exists and is not an export: choose another output directory")
@@ -245,6 +248,8 @@ def export_drafter(
             shutil.rmtree(old)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    for line in rules:
+        warn(f"warning: {out_dir} serves at a lower acceptance than it trained for: model.{line}")
     return out_dir
 
 

@@ -109,9 +109,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
         self.window = cfg.sliding_window if cfg.layer_types[index] == "sliding" else None
+        self.window_from = cfg.window_from
         self.causal_in_block = cfg.causal_in_block[index]
 
     def forward(self, x, ctx, rope, blk_cos_sin, ctx_cos_sin, attn: Dict) -> torch.Tensor:
-        attn = dict(attn, window=self.window, causal_in_block=self.causal_in_block)
+        attn = dict(attn, window=self.window, window_from=self.window_from, causal_in_block=self.causal_in_block)
         x = x + self.self_attn(self.input_layernorm(x), ctx, rope, blk_cos_sin, ctx_cos_sin, attn)
         return x + self.mlp(self.post_attention_layernorm(x))

@@ -80,6 +80,7 @@ def _metadata(cfg: DrafterConfig, verifier: str) -> Dict:
         "verifier": verifier,
         "target_num_layers": cfg.target_num_layers,
         "target_model_type": cfg.target_model_type,
+        "window_from": cfg.window_from,
     }
 
 

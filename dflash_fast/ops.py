@@ -5,7 +5,7 @@
     anchored_attention(q [R, A*B, Hq, D], k_ctx, v_ctx [R, T, Hkv, D],
               k_blk, v_blk [R, A*B, Hkv, D], anchors [R, A], anchor_valid [R, A],
               document_ids [R, T], block_size, window=None, causal_in_block=False,
-              scale=None) -> out [R, A*B, Hq, D]
+              scale=None, window_from="anchor") -> out [R, A*B, Hq, D]
     lm_head_loss(h [N, H], norm_weight [H], lm_head_weight [V, H], weights [N],
               kind, normalizer, eps, teacher: eager.Teacher, dpace: eager.DPace = None) -> LossOutput
 

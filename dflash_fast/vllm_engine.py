@@ -188,6 +188,9 @@ def vllm_architecture(export_dir: str) -> Dict:
         "num_layers": hf.num_hidden_layers,
         "layer_windows": [window for window, _ in layers],
         "layer_causal": [causal for _, causal in layers],
+        # Attention(per_layer_sliding_window=W) ends each query's window at its own position (tests/test_vllm.py
+        # probes vLLM's CPU attention op for it)
+        "window_from": "query" if any(window is not None for window, _ in layers) else None,
         **DFLASH_ONLY,  # vLLM's dflash method: no Markov or confidence head, slot j predicts a + j
     }
 

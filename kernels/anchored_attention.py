@@ -2,15 +2,19 @@
 
 Math, per query row (anchor i, slot j), q head h and its kv head h // g (GQA, g = Hq / Hkv):
 
-    visible keys   context keys lo_i <= p < hi_i (from the anchor's document start, or the window edge,
-                   up to the anchor, strictly before it) and the slots j' of block i (j' <= j when causal)
+    visible keys   context keys lo_ij <= p < hi_i (from the anchor's document start, or the window edge,
+                   up to the anchor, strictly before it) and the slots j' of block i (j' <= j when causal);
+                   lo_ij = lo_i for every slot, or with a per-query window W (window_from "query")
+                   lo_ij = max(lo_i, hi_i - W + 1 + j): slot j's window ends at its own position a_i + j
     s_jp           = scale * q_j . k_p on visible keys, kept in base 2 (times log2 e)
     out_j          = sum_p softmax(s_j)_p v_p,   lse_j = log2 sum_p 2^(s_jp log2 e)   (fp32)
     backward       P = 2^(s log2 e - lse), delta_j = dO_j . out_j, dS = P * (dO V^T - delta),
                    dQ = scale dS K,  dV = P^T dO,  dK = scale dS^T Q   (dK, dV summed over the g heads)
 
 Invalid anchors give zero rows and lse = +inf, which makes P = 0 in every backward pass. Documents are
-contiguous runs, so anchor i's context is one interval [lo_i, hi_i), computed on the host in O(A + T).
+contiguous runs, so anchor i's context is one interval [lo_i, hi_i), computed on the host in O(A + T); a
+per-query window only raises each row's lower end, in the kernels (`_row_lo`), so slot 0's interval holds
+every slot's and the tile bounds below stay supersets.
 
 Tiles. Rows are packed by anchor: a pack of BLOCK_P rows (16, or the next power of two >= B when B > 16)
 holds BLOCK_P // B whole blocks, and an anchor tile holds BLOCK_M // BLOCK_P packs (B = 16: 8 anchors,
@@ -58,7 +62,7 @@ import triton
 import triton.language as tl
 from dflash_fast.kernels._common import autotune_configs, check_device, dot_precision
 
-from dflash_fast.eager import document_starts
+from dflash_fast.eager import check_window, document_starts
 
 
 def _configs(gpu_configs, interpreter_config):
@@ -144,11 +148,20 @@ def _context_tiles(b_lo, b_hi, m_valid, n_ctx, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _anchor_bounds(lo_ptr, hi_ptr, valid_ptr, o_anchor, m_q):
-    """Per row of a tile (o_anchor, m_q from `_tile_rows`; pointers at the batch row): m_valid (a valid
-    anchor) and its context interval [b_lo, b_hi)."""
+def _row_lo(b_lo, b_hi, o_q, query_window, BLOCK_SIZE: tl.constexpr):
+    """The first context key row o_q sees: its anchor's lo, or with a per-query window W (query_window > 0)
+    the larger of that and the window edge of its slot's own position, hi - W + 1 + slot (hi is the anchor)."""
+    return tl.where(query_window > 0, tl.maximum(b_lo, b_hi - query_window + 1 + o_q % BLOCK_SIZE), b_lo)
+
+
+@triton.jit
+def _anchor_bounds(lo_ptr, hi_ptr, valid_ptr, query_window, o_anchor, o_q, m_q, BLOCK_SIZE: tl.constexpr):
+    """Per row of a tile (o_anchor, o_q, m_q from `_tile_rows`; pointers at the batch row): m_valid (a valid
+    anchor) and the row's context interval [b_lo, b_hi)."""
     m_valid = tl.load(valid_ptr + o_anchor, mask=m_q, other=0) != 0
-    return m_valid, tl.load(lo_ptr + o_anchor, mask=m_q, other=0), tl.load(hi_ptr + o_anchor, mask=m_q, other=0)
+    b_lo = tl.load(lo_ptr + o_anchor, mask=m_q, other=0)
+    b_hi = tl.load(hi_ptr + o_anchor, mask=m_q, other=0)
+    return m_valid, _row_lo(b_lo, b_hi, o_q, query_window, BLOCK_SIZE), b_hi
 
 
 @triton.jit
@@ -262,7 +275,7 @@ def _q_head_offsets(i_r, i_h, n_ctx, n_anchor, n_qh, group, BLOCK_SIZE: tl.const
 def _attn_fwd_kernel(
     q_ptr, k_ctx_ptr, v_ctx_ptr, k_blk_ptr, v_blk_ptr,  # [R, A*B, Hq, D], [R, T, Hkv, D] x2, [R, A*B, Hkv, D] x2
     out_ptr, lse_ptr,  # [R, A*B, Hq, D], [R, Hq, A*B] fp32
-    lo_ptr, hi_ptr, valid_ptr,  # [R, A] int32: the VisibilityPlan
+    lo_ptr, hi_ptr, valid_ptr, query_window,  # [R, A] int32 x3 and an int: the VisibilityPlan
     n_ctx, n_anchor, n_qh, group, qk_scale,  # T, A, Hq, g = Hq / Hkv, scale * log2 e
     BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -291,7 +304,7 @@ def _attn_fwd_kernel(
     o_anchor, o_q, m_q = _tile_rows(anchor_start, n_anchor, BLOCK_SIZE, BLOCK_M, BLOCK_P)
     anchor_offset = i_r * n_anchor
     m_valid, b_lo, b_hi = _anchor_bounds(lo_ptr + anchor_offset, hi_ptr + anchor_offset, valid_ptr + anchor_offset,
-                                         o_anchor, m_q)
+                                         query_window, o_anchor, o_q, m_q, BLOCK_SIZE)
     ctx_start, n_lead, n_full, n_tail = _context_tiles(b_lo, b_hi, m_valid, n_ctx, BLOCK_N)
     k_ctx_ptr, v_ctx_ptr = k_ctx_ptr + ctx_offset, v_ctx_ptr + ctx_offset
     b_acc, b_sum, b_max = _fwd_context_loop(  # the edge tiles, masked
@@ -360,7 +373,7 @@ def _attn_bwd_block_kernel(
 def _attn_bwd_dq_kernel(
     q_ptr, k_ctx_ptr, v_ctx_ptr, k_blk_ptr, v_blk_ptr,  # as in the forward
     do_ptr, lse_ptr, delta_ptr, dq_ptr,  # dO, the saved lse and delta, and dQ (written, shaped as q)
-    lo_ptr, hi_ptr, valid_ptr,  # [R, A] int32: the VisibilityPlan
+    lo_ptr, hi_ptr, valid_ptr, query_window,  # [R, A] int32 x3 and an int: the VisibilityPlan
     n_ctx, n_anchor, n_qh, group, qk_scale, scale,  # T, A, Hq, g = Hq / Hkv, scale * log2 e, scale
     BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -375,7 +388,7 @@ def _attn_bwd_dq_kernel(
     o_anchor, o_q, m_q = _tile_rows(anchor_start, n_anchor, BLOCK_SIZE, BLOCK_M, BLOCK_P)
     anchor_offset = i_r * n_anchor
     m_valid, b_lo, b_hi = _anchor_bounds(lo_ptr + anchor_offset, hi_ptr + anchor_offset, valid_ptr + anchor_offset,
-                                         o_anchor, m_q)
+                                         query_window, o_anchor, o_q, m_q, BLOCK_SIZE)
     o_qd = o_q[:, None] * stride_q + tl.arange(0, HEAD_DIM)[None, :]
     b_q = tl.load(q_ptr + q_offset + o_qd, mask=m_q[:, None], other=0.0)
     b_do = tl.load(do_ptr + q_offset + o_qd, mask=m_q[:, None], other=0.0)
@@ -414,7 +427,7 @@ def _attn_bwd_dq_kernel(
 def _attn_bwd_dkdv_kernel(
     q_ptr, k_ctx_ptr, v_ctx_ptr, do_ptr, lse_ptr, delta_ptr,  # as in the dQ pass
     dk_ctx_ptr, dv_ctx_ptr,  # written, shaped as k_ctx
-    lo_ptr, hi_ptr, first_ptr, last_ptr, lo_max_ptr, hi_min_ptr,  # the VisibilityPlan's lo, hi; ContextRanges
+    lo_ptr, hi_ptr, query_window, first_ptr, last_ptr, lo_max_ptr, hi_min_ptr,  # the plan's but valid; ContextRanges
     n_ctx, n_anchor, n_qh, group, qk_scale, scale,  # as in the dQ pass
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -467,6 +480,7 @@ def _attn_bwd_dkdv_kernel(
         if (lo_max > key_start) | (hi_min < key_start + BLOCK_N):
             b_lo = tl.load(lo_ptr + anchor_offset + o_anchor, mask=m_q, other=0)
             b_hi = tl.load(hi_ptr + anchor_offset + o_anchor, mask=m_q, other=0)
+            b_lo = _row_lo(b_lo, b_hi, o_q, query_window, BLOCK_SIZE)
             b_p = tl.where((o_n[None, :] >= b_lo[:, None]) & (o_n[None, :] < b_hi[:, None]), b_p, 0.0)
         b_dvt += tl.dot(tl.trans(b_do), b_p.to(b_do.dtype), input_precision=DOT_PRECISION)
         b_ds = b_p * (tl.dot(b_do, b_vt, input_precision=DOT_PRECISION) - b_delta[:, None])
@@ -485,32 +499,40 @@ def _attn_bwd_dkdv_kernel(
 class VisibilityPlan(NamedTuple):
     """Per-anchor context intervals (SPEC §4) for the kernels.
 
-    lo, hi: [R, A] int32, anchor i sees context keys lo <= p < hi (0, 0 when invalid);
-    valid: [R, A] int32 (1 = valid anchor).
+    lo, hi: [R, A] int32, slot 0 of anchor i sees context keys lo <= p < hi (0, 0 when invalid);
+    valid: [R, A] int32 (1 = valid anchor);
+    query_window: 0 when every slot sees [lo, hi) (no window, or window_from "anchor"); W with a per-query
+    window (window_from "query"): slot j sees [max(lo, hi - W + 1 + j), hi).
     """
 
     lo: torch.Tensor
     hi: torch.Tensor
     valid: torch.Tensor
+    query_window: int
 
 
 def visibility_plan(
-    anchors: torch.Tensor, anchor_valid: torch.Tensor, document_ids: torch.Tensor, window: Optional[int]
+    anchors: torch.Tensor, anchor_valid: torch.Tensor, document_ids: torch.Tensor, window: Optional[int],
+    window_from: str = "anchor",
 ) -> VisibilityPlan:
     """anchors [R, A], anchor_valid [R, A], document_ids [R, T] (contiguous runs) -> VisibilityPlan, O(A + T).
 
-    doc[p] == doc[a] and p < a  <=>  doc_start(a) <= p < a, because documents are runs.
+    doc[p] == doc[a] and p < a  <=>  doc_start(a) <= p < a, because documents are runs. A window W starts
+    slot 0's context at a - W (window_from "anchor"), or at a - W + 1 (window_from "query": W keys up to the
+    query's own position, itself included).
     """
     t = document_ids.shape[1]
     anchors = anchors.long()
     lo = document_starts(document_ids).gather(1, anchors.clamp(0, t - 1))
+    query = window is not None and window_from == "query"
     if window is not None:
-        lo = torch.maximum(lo, anchors - window)
+        lo = torch.maximum(lo, anchors - window + int(query))
     hi = anchors.clamp(0, t)
     hi = torch.maximum(hi, lo)
     valid = anchor_valid.bool()
     zero = torch.zeros_like(lo)
-    return VisibilityPlan(torch.where(valid, lo, zero).int(), torch.where(valid, hi, zero).int(), valid.int())
+    return VisibilityPlan(torch.where(valid, lo, zero).int(), torch.where(valid, hi, zero).int(), valid.int(),
+                          window if query else 0)
 
 
 class ContextRanges(NamedTuple):
@@ -533,16 +555,19 @@ def _suffix_min(x: torch.Tensor) -> torch.Tensor:
     return x.flip(1).cummin(dim=1).values.flip(1)
 
 
-def context_ranges(plan: VisibilityPlan, n_ctx: int) -> ContextRanges:
-    """The ContextRanges of a plan over n_ctx context keys, O(A + T) on the plan's device."""
+def context_ranges(plan: VisibilityPlan, n_ctx: int, block_size: int) -> ContextRanges:
+    """The ContextRanges of a plan over n_ctx context keys, O(A + T) on the plan's device. The anchors that
+    may see a key come from slot 0's intervals (which hold every slot's); whether a tile's anchors see a key
+    tile whole from the last slot's lower end (the largest with a per-query window)."""
     valid = plan.valid.bool()
     lo, hi = plan.lo.long(), plan.hi.long()
+    lo_last = torch.maximum(lo, hi - plan.query_window + block_size) if plan.query_window else lo
     hi_running_max = torch.where(valid, hi, 0).cummax(dim=1).values
     lo_suffix_min = _suffix_min(torch.where(valid, lo, n_ctx))
     p = torch.arange(n_ctx, device=plan.lo.device).expand(plan.lo.shape[0], n_ctx).contiguous()
     first = torch.searchsorted(hi_running_max, p, right=True)  # first anchor whose interval ends after p
     last = torch.searchsorted(lo_suffix_min, p, right=True)  # first anchor whose interval starts after p
-    lo_max = torch.where(valid, lo, 0).cummax(dim=1).values
+    lo_max = torch.where(valid, lo_last, 0).cummax(dim=1).values
     hi_min = _suffix_min(torch.where(valid, hi, n_ctx))
     return ContextRanges(first.int(), last.int(), lo_max.int(), hi_min.int())
 
@@ -682,13 +707,13 @@ def anchored_attention_backward(
         t, n_anchor, hq, group, qk_scale, scale,
         BLOCK_SIZE=block_size, CAUSAL=causal_in_block, HEAD_DIM=d, BLOCK_P=block_p, DOT_PRECISION=precision,
     )
-    ranges = context_ranges(plan, t)
+    ranges = context_ranges(plan, t, block_size)
     dk_ctx, dv_ctx = torch.empty_like(k_ctx), torch.empty_like(v_ctx)
     grid_k = lambda meta: (r * triton.cdiv(t, meta["BLOCK_N"]) * hkv,)
     _attn_bwd_dkdv_kernel[grid_k](
         q, k_ctx, v_ctx, do, lse, delta,
         dk_ctx, dv_ctx,
-        plan.lo, plan.hi, *ranges,
+        plan.lo, plan.hi, plan.query_window, *ranges,
         t, n_anchor, hq, group, qk_scale, scale,
         BLOCK_SIZE=block_size, HEAD_DIM=d, BLOCK_P=block_p, DOT_PRECISION=precision,
     )
@@ -697,21 +722,23 @@ def anchored_attention_backward(
 
 class _AnchoredAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k_ctx, v_ctx, k_blk, v_blk, plan_lo, plan_hi, plan_valid, block_size, causal_in_block, scale):
-        plan = VisibilityPlan(plan_lo, plan_hi, plan_valid)
+    def forward(ctx, q, k_ctx, v_ctx, k_blk, v_blk, plan_lo, plan_hi, plan_valid, query_window, block_size,
+                causal_in_block, scale):
+        plan = VisibilityPlan(plan_lo, plan_hi, plan_valid, query_window)
         out, lse = anchored_attention_forward(q, k_ctx, v_ctx, k_blk, v_blk, plan, block_size, causal_in_block, scale)
         ctx.save_for_backward(q, k_ctx, v_ctx, k_blk, v_blk, out, lse, plan_lo, plan_hi, plan_valid)
-        ctx.block_size, ctx.causal_in_block, ctx.scale = block_size, causal_in_block, scale
+        ctx.query_window, ctx.block_size = query_window, block_size
+        ctx.causal_in_block, ctx.scale = causal_in_block, scale
         return out
 
     @staticmethod
     def backward(ctx, do):
         q, k_ctx, v_ctx, k_blk, v_blk, out, lse, lo, hi, valid = ctx.saved_tensors
-        plan = VisibilityPlan(lo, hi, valid)
+        plan = VisibilityPlan(lo, hi, valid, ctx.query_window)
         grads = anchored_attention_backward(
             do, q, k_ctx, v_ctx, k_blk, v_blk, out, lse, plan, ctx.block_size, ctx.causal_in_block, ctx.scale
         )
-        return (*grads, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None)
 
 
 def anchored_attention(
@@ -727,6 +754,7 @@ def anchored_attention(
     window: Optional[int] = None,
     causal_in_block: bool = False,
     scale: Optional[float] = None,
+    window_from: str = "anchor",
 ) -> torch.Tensor:
     """Anchored block attention of the drafter (SPEC §4), block-sparse Triton kernel.
 
@@ -738,9 +766,9 @@ def anchored_attention(
     Same semantics as `dflash_fast.eager.anchored_attention`.
     """
     _check_inputs(q, k_ctx, v_ctx, k_blk, v_blk, anchors, anchor_valid, document_ids, block_size)
+    check_window(window, window_from, block_size)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    plan = visibility_plan(anchors.to(q.device), anchor_valid.to(q.device), document_ids.to(q.device), window)
+    plan = visibility_plan(anchors.to(q.device), anchor_valid.to(q.device), document_ids.to(q.device), window,
+                           window_from)
     q, k_ctx, v_ctx, k_blk, v_blk = (x.contiguous() for x in (q, k_ctx, v_ctx, k_blk, v_blk))
-    return _AnchoredAttention.apply(
-        q, k_ctx, v_ctx, k_blk, v_blk, plan.lo, plan.hi, plan.valid, block_size, causal_in_block, scale
-    )
+    return _AnchoredAttention.apply(q, k_ctx, v_ctx, k_blk, v_blk, *plan, block_size, causal_in_block, scale)

@@ -275,10 +275,26 @@ MUTATIONS: List[Mutation] = [
     Mutation(
         "window-edge-off-by-one",
         "dflash_fast/eager.py",
-        "ctx &= p[None, None, :] >= anchors[:, :, None] - window",
-        "ctx &= p[None, None, :] > anchors[:, :, None] - window",
+        'first = anchors[:, :, None] - window if window_from == "anchor" else anchors[:, :, None] + j - window + 1',
+        'first = anchors[:, :, None] - window + 1 if window_from == "anchor" else anchors[:, :, None] + j - window + 1',
         [T_ORACLES],
         "window: p >= a - W",
+    ),
+    Mutation(
+        "query-window-ends-at-the-anchor",
+        "dflash_fast/eager.py",
+        'first = anchors[:, :, None] - window if window_from == "anchor" else anchors[:, :, None] + j - window + 1',
+        'first = anchors[:, :, None] - window if window_from == "anchor" else anchors[:, :, None] - window + 1',
+        [T_ORACLES],
+        "per-query window: p > a + j - W",
+    ),
+    Mutation(
+        "kernel-query-window-ends-at-the-anchor",
+        "kernels/anchored_attention.py",
+        "return tl.where(query_window > 0, tl.maximum(b_lo, b_hi - query_window + 1 + o_q % BLOCK_SIZE), b_lo)",
+        "return tl.where(query_window > 0, tl.maximum(b_lo, b_hi - query_window + 1), b_lo)",
+        [T_ORACLES + "::test_attention_is_a_softmax_over_the_keys_spec_makes_visible"],
+        "per-query window: p > a + j - W, in the kernel",
     ),
     Mutation(
         "causal-in-block-transposed",

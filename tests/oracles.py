@@ -25,9 +25,14 @@ def visible_keys(
     block_size: int,
     window: Optional[int] = None,
     causal_in_block: bool = False,
+    window_from: str = "anchor",
 ) -> torch.Tensor:
     """One row -> [A*B, T + A*B] bool: query (block i, slot j) against context keys 0..T-1, then
-    the block keys of every block (slot j' of block i' at column T + i'*B + j')."""
+    the block keys of every block (slot j' of block i' at column T + i'*B + j').
+
+    window_from "anchor" is SPEC §4's window: W keys before the anchor, the same for every slot. "query" is
+    a standard sliding window of the query's own position a + j (vLLM, SGLang, z-lab): a key at p is in it
+    iff a + j - p < W, so slot j sees j + 1 fewer context keys than the anchor's window."""
     anchors, valid, doc = _ints(anchors), [bool(v) for v in anchor_valid], _ints(document_ids)
     t, a_count, b = len(doc), len(anchors), block_size
     mask = torch.zeros(a_count * b, t + a_count * b, dtype=torch.bool)
@@ -39,7 +44,12 @@ def visible_keys(
             for p in range(t):
                 same_document = doc[p] == doc[a]
                 before_anchor = p < a  # strictly: the target has not produced the anchor's hidden state yet
-                in_window = window is None or p >= a - window
+                if window is None:
+                    in_window = True
+                elif window_from == "anchor":
+                    in_window = p >= a - window
+                else:
+                    in_window = (a + j) - p < window
                 mask[query, p] = same_document and before_anchor and in_window
             for j_key in range(b):  # only the query's own block
                 mask[query, t + i * b + j_key] = (not causal_in_block) or j_key <= j

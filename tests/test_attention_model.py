@@ -40,7 +40,7 @@ def test_model_walks_the_tiles_the_kernels_visit(monkeypatch):
     config = kernel._attn_fwd_kernel.configs[0].kwargs
     block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
     plan = kernel.visibility_plan(anchors, valid, docs, None)
-    ranges = kernel.context_ranges(plan, T)
+    ranges = kernel.context_ranges(plan, T, B)
     tiles = [attention_model.tiles_after(plan, 24, B, block_m, block_n, r) for r in range(2)]
     assert fwd == HQ * sum(map(sum, tiles)) > 0
     assert dq == fwd

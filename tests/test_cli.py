@@ -131,11 +131,14 @@ def test_an_eval_prompt_holding_a_lone_surrogate_is_named_by_file_and_line(tmp_p
         ("schedule.epochs=inf", "schedule.epochs=inf is not a finite number"),
         ("data.noise_std=inf", "data.noise_std=inf is not a finite number"),
         ("data.seq_len=7", r"data.seq_len=7 cannot hold one anchor and its block of model.block_size=8 tokens"),
+        ("model.window_from=slot", r"model.window_from='slot' is not one of \('anchor', 'query'\)"),
+        ("model.layer_types=[sliding,sliding,sliding] model.sliding_window=5 model.window_from=query",
+         r"model.window_from=query needs model.sliding_window >= model.block_size .*: got 5 < 8"),
     ],
 )
 def test_configs_that_cannot_train_are_refused_naming_the_key(override, message):
     with pytest.raises(ConfigError, match=message):
-        load_config(TINY_YAML, [override])
+        load_config(TINY_YAML, override.split())
 
 
 def test_the_shortest_row_that_holds_a_block_is_accepted():

@@ -126,6 +126,26 @@ def test_causal_in_block_and_the_window_apply_per_layer(monkeypatch):
         small_config(causal_in_block=[True])
 
 
+def test_the_window_rule_reaches_every_layer_in_training_and_drafting(monkeypatch):
+    """model.window_from: the training forward and the evaluator's propose both attend with the drafter's rule;
+    a config without the key (an old checkpoint) has SPEC §4's."""
+    seen = []
+    real = ops.anchored_attention
+
+    def record(*args, **kwargs):
+        seen.append(kwargs["window_from"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "anchored_attention", record)
+    assert small_config(layer_types=["sliding", "full"], sliding_window=5).window_from == "anchor"
+    d = random_drafter(layer_types=["sliding", "full"], sliding_window=5, window_from="query")
+    d(random_batch(), "kl")
+    d.propose(torch.randn(9, 3, H), 4)
+    assert seen == ["query"] * 4
+    with pytest.raises(ValueError, match="window 3 < block_size 4"):
+        small_config(layer_types=["sliding", "full"], sliding_window=3, window_from="query")
+
+
 def test_invalid_anchor_sees_nothing():
     m = row_mask([3, 6], [0] * 10, valid=[True, False])
     assert not m[B:].any() and m[:B].any()

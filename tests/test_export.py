@@ -20,7 +20,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 from dflash_fast import engines, export, layouts
 from dflash_fast.drafter import DFlashDrafter
 from dflash_fast.drafter_config import DrafterConfig
-from dflash_fast.engines import ENGINES, architecture, served_architectures
+from dflash_fast.engines import ENGINES, SERVING_RULES, architecture, config_from_export, served_architectures
 from dflash_fast.export import export_drafter, gate_batch, gate_logits, load_exported
 from dflash_fast.layers import Rope
 from dflash_fast.layouts import FORMATS, ExportError
@@ -134,16 +134,51 @@ def test_every_drafter_option_serves_as_it_trained(case, fmt, tmp_path):
         cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads)
     assert (hf.rms_norm_eps, hf.vocab_size, hf.num_hidden_layers) == (cfg.rms_norm_eps, cfg.vocab_size, cfg.num_layers)
     assert hf.rope_parameters == cfg.rope_parameters
-    # every engine of the format builds the trained architecture
+    # every engine of the format builds the trained architecture (the window rule: test_window_rule_* below)
     served = served_architectures(config)
     assert sorted(served) == sorted(ENGINES[fmt])
+    built = lambda arch: {k: v for k, v in arch.items() if k not in SERVING_RULES}  # noqa: E731
     for engine, arch in served.items():
-        assert arch == architecture(cfg), engine
+        assert built(arch) == built(architecture(cfg)), engine
     back = load_exported(str(out))
     assert back.config == cfg
     back.set_frozen(d.embed_tokens, d.lm_head, d.target_norm)
     batch = gate_batch(cfg)
     assert torch.equal(gate_logits(back, batch), gate_logits(d, batch))
+
+
+SLIDING_CAUSAL = dict(layer_types=["sliding", "sliding"], sliding_window=6, causal_in_block=True)
+
+
+@pytest.mark.parametrize(
+    "window_from, fmt, warned",
+    [("anchor", "speculators", ["vllm serves 'query'"]), ("anchor", "zlab", ["sglang serves 'query'",
+                                                                           "vllm serves 'query'"]),
+     ("query", "speculators", ["speculators serves 'anchor'"]), ("query", "zlab", [])],
+)
+def test_window_rule_an_engine_serves_otherwise_is_warned_of_naming_model_window_from(window_from, fmt, warned,
+                                                                                        tmp_path):
+    """vLLM and SGLang end a sliding window at each query's own position, speculators trains it at the anchor
+    (SPEC §4): the export is written, with one warning line per engine that serves the other rule."""
+    lines = []
+    d = make_drafter(**SLIDING_CAUSAL, window_from=window_from)
+    export_drafter(d, str(tmp_path / "export"), "tiny-target", torch.float32, fmt=fmt, warn=lines.append)
+    assert len(lines) == len(warned)
+    for line, engine in zip(lines, warned):
+        assert f"model.window_from: trained '{window_from}', {engine}" in line and line.startswith("warning: ")
+    assert not [line for line in lines if "window_from" not in line]
+
+
+def test_window_rule_is_read_back_as_trained_and_old_exports_read_as_the_spec_rule(tmp_path):
+    d = make_drafter(**SLIDING_CAUSAL, window_from="query")
+    out = export_drafter(d, str(tmp_path / "export"), "tiny-target", torch.float32, fmt="zlab", warn=None)
+    assert load_exported(out).config.window_from == "query"
+    config = written_config(out)
+    del config["dflash_fast"]["window_from"]  # an export written before the field
+    assert config_from_export(config).window_from == "anchor"
+    config["dflash_fast"]["window_from"] = "slot"
+    with pytest.raises(ExportError, match=r"dflash_fast.window_from='slot' is not one of \('anchor', 'query'\)"):
+        config_from_export(config)
 
 
 SPECULATORS_NAMES = ["fc.weight", "hidden_norm.weight", "norm.weight"] + [

@@ -66,11 +66,11 @@ def output_and_grads(fn, tensors, *args, **kwargs):
     return out, torch.autograd.grad(out, tensors, grad_out)
 
 
-def assert_matches_eager(block_size, hq, hkv, d, dtype, window, causal, **case):
+def assert_matches_eager(block_size, hq, hkv, d, dtype, window, causal, window_from="anchor", **case):
     tensors, anchors, valid, docs = make_inputs(block_size, hq, hkv, d, dtype, **case)
     args = (anchors, valid, docs, block_size, window, causal)
-    out, grads = output_and_grads(anchored_attention, tensors, *args)
-    ref, ref_grads = output_and_grads(eager.anchored_attention, tensors, *args)
+    out, grads = output_and_grads(anchored_attention, tensors, *args, window_from=window_from)
+    ref, ref_grads = output_and_grads(eager.anchored_attention, tensors, *args, window_from=window_from)
     assert_close(out, ref, "out")
     for name, g, g_ref in zip(("dq", "dk_ctx", "dv_ctx", "dk_blk", "dv_blk"), grads, ref_grads):
         assert_close(g, g_ref, name)
@@ -127,6 +127,33 @@ def test_tiles_at_interval_edges_match_eager():
         valid=([1] * a, [1] * a),
         t=200,
     )
+
+
+@pytest.mark.parametrize(
+    "block_size, hq, hkv, d, window, causal",
+    [(3, 4, 2, 16, 7, False), (5, 2, 1, 16, 40, True), (16, 2, 2, 32, 19, False)],
+    ids=["B3-window7-gqa2", "B5-window40-causal", "B16-window19"],
+)
+def test_per_query_window_output_and_all_gradients_match_eager(block_size, hq, hkv, d, window, causal):
+    """window_from="query" (each slot's window ends at its own position): fp32, odd blocks and windows that end
+    inside key tiles, forward and every gradient."""
+    assert_matches_eager(block_size, hq, hkv, d, torch.float32, window, causal, window_from="query")
+
+
+def test_per_query_window_masks_a_key_tile_that_slot_0_sees_whole():
+    """Anchors 64..71 (B = 4: one 32-row anchor tile, window 40): slot 0 of every anchor sees the key tile
+    [32, 64) whole (its first key, a - 39, is 25..32), so a tile skip that trusted slot 0's bounds would leave the
+    tile unmasked for the last slots (anchor 71's slot 3 starts at 35). Row 1 shifts every anchor by one key."""
+    anchors = (list(range(64, 72)), list(range(65, 73)))
+    assert_matches_eager(4, 2, 1, 16, torch.float32, 40, True, "query", doc_lengths=([101], [101]), anchors=anchors,
+                         valid=([1] * 8, [1] * 8))
+
+
+def test_per_query_window_needs_a_window_that_holds_the_block():
+    tensors, anchors, valid, docs = make_inputs(4, 2, 1, 16, torch.float32)
+    for fn in (anchored_attention, eager.anchored_attention):
+        with pytest.raises(ValueError, match="window 3 < block_size 4"):
+            fn(*tensors, anchors, valid, docs, 4, 3, window_from="query")
 
 
 def test_context_is_strictly_before_anchor():

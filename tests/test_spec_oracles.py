@@ -48,12 +48,13 @@ T, B = 23, 3
 DOCS = ([0] * 9 + [1] * 14, [0] * 23)
 ANCHORS = ([0, 9, 10, 17, 17], [2, 6, 7, 15, 21])
 VALID = ([1, 1, 1, 1, 0], [1, 1, 1, 1, 1])
-PATTERNS = [(None, False), (4, False), (None, True), (2, True)]
-PATTERN_IDS = ["full", "window4", "causal", "window2-causal"]
+PATTERNS = [(None, False, "anchor"), (4, False, "anchor"), (None, True, "anchor"), (2, True, "anchor"),
+            (4, False, "query"), (3, True, "query")]
+PATTERN_IDS = ["full", "window4", "causal", "window2-causal", "query-window4", "query-window3-causal"]
 
 
-def spec_masks(window, causal):
-    return [visible_keys(a, v, d, B, window, causal) for a, v, d in zip(ANCHORS, VALID, DOCS)]
+def spec_masks(window, causal, window_from):
+    return [visible_keys(a, v, d, B, window, causal, window_from) for a, v, d in zip(ANCHORS, VALID, DOCS)]
 
 
 def test_visibility_loops_see_what_spec_says():
@@ -66,18 +67,29 @@ def test_visibility_loops_see_what_spec_says():
     assert not mask[4:].any(), "an invalid anchor sees nothing"
 
 
-@pytest.mark.parametrize("window, causal", PATTERNS, ids=PATTERN_IDS)
-def test_dense_mask_is_the_per_key_visibility_of_spec(window, causal):
+def test_a_per_query_window_ends_at_each_slots_own_position():
+    """window_from="query": slot j of the block at a sits at a + j and sees the W - 1 keys before it, so the
+    context keys a + j - W + 1 .. a - 1 (j + 1 fewer than SPEC §4's a - W .. a - 1)."""
+    a, w, b = 9, 5, 4
+    mask = visible_keys([a], [1], [0] * 12, b, window=w, window_from="query")
+    assert [mask[j, :12].nonzero().flatten().tolist() for j in range(b)] == [[5, 6, 7, 8], [6, 7, 8], [7, 8], [8]]
+    spec = visible_keys([a], [1], [0] * 12, b, window=w)
+    assert all(spec[j, :12].nonzero().flatten().tolist() == [4, 5, 6, 7, 8] for j in range(b))
+
+
+@pytest.mark.parametrize("window, causal, window_from", PATTERNS, ids=PATTERN_IDS)
+def test_dense_mask_is_the_per_key_visibility_of_spec(window, causal, window_from):
     mask = eager.anchored_attention_mask(
-        torch.tensor(ANCHORS), torch.tensor(VALID, dtype=torch.bool), torch.tensor(DOCS), B, window, causal
+        torch.tensor(ANCHORS), torch.tensor(VALID, dtype=torch.bool), torch.tensor(DOCS), B, window, causal,
+        window_from,
     )
-    for r, want in enumerate(spec_masks(window, causal)):
+    for r, want in enumerate(spec_masks(window, causal, window_from)):
         assert torch.equal(mask[r], want), f"row {r}"
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
-@pytest.mark.parametrize("window, causal", PATTERNS, ids=PATTERN_IDS)
-def test_attention_is_a_softmax_over_the_keys_spec_makes_visible(backend, window, causal):
+@pytest.mark.parametrize("window, causal, window_from", PATTERNS, ids=PATTERN_IDS)
+def test_attention_is_a_softmax_over_the_keys_spec_makes_visible(backend, window, causal, window_from):
     gen = torch.Generator().manual_seed(0)
     r, a, hq, hkv, d = len(ANCHORS), len(ANCHORS[0]), 4, 2, 16
     q = torch.randn(r, a * B, hq, d, generator=gen)
@@ -86,8 +98,8 @@ def test_attention_is_a_softmax_over_the_keys_spec_makes_visible(backend, window
     fn, dev = BACKENDS[backend][0], device_of(backend)
     rows = (torch.tensor(ANCHORS), torch.tensor(VALID, dtype=torch.bool), torch.tensor(DOCS))
     tensors = [x.to(dev) for x in (q, k_ctx, v_ctx, k_blk, v_blk, *rows)]
-    out = fn(*tensors, B, window, causal, scale=0.3).cpu()
-    want = attention(q, k_ctx, v_ctx, k_blk, v_blk, spec_masks(window, causal), scale=0.3)
+    out = fn(*tensors, B, window, causal, scale=0.3, window_from=window_from).cpu()
+    want = attention(q, k_ctx, v_ctx, k_blk, v_blk, spec_masks(window, causal, window_from), scale=0.3)
     torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=1e-5)
 
 
