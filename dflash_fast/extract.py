@@ -529,12 +529,16 @@ class ExtractOptions:
     skip_bad: bool = False
     trust_remote_code: bool = False
     parity_every: int = 50
+    engine: str = "hf"  # hf: transformers in this process; vllm: dflash_fast.vllm_extract
+    tensor_parallel_size: int = 1  # vllm only
 
     def __post_init__(self):
         if self.topk < 1:
             raise ValueError(f"topk must be >= 1 (the argmax is always kept), got {self.topk}")
         if self.parity_every < 1:
             raise ValueError(f"parity_every must be >= 1, got {self.parity_every}")
+        if self.tensor_parallel_size != 1 and self.engine != "vllm":
+            raise ValueError("--tensor-parallel-size is the engine's: it needs --engine vllm")
 
 
 @dataclass
@@ -606,6 +610,10 @@ def plan_job(target: str, data: str, out: Optional[str], options: ExtractOptions
 
 def make_runner(job: Job) -> TargetRunner:
     """Load the job's target (frozen, in its compute dtype, on its device) and wrap it in a TargetRunner."""
+    if job.options.engine == "vllm":
+        from dflash_fast.vllm_extract import VllmRunner
+
+        return VllmRunner(job)
     model = load_target(job.target, job.device, job.compute_dtype, job.options.trust_remote_code)
     pad_id = job.tokenizer.pad_token_id if job.tokenizer.pad_token_id is not None else 0
     return TargetRunner(model, job.layer_ids, job.layout, pad_id, job.options.parity_every)
@@ -629,6 +637,7 @@ def job_manifest(job: Job, runner: "TargetRunner") -> dict:
         final_norm={"kind": runner.norm_kind, "eps": runner.norm_eps, "module": runner.norm_name},
         extraction={
             "job": job.id,
+            "engine": job.options.engine,
             "data": os.path.abspath(job.data),
             **{k: job.identity[k] for k in ("data_sha256", "max_seq_len", "shard_tokens", "world_size")},
         },
@@ -953,6 +962,10 @@ def add_arguments(parser) -> None:
     p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modelling code to run")
     p.add_argument("--parity-every", type=int, default=50,
                    help="check lm_head(norm(last)) == logits on the first batch and every N batches (default 50)")
+    p.add_argument("--engine", choices=["hf", "vllm"], default="hf",
+                   help="what runs the target: hf (transformers, one device) or vllm (its extract_hidden_states "
+                        "path; docs/engine-target.md)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="--engine vllm: GPUs the target spans")
     p.add_argument("--estimate", action="store_true",
                    help="print the disk the store needs (tokens x bytes per token per field and dtype) and the free "
                         "space, then exit without loading the model or writing anything")
@@ -964,6 +977,6 @@ def run(args) -> int:
         layer_ids=args.layer_ids, num_tapped=args.num_tapped, max_seq_len=args.max_seq_len,
         batch_tokens=args.batch_tokens, dtype=args.dtype, shard_tokens=args.shard_tokens, topk=args.topk,
         no_last=args.no_last, skip_bad=args.skip_bad, trust_remote_code=args.trust_remote_code,
-        parity_every=args.parity_every,
+        parity_every=args.parity_every, engine=args.engine, tensor_parallel_size=args.tensor_parallel_size,
     )
     return 0
