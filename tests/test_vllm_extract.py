@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 import torch
-from tiny_targets import sample_records, write_jsonl
+from tiny_targets import make_tiny_target, sample_records, write_jsonl
 
 from dflash_fast import cli
 from dflash_fast.extract import extract
@@ -78,7 +78,7 @@ def assert_same_store(a_path, b_path, hidden_atol=1e-4):
         assert x.keys() == y.keys()
         for key in ("input_ids", "loss_mask", "teacher_topk_ids"):
             assert torch.equal(x[key], y[key]), (key, i)
-        for k, layer in enumerate(LAYER_IDS):
+        for k, layer in enumerate(a.manifest["layer_ids"]):
             torch.testing.assert_close(x["hidden"][:, k], y["hidden"][:, k], rtol=1e-4, atol=hidden_atol,
                                        msg=lambda m, layer=layer: f"item {i}, layer id {layer}: {m}")
         torch.testing.assert_close(x["last"], y["last"], rtol=1e-4, atol=hidden_atol)
@@ -119,3 +119,12 @@ def test_vllm_fp8_store_is_the_hf_fp8_store(data, tmp_path):
             xs, ys = (dequantize_fp8(s[name], s[f"{name}_scale"], torch.float32) for s in (x, y))
             assert ((xs - ys).abs() <= 2**-3 * xs.abs() + 1e-3).all(), (name, i)
         assert torch.equal(x["teacher_topk_ids"], y["teacher_topk_ids"])
+
+
+@needs_vllm
+def test_vllm_store_is_the_hf_store_for_a_tiny_llama(data, tmp_path):
+    # hidden_size 128: vLLM's CPU attention takes head_dim 32, not the tiny targets' default 16.
+    target = make_tiny_target(tmp_path / "llama", "llama", num_layers=4, hidden_size=128)
+    options = {**OPTIONS, "layer_ids": [0, 1, 3]}
+    assert_same_store(extract(target, data, str(tmp_path / "hf"), **options)["out"],
+                      extract(target, data, str(tmp_path / "vllm"), engine="vllm", **options)["out"])
