@@ -106,6 +106,9 @@ class VllmRunner(TargetRunner):
     lm_head(final_norm(last)); the parity check compares those logits with vLLM's prompt logprobs."""
 
     def __init__(self, job: Job):
+        if job.world_size > 1:
+            raise UserError("--engine vllm runs one engine for the whole job: launch it without torchrun / deepspeed "
+                            "and spread a large target with --tensor-parallel-size")
         model, self.norm, self.norm_name, self.lm_head = load_head(
             job.target, job.device, job.compute_dtype, job.options.trust_remote_code)
         self.model = model
@@ -119,9 +122,6 @@ class VllmRunner(TargetRunner):
         self.device = job.device
         self.batches_run = 0
         self.aux_ids, self.tapped, self.last = aux_layer_ids(self.layer_ids, self.num_layers)
-        if job.world_size > 1:
-            raise UserError("--engine vllm runs one engine for the whole job: launch it without torchrun / deepspeed "
-                            "and spread a large target with --tensor-parallel-size")
         self.scratch = tempfile.mkdtemp(prefix="dflash-vllm-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         weakref.finalize(self, shutil.rmtree, self.scratch, ignore_errors=True)
         dtype = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[job.compute_dtype]

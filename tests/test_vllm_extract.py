@@ -8,12 +8,14 @@ DFLASH_REQUIRE_VLLM=1 turns their skip into a failure there. The rest runs in ev
 import importlib.util
 import os
 import shutil
+import sys
 
 import pytest
 import torch
 from tiny_targets import make_tiny_target, sample_records, write_jsonl
 
 from dflash_fast import cli
+from dflash_fast.errors import UserError
 from dflash_fast.extract import extract
 from dflash_fast.quickstart import TARGET
 from dflash_fast.store import HiddenStateStore, dequantize_fp8
@@ -53,6 +55,22 @@ def test_tensor_parallel_size_without_the_vllm_engine_is_one_error_line(tmp_path
     err = capsys.readouterr().err
     assert err.startswith("error: --tensor-parallel-size is the engine's: it needs --engine vllm") and \
         err.count("\n") == 1
+
+
+def test_engine_vllm_without_vllm_installed_says_how_to_install_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError, as where it is not installed
+    data = write_jsonl(tmp_path / "d.jsonl", sample_records(2))
+    argv = ["extract", "--engine", "vllm", "--target", TARGET, "--data", str(data), "--out", str(tmp_path / "out")]
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: --engine vllm needs vLLM") and err.count("\n") == 1
+    assert not os.path.exists(tmp_path / "out" / "manifest.json")
+
+
+def test_engine_vllm_under_several_ranks_is_refused_before_loading(tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", sample_records(2))
+    with pytest.raises(UserError, match="--engine vllm runs one engine for the whole job"):
+        extract(TARGET, data, str(tmp_path / "out"), engine="vllm", rank=0, world_size=2, progress=False)
 
 
 @pytest.fixture(scope="module")
