@@ -38,12 +38,13 @@ def open_source(cfg: TrainConfig):
         no_last=not (cfg.loss.kind == "auto" or needs_last(cfg.loss.kind, stored_labels=True)),
         skip_bad=n.skip_bad,
         parity_every=n.parity_every,
+        engine="vllm" if d.source == "vllm" else "hf",
     )
     try:
         return OnlineSource(cfg.model.target, d.jsonl, options)
     except (OSError, ValueError) as e:  # bad data or a missing file: exit 1, with the keys that named them
-        raise ValueError(f"data.source=online over data.jsonl={d.jsonl} with model.target={cfg.model.target}: {e}") \
-            from None
+        raise ValueError(f"data.source={d.source} over data.jsonl={d.jsonl} with model.target={cfg.model.target}: "
+                         f"{e}") from None
 
 
 def open_batches(store, cfg: TrainConfig, rank: int, world_size: int, split: str, with_last: bool, epoch: int = 0,
@@ -53,7 +54,7 @@ def open_batches(store, cfg: TrainConfig, rank: int, world_size: int, split: str
     d = cfg.data
     args = (store, d.seq_len, d.num_anchors, d.batch_rows, cfg.seed, rank, world_size, epoch, split)
     kwargs = dict(start_step=start_step, val_fraction=d.val_fraction, split_seed=d.split_seed, with_last=with_last)
-    if d.source == "online":
+    if d.source != "store":
         return OnlineBatches(store, row_batches(*args, **kwargs), d.online.prefetch)
     return iter(make_loader(*args, num_workers=d.num_workers, **kwargs))
 

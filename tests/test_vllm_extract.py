@@ -8,6 +8,7 @@ DFLASH_REQUIRE_VLLM=1 turns their skip into a failure there. The rest runs in ev
 import importlib.util
 import os
 import shutil
+import subprocess
 import sys
 
 import pytest
@@ -25,6 +26,7 @@ from dflash_fast.vllm_extract import aux_layer_ids
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAS_VLLM and os.environ.get("DFLASH_REQUIRE_VLLM") != "1",
                                 reason="vLLM is not installed (docs/engine-target.md)")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM_LAYERS = 8  # the embedded target
 LAYER_IDS = [0, 3, NUM_LAYERS - 1]  # the first layer, one inside, the last (the same tensor as `last`)
 OPTIONS = dict(layer_ids=LAYER_IDS, dtype="fp32", topk=4, max_seq_len=96, batch_tokens=256, shard_tokens=300,
@@ -146,3 +148,39 @@ def test_vllm_store_is_the_hf_store_for_a_tiny_llama(data, tmp_path):
     options = {**OPTIONS, "layer_ids": [0, 1, 3]}
     assert_same_store(extract(target, data, str(tmp_path / "hf"), **options)["out"],
                       extract(target, data, str(tmp_path / "vllm"), engine="vllm", **options)["out"])
+
+
+# ---------------------------------------------------------------- data.source=vllm: online from the engine
+
+
+def train_in_a_process(stores, data, out, source):
+    """`python train.py` (configs/tiny.yaml, 4 steps of 2 micro-batches with hidden-state noise) on the store vLLM
+    extracted with OPTIONS (source "store"), or with data.source=vllm over the same JSONL and settings, in a process
+    of its own: DeepSpeed and vLLM each set up torch.distributed once per process, as in a real run."""
+    from test_trainer import losses
+    from test_trainer import settings as trainer_settings
+
+    extra = {"model.target": TARGET, "model.mask_token_id": 2047, "model.layer_ids": ",".join(map(str, LAYER_IDS)),
+             "schedule.grad_accum": 2, "data.noise_std": 0.05}
+    if source == "vllm":
+        extra.update({"data.source": "vllm", "data.jsonl": str(data), "data.online.max_seq_len": OPTIONS["max_seq_len"],
+                      "data.online.dtype": "fp32", "data.online.topk": OPTIONS["topk"],
+                      "data.online.batch_tokens": OPTIONS["batch_tokens"], "data.online.parity_every": 1})
+    store = type("Store", (), {"store": stores["vllm"]})
+    argv = trainer_settings(store, out, **{k.replace(".", "__"): v for k, v in extra.items()})
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                                            "MASTER_PORT")}
+    env["PYTHONPATH"] = REPO
+    cmd = [sys.executable, os.path.join(REPO, "train.py"), "--config", os.path.join(REPO, "configs", "tiny.yaml"),
+           *argv]
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return losses(out)
+
+
+@needs_vllm
+def test_vllm_online_steps_equal_the_store_steps(stores, data, tmp_path):
+    store = train_in_a_process(stores, data, str(tmp_path / "store"), "store")
+    online = train_in_a_process(stores, data, str(tmp_path / "vllm"), "vllm")
+    assert len(store) == 4
+    assert online == pytest.approx(store, rel=1e-5)
