@@ -75,6 +75,18 @@ def test_engine_vllm_under_several_ranks_is_refused_before_loading(tmp_path):
         extract(TARGET, data, str(tmp_path / "out"), engine="vllm", rank=0, world_size=2, progress=False)
 
 
+def test_data_source_vllm_under_several_ranks_is_refused_before_any_engine(monkeypatch):
+    from dflash_fast.config import load_config
+    from dflash_fast.data import open_source
+
+    cfg = load_config(os.path.join(REPO, "configs", "tiny.yaml"),
+                      ["data.source=vllm", f"model.target={TARGET}", "data.jsonl=never-read.jsonl"])
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
+    with pytest.raises(UserError, match="data.source=vllm runs one vLLM engine inside a one-rank trainer"):
+        open_source(cfg)
+
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     return write_jsonl(tmp_path_factory.mktemp("data") / "mixed.jsonl", sample_records(8))
