@@ -28,7 +28,7 @@ SCHEDULES = ("cosine", "constant")
 PRECISIONS = ("auto", "bf16", "fp32")
 EXPORT_DTYPES = ("bf16", "fp16", "fp32")
 OPTIMIZERS = ("adamw", "muon")
-DATA_SOURCES = ("store", "online")
+DATA_SOURCES = ("store", "online", "vllm")
 SHIPPED_CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 ONLINE_DTYPES = ("bf16", "fp16", "fp32", "fp8")
 
@@ -100,7 +100,9 @@ class OnlineConfig:
 class DataConfig:
     """Where the hidden states come from and how they are cut into batches (dflash_fast.batches)."""
 
-    source: str = "store"  # store: a directory written by `dflash-fast extract`; online: the target runs in the job
+    # store: a directory written by `dflash-fast extract`; online: the target runs in the job; vllm: online, the
+    # target run by vLLM in the job (extract --engine vllm's runner; docs/engine-target.md)
+    source: str = "store"
     store: str = ""  # source=store
     jsonl: str = ""  # source=online: the JSONL `dflash-fast extract --data` reads (same formats and loss masks)
     online: OnlineConfig = dataclasses.field(default_factory=OnlineConfig)
@@ -365,8 +367,8 @@ def validate(cfg: TrainConfig) -> None:
                "or data.source=online with data.jsonl=FILE")
     else:
         n = d.online
-        _check(bool(d.jsonl), "data.source=online needs data.jsonl=FILE (the JSONL `dflash-fast extract` reads)")
-        _check(bool(m.target), "data.source=online needs model.target (the target to run: a directory or hub id)")
+        _check(bool(d.jsonl), f"data.source={d.source} needs data.jsonl=FILE (the JSONL `dflash-fast extract` reads)")
+        _check(bool(m.target), f"data.source={d.source} needs model.target (the target to run: a directory or hub id)")
         _check(n.dtype in ONLINE_DTYPES, f"data.online.dtype={n.dtype!r} is not one of {ONLINE_DTYPES}")
         _check(n.max_seq_len >= 2, f"data.online.max_seq_len={n.max_seq_len} must be >= 2")
         _check(n.batch_tokens >= 1 and n.topk >= 1 and n.parity_every >= 1,

@@ -1,8 +1,8 @@
 """The training job's data: where the hidden states come from, each rank's batches of one split, and the endless
 stream of training micro-batches a resume continues exactly.
 
-    open_source    data.source=store: the store at data.store; online: the target run over data.jsonl in this
-                   process (an OnlineSource, read like a store)
+    open_source    data.source=store: the store at data.store; online (vllm): the target run over data.jsonl in
+                   this process by transformers (by vLLM) (an OnlineSource, read like a store)
     open_batches   one epoch of one split (train / val) for this rank: a DataLoader over the store, or online an
                    OnlineBatches (the target forward one micro-batch ahead)
     TrainStream    the training micro-batches, epoch after epoch, from a (epoch, micro-batch) position
@@ -16,6 +16,7 @@ import torch
 from dflash_fast.batches import make_loader, row_batches, steps_per_epoch
 from dflash_fast.config import TrainConfig
 from dflash_fast.eager import needs_last
+from dflash_fast.errors import UserError
 from dflash_fast.online import OnlineBatches, OnlineSource
 from dflash_fast.plan import ExtractOptions
 from dflash_fast.store import HiddenStateStore
@@ -27,6 +28,9 @@ def open_source(cfg: TrainConfig):
     d = cfg.data
     if d.source == "store":
         return HiddenStateStore(d.store)
+    if d.source == "vllm" and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        raise UserError("data.source=vllm runs one vLLM engine inside a one-rank trainer; with several ranks extract "
+                        "a store with `dflash-fast extract --engine vllm` and train on it (data.source=store)")
     n = d.online
     options = ExtractOptions(
         layer_ids=cfg.model.layer_ids,
@@ -38,12 +42,13 @@ def open_source(cfg: TrainConfig):
         no_last=not (cfg.loss.kind == "auto" or needs_last(cfg.loss.kind, stored_labels=True)),
         skip_bad=n.skip_bad,
         parity_every=n.parity_every,
+        engine="vllm" if d.source == "vllm" else "hf",
     )
     try:
         return OnlineSource(cfg.model.target, d.jsonl, options)
     except (OSError, ValueError) as e:  # bad data or a missing file: exit 1, with the keys that named them
-        raise ValueError(f"data.source=online over data.jsonl={d.jsonl} with model.target={cfg.model.target}: {e}") \
-            from None
+        raise ValueError(f"data.source={d.source} over data.jsonl={d.jsonl} with model.target={cfg.model.target}: "
+                         f"{e}") from None
 
 
 def open_batches(store, cfg: TrainConfig, rank: int, world_size: int, split: str, with_last: bool, epoch: int = 0,
@@ -53,7 +58,7 @@ def open_batches(store, cfg: TrainConfig, rank: int, world_size: int, split: str
     d = cfg.data
     args = (store, d.seq_len, d.num_anchors, d.batch_rows, cfg.seed, rank, world_size, epoch, split)
     kwargs = dict(start_step=start_step, val_fraction=d.val_fraction, split_seed=d.split_seed, with_last=with_last)
-    if d.source == "online":
+    if d.source != "store":
         return OnlineBatches(store, row_batches(*args, **kwargs), d.online.prefetch)
     return iter(make_loader(*args, num_workers=d.num_workers, **kwargs))
 

@@ -384,6 +384,10 @@ def add_arguments(parser) -> None:
     p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modelling code to run")
     p.add_argument("--parity-every", type=int, default=50,
                    help="check lm_head(norm(last)) == logits on the first batch and every N batches (default 50)")
+    p.add_argument("--engine", choices=["hf", "vllm"], default="hf",
+                   help="what runs the target: hf (transformers, one device) or vllm (its extract_hidden_states "
+                        "path; docs/engine-target.md)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="--engine vllm: GPUs the target spans")
     p.add_argument("--estimate", action="store_true",
                    help="print the disk the store needs (tokens x bytes per token per field and dtype) and the free "
                         "space, then exit without loading the model or writing anything")
@@ -395,6 +399,6 @@ def run(args) -> int:
         layer_ids=args.layer_ids, num_tapped=args.num_tapped, max_seq_len=args.max_seq_len,
         batch_tokens=args.batch_tokens, dtype=args.dtype, shard_tokens=args.shard_tokens, topk=args.topk,
         no_last=args.no_last, skip_bad=args.skip_bad, trust_remote_code=args.trust_remote_code,
-        parity_every=args.parity_every,
+        parity_every=args.parity_every, engine=args.engine, tensor_parallel_size=args.tensor_parallel_size,
     )
     return 0

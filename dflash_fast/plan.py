@@ -77,12 +77,16 @@ class ExtractOptions:
     skip_bad: bool = False
     trust_remote_code: bool = False
     parity_every: int = 50
+    engine: str = "hf"  # hf: transformers in this process; vllm: dflash_fast.vllm_extract
+    tensor_parallel_size: int = 1  # vllm only
 
     def __post_init__(self):
         if self.topk < 1:
             raise ValueError(f"topk must be >= 1 (the argmax is always kept), got {self.topk}")
         if self.parity_every < 1:
             raise ValueError(f"parity_every must be >= 1, got {self.parity_every}")
+        if self.tensor_parallel_size != 1 and self.engine != "vllm":
+            raise ValueError("--tensor-parallel-size is the engine's: it needs --engine vllm")
 
 
 @dataclass
@@ -154,6 +158,10 @@ def plan_job(target: str, data: str, out: Optional[str], options: ExtractOptions
 
 def make_runner(job: Job) -> TargetRunner:
     """Load the job's target (frozen, in its compute dtype, on its device) and wrap it in a TargetRunner."""
+    if job.options.engine == "vllm":
+        from dflash_fast.vllm_extract import VllmRunner
+
+        return VllmRunner(job)
     model = load_target(job.target, job.device, job.compute_dtype, job.options.trust_remote_code)
     pad_id = job.tokenizer.pad_token_id if job.tokenizer.pad_token_id is not None else 0
     return TargetRunner(model, job.layer_ids, job.layout, pad_id, job.options.parity_every)
@@ -177,6 +185,7 @@ def job_manifest(job: Job, runner: "TargetRunner") -> dict:
         final_norm={"kind": runner.norm_kind, "eps": runner.norm_eps, "module": runner.norm_name},
         extraction={
             "job": job.id,
+            "engine": job.options.engine,
             "data": os.path.abspath(job.data),
             **{k: job.identity[k] for k in ("data_sha256", "max_seq_len", "shard_tokens", "world_size")},
         },

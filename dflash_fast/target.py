@@ -257,8 +257,8 @@ def check_fits(target, device: torch.device, compute_dtype: torch.dtype, skipped
         raise UserError(
             f"target {target}: its weights take {needed:,} bytes ({needed / 2**30:.1f} GiB) in {dtype} but {device} "
             f"has {have:,} bytes ({have / 2**30:.1f} GiB); the Hugging Face path loads the whole target on one "
-            f"device. A target this size needs the engine-served path (`--engine vllm`), which is planned and not "
-            f"implemented yet; see docs/targets.md"
+            f"device. Extract a target this size with the engine: `dflash-fast extract --engine vllm "
+            f"--tensor-parallel-size N` (docs/engine-target.md); see docs/targets.md"
         )
 
 
@@ -347,3 +347,43 @@ def tapped_layers(hidden_states, last, layer_ids) -> List[torch.Tensor]:
     return [hidden_states[i + 1] if i < num_layers - 1 else last for i in layer_ids]
 
 
+
+
+def load_head(target, device, compute_dtype, trust_remote_code=False):
+    """The target's final norm and lm_head alone, on `device` in `compute_dtype`, for a stage whose target runs
+    elsewhere (an engine): the model is built on the meta device, only these two modules are materialised and
+    filled from the checkpoint's safetensors (a tied lm_head from the embeddings). Returns the model skeleton,
+    the norm, its dotted name, and lm_head; the norm's kind is measured as load_target measures it."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(target, trust_remote_code=trust_remote_code)
+    check_head(config, target)
+    with torch.device("meta"):
+        model = auto_class(config).from_config(config, dtype=compute_dtype, trust_remote_code=trust_remote_code)
+    norm, norm_name = final_norm_module(model)
+    head = model.get_output_embeddings()
+    names = {id(m): name for name, m in model.named_modules()}
+    keys = {f"{norm_name}.weight": norm}
+    tied = getattr(config.get_text_config(), "tie_word_embeddings", False) or getattr(config, "tie_word_embeddings",
+                                                                                       False)
+    keys[f"{names[id(model.get_input_embeddings() if tied else head)]}.weight"] = head
+    where = {}
+    for path in _safetensors_files(target):
+        with safe_open(path, "pt") as f:
+            where.update((key, path) for key in f.keys() if key in keys)
+    missing = sorted(set(keys) - set(where))
+    if missing:
+        raise UserError(f"{target}: its safetensors hold no {', '.join(missing)} (the final norm and lm_head the "
+                        f"teacher is computed with); a whole causal LM checkpoint in safetensors is needed")
+    for key, module in keys.items():
+        module.to_empty(device=device)
+        with safe_open(where[key], "pt") as f:
+            weight = f.get_tensor(key)
+        if weight.shape != module.weight.shape:
+            raise UserError(f"{target}: {key} has shape {list(weight.shape)}, its config says "
+                            f"{list(module.weight.shape)}: config.json and the weights disagree")
+        with torch.no_grad():
+            module.weight.copy_(weight.to(module.weight.dtype))
+    detect_norm_kind(norm)
+    return model, norm.eval(), norm_name, head.eval()

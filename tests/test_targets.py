@@ -77,7 +77,7 @@ def test_a_target_bigger_than_its_device_is_refused_before_loading_naming_both_s
     err = capsys.readouterr().err
     assert err.startswith(f"error: target {qwen3}: its weights take {needed:,} bytes") and err.count("\n") == 1
     assert f"in float32 but cpu has {needed - 1:,} bytes" in err
-    assert "engine-served path (`--engine vllm`), which is planned and not implemented yet" in err
+    assert "`dflash-fast extract --engine vllm --tensor-parallel-size N` (docs/engine-target.md)" in err
     assert not os.path.exists(tmp_path / "out" / "manifest.json")
 
 

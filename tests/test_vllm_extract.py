@@ -1,0 +1,198 @@
+"""`extract --engine vllm`: the store vLLM's capture gives is the store the HF path gives, field by field.
+
+The layer-id trap (SPEC §1): vLLM numbers its aux layers as HF's hidden_states (embeddings at 0), one higher than
+our layer ids, and its aux id L is `last`. A tap shifted by one changes every stored hidden state, and these tests
+compare each one. The engine tests run where vLLM is installed (.ci/run's second venv, docs/engine-target.md);
+DFLASH_REQUIRE_VLLM=1 turns their skip into a failure there. The rest runs in every venv.
+"""
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from tiny_targets import make_tiny_target, sample_records, write_jsonl
+
+from dflash_fast import cli
+from dflash_fast.errors import UserError
+from dflash_fast.extract import extract
+from dflash_fast.quickstart import TARGET
+from dflash_fast.store import HiddenStateStore, dequantize_fp8
+from dflash_fast.target import final_norm_module, load_head, load_target
+from dflash_fast.vllm_extract import aux_layer_ids
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(not HAS_VLLM and os.environ.get("DFLASH_REQUIRE_VLLM") != "1",
+                                reason="vLLM is not installed (docs/engine-target.md)")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NUM_LAYERS = 8  # the embedded target
+LAYER_IDS = [0, 3, NUM_LAYERS - 1]  # the first layer, one inside, the last (the same tensor as `last`)
+OPTIONS = dict(layer_ids=LAYER_IDS, dtype="fp32", topk=4, max_seq_len=96, batch_tokens=256, shard_tokens=300,
+               parity_every=1, progress=False)
+
+
+def test_our_layer_ids_are_vllm_aux_ids_one_higher_and_last_is_aux_id_num_layers():
+    aux, tapped, last = aux_layer_ids([5, 0, 3], NUM_LAYERS)
+    assert aux == [1, 4, 6, 8] and [aux[i] for i in tapped] == [6, 1, 4] and aux[last] == 8
+    aux, tapped, last = aux_layer_ids([0, NUM_LAYERS - 1], NUM_LAYERS)  # id L-1 and `last`: one aux layer
+    assert aux == [1, 8] and tapped == [0, 1] and last == 1
+
+
+def test_the_head_alone_is_the_loaded_targets_final_norm_and_lm_head():
+    _, norm, name, head = load_head(TARGET, torch.device("cpu"), torch.float32)
+    model = load_target(TARGET, torch.device("cpu"), torch.float32)
+    full_norm, full_name = final_norm_module(model)
+    assert name == full_name
+    assert torch.equal(norm.weight, full_norm.weight)
+    assert torch.equal(head.weight, model.get_output_embeddings().weight)
+
+
+def test_tensor_parallel_size_without_the_vllm_engine_is_one_error_line(tmp_path, capsys):
+    data = write_jsonl(tmp_path / "d.jsonl", sample_records(2))
+    argv = ["extract", "--target", TARGET, "--data", str(data), "--out", str(tmp_path / "out"),
+            "--tensor-parallel-size", "2"]
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: --tensor-parallel-size is the engine's: it needs --engine vllm") and \
+        err.count("\n") == 1
+
+
+def test_engine_vllm_without_vllm_installed_says_how_to_install_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError, as where it is not installed
+    data = write_jsonl(tmp_path / "d.jsonl", sample_records(2))
+    argv = ["extract", "--engine", "vllm", "--target", TARGET, "--data", str(data), "--out", str(tmp_path / "out")]
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: --engine vllm needs vLLM") and err.count("\n") == 1
+    assert not os.path.exists(tmp_path / "out" / "manifest.json")
+
+
+def test_engine_vllm_under_several_ranks_is_refused_before_loading(tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", sample_records(2))
+    with pytest.raises(UserError, match="--engine vllm runs one engine for the whole job"):
+        extract(TARGET, data, str(tmp_path / "out"), engine="vllm", rank=0, world_size=2, progress=False)
+
+
+def test_data_source_vllm_under_several_ranks_is_refused_before_any_engine(monkeypatch):
+    from dflash_fast.config import load_config
+    from dflash_fast.data import open_source
+
+    cfg = load_config(os.path.join(REPO, "configs", "tiny.yaml"),
+                      ["data.source=vllm", f"model.target={TARGET}", "data.jsonl=never-read.jsonl"])
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
+    with pytest.raises(UserError, match="data.source=vllm runs one vLLM engine inside a one-rank trainer"):
+        open_source(cfg)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_jsonl(tmp_path_factory.mktemp("data") / "mixed.jsonl", sample_records(8))
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory, data):
+    """{engine: store directory} of the same extraction (fp32, parity on every batch)."""
+    root = tmp_path_factory.mktemp("stores")
+    return {engine: extract(TARGET, data, str(root / engine), engine=engine, **OPTIONS)["out"]
+            for engine in ("hf", "vllm")}
+
+
+def assert_same_store(a_path, b_path, hidden_atol=1e-4):
+    a, b = HiddenStateStore(a_path), HiddenStateStore(b_path)
+    assert len(a) == len(b) > 0 and a.manifest["layer_ids"] == b.manifest["layer_ids"]
+    for key in ("num_tokens", "num_loss_tokens", "dtype", "final_norm", "topk"):
+        assert a.manifest.get(key) == b.manifest.get(key), key
+    for i in range(len(a)):
+        x, y = a[i], b[i]
+        assert x.keys() == y.keys()
+        for key in ("input_ids", "loss_mask", "teacher_topk_ids"):
+            assert torch.equal(x[key], y[key]), (key, i)
+        for k, layer in enumerate(a.manifest["layer_ids"]):
+            torch.testing.assert_close(x["hidden"][:, k], y["hidden"][:, k], rtol=1e-4, atol=hidden_atol,
+                                       msg=lambda m, layer=layer: f"item {i}, layer id {layer}: {m}")
+        torch.testing.assert_close(x["last"], y["last"], rtol=1e-4, atol=hidden_atol)
+        torch.testing.assert_close(x["teacher_topk_logits"], y["teacher_topk_logits"], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(x["teacher_lse"], y["teacher_lse"], rtol=1e-4, atol=1e-4)
+
+
+@needs_vllm
+def test_vllm_store_is_the_hf_store_every_layer_last_and_teacher(stores):
+    assert_same_store(stores["hf"], stores["vllm"])
+    assert HiddenStateStore(stores["vllm"]).manifest["extraction"]["engine"] == "vllm"
+
+
+@needs_vllm
+def test_vllm_extraction_resumes_a_store_with_a_shard_missing(stores, data, tmp_path):
+    out = tmp_path / "resumed"
+    shutil.copytree(stores["vllm"], out)
+    os.remove(out / "manifest.json")
+    shards = sorted((out / "shards").iterdir())
+    assert len(shards) > 1
+    shutil.rmtree(shards[-1])
+    summary = extract(TARGET, data, str(out), engine="vllm", **OPTIONS)
+    assert summary["tokens_run"] > 0 and summary["skipped_shards"] == len(shards) - 1
+    assert_same_store(stores["hf"], out)
+
+
+@needs_vllm
+def test_vllm_fp8_store_is_the_hf_fp8_store(data, tmp_path):
+    options = {**OPTIONS, "dtype": "fp8"}
+    hf = extract(TARGET, data, str(tmp_path / "hf"), **options)["out"]
+    vllm = extract(TARGET, data, str(tmp_path / "vllm"), engine="vllm", **options)["out"]
+    a, b = HiddenStateStore(hf), HiddenStateStore(vllm)
+    assert a.manifest["dtype"] == b.manifest["dtype"] == "float8_e4m3fn"
+    for i in range(len(a)):
+        x, y = a[i], b[i]
+        for name in ("hidden", "last"):
+            # One e4m3 step (2^-3 relative) where the fp32 values straddle a rounding boundary.
+            xs, ys = (dequantize_fp8(s[name], s[f"{name}_scale"], torch.float32) for s in (x, y))
+            assert ((xs - ys).abs() <= 2**-3 * xs.abs() + 1e-3).all(), (name, i)
+        assert torch.equal(x["teacher_topk_ids"], y["teacher_topk_ids"])
+
+
+@needs_vllm
+def test_vllm_store_is_the_hf_store_for_a_tiny_llama(data, tmp_path):
+    # hidden_size 128: vLLM's CPU attention takes head_dim 32, not the tiny targets' default 16.
+    target = make_tiny_target(tmp_path / "llama", "llama", num_layers=4, hidden_size=128)
+    options = {**OPTIONS, "layer_ids": [0, 1, 3]}
+    assert_same_store(extract(target, data, str(tmp_path / "hf"), **options)["out"],
+                      extract(target, data, str(tmp_path / "vllm"), engine="vllm", **options)["out"])
+
+
+# ---------------------------------------------------------------- data.source=vllm: online from the engine
+
+
+def train_in_a_process(stores, data, out, source):
+    """`python train.py` (configs/tiny.yaml, 4 steps of 2 micro-batches with hidden-state noise) on the store vLLM
+    extracted with OPTIONS (source "store"), or with data.source=vllm over the same JSONL and settings, in a process
+    of its own: DeepSpeed and vLLM each set up torch.distributed once per process, as in a real run."""
+    from test_trainer import losses
+    from test_trainer import settings as trainer_settings
+
+    extra = {"model.target": TARGET, "model.mask_token_id": 2047, "model.layer_ids": ",".join(map(str, LAYER_IDS)),
+             "schedule.grad_accum": 2, "data.noise_std": 0.05}
+    if source == "vllm":
+        extra.update({"data.source": "vllm", "data.jsonl": str(data), "data.online.max_seq_len": OPTIONS["max_seq_len"],
+                      "data.online.dtype": "fp32", "data.online.topk": OPTIONS["topk"],
+                      "data.online.batch_tokens": OPTIONS["batch_tokens"], "data.online.parity_every": 1})
+    store = type("Store", (), {"store": stores["vllm"]})
+    argv = trainer_settings(store, out, **{k.replace(".", "__"): v for k, v in extra.items()})
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                                            "MASTER_PORT")}
+    env["PYTHONPATH"] = REPO
+    cmd = [sys.executable, os.path.join(REPO, "train.py"), "--config", os.path.join(REPO, "configs", "tiny.yaml"),
+           *argv]
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return losses(out)
+
+
+@needs_vllm
+def test_vllm_online_steps_equal_the_store_steps(stores, data, tmp_path):
+    store = train_in_a_process(stores, data, str(tmp_path / "store"), "store")
+    online = train_in_a_process(stores, data, str(tmp_path / "vllm"), "vllm")
+    assert len(store) == 4
+    assert online == pytest.approx(store, rel=1e-5)
