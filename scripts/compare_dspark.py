@@ -3,6 +3,7 @@ kind and seed on it (configs/tiny.yaml and configs/tiny_dspark.yaml: the same re
 
     python scripts/compare_dspark.py --out out/dspark_cmp --seeds 0,1,2 --steps 696    # the quickstart budget
     python scripts/compare_dspark.py --out out/dspark_cmp --seeds 0 --steps 60 --num-prompts 64 --eval-prompts 10
+    python scripts/compare_dspark.py --out out/dspark_tv --seeds 0,1,2 --steps 48 loss.kind=tv   # overrides: both arms
 
 Prints one JSON line per run (tau, tau_offline, greedy mismatches) and writes OUT/summary.json.
 """
@@ -22,6 +23,7 @@ def main(argv=None):
     p.add_argument("--num-prompts", type=int, default=300, help="training prompts the target answers (shared)")
     p.add_argument("--eval-prompts", type=int, default=40)
     p.add_argument("--eval-max-new-tokens", type=int, default=96)
+    p.add_argument("overrides", nargs="*", help="trainer overrides (key=value) for every run of both drafters")
     args = p.parse_args(argv)
     base = os.path.join(args.out, "base")
     build_store(base, num_prompts=args.num_prompts, progress=False)
@@ -33,7 +35,7 @@ def main(argv=None):
             for name in ("train.jsonl", "store"):  # the shared stages: quickstart resumes past them
                 if not os.path.exists(os.path.join(out, name)):
                     os.symlink(os.path.abspath(os.path.join(base, name)), os.path.join(out, name))
-            overrides = [f"seed={seed}"] + ([f"schedule.steps={args.steps}"] if args.steps else [])
+            overrides = [f"seed={seed}"] + ([f"schedule.steps={args.steps}"] if args.steps else []) + args.overrides
             report = quickstart(out, num_prompts=args.num_prompts, eval_prompts=args.eval_prompts,
                                 eval_max_new_tokens=args.eval_max_new_tokens,
                                 extra_overrides=overrides, progress=False, drafter=drafter)
