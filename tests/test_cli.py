@@ -39,7 +39,7 @@ def test_engine_vllm_without_vllm_installed_says_how_to_install_it(tmp_path, cap
 
 def test_engine_vllm_on_a_cpu_refuses_a_mixed_drafter_that_its_v1_runner_cannot_serve(tmp_path, capsys):
     drafter = build_drafter(TARGET, [1, 3, 5], num_layers=2, block_size=4, layer_types=["sliding", "full"],
-                            sliding_window=8, causal_in_block=[True, False])
+                            sliding_window=8, causal_in_block=[True, False], window_from="query")
     export = export_drafter(drafter, str(tmp_path / "export"), TARGET, torch.float32, fmt="zlab")
     prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"text": "def f():"}])
     assert cli.main(["eval", "--engine", "vllm", "--target", TARGET, "--drafter", export, "--data", str(prompts)]) == 1
@@ -61,7 +61,7 @@ def test_user_errors_of_every_command_end_in_one_error_line_with_exit_1(tmp_path
         assert message in one_error_line(capsys.readouterr().err), argv
 
 
-def open_store_only(cfg):
+def open_store_only(cfg, device_memory=None):
     """trainer.train as far as its first data error: the store (no process group, no DeepSpeed engine)."""
     HiddenStateStore(cfg.data.store)
 
