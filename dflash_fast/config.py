@@ -351,15 +351,35 @@ def _numbers(node, prefix: str = ""):
 
 
 def validate(cfg: TrainConfig) -> None:
-    """Ranges and choices; what needs the store or the target is checked by the trainer."""
+    """Ranges and choices, section by section; what needs the store or the target is checked by the trainer."""
     from dflash_fast import ops
-    from dflash_fast.drafter_config import MAX_BLOCK_SIZE
-    from dflash_fast.dspark import MARKOV_HEAD_TYPES
-    from dflash_fast.eager import DENSE_KINDS, LOSS_KINDS, WEIGHTINGS, WINDOW_RULES
 
     for key, value in _numbers(cfg):
         _check(math.isfinite(value), f"{key}={value} is not a finite number")
-    m, d, o, s = cfg.model, cfg.data, cfg.optimizer, cfg.schedule
+    _check_data_source(cfg.data, cfg.model)
+    _check_model(cfg.model)
+    _check_rows(cfg.data, cfg.model)
+    _check_heads_and_loss(cfg.model, cfg.loss)
+    _check_optimizer(cfg.optimizer)
+    _check_schedule_and_outputs(cfg)
+    _check(bool(cfg.output_dir), "output_dir is empty")
+    if cfg.checkpoint.resume is not None and cfg.checkpoint.resume.lower() in ("true", "false"):
+        cfg.checkpoint.resume = "latest" if cfg.checkpoint.resume.lower() == "true" else None
+    _check(bool(cfg.deepspeed), "deepspeed is empty: give a DeepSpeed JSON such as configs/ds_zero2.json")
+    try:
+        ops.parse_backends(cfg.kernels)
+    except ValueError as e:
+        raise ConfigError(f"kernels: {e}") from None
+    if cfg.logging.tensorboard:
+        try:
+            import torch.utils.tensorboard  # noqa: F401
+        except ImportError:
+            raise ConfigError(
+                "logging.tensorboard=true needs the tensorboard package: pip install tensorboard"
+            ) from None
+
+
+def _check_data_source(d: DataConfig, m: ModelConfig) -> None:
     _check(d.source in DATA_SOURCES, f"data.source={d.source!r} is not one of {DATA_SOURCES}")
     if d.source == "store":
         _check(bool(d.store),
@@ -373,6 +393,12 @@ def validate(cfg: TrainConfig) -> None:
         _check(n.max_seq_len >= 2, f"data.online.max_seq_len={n.max_seq_len} must be >= 2")
         _check(n.batch_tokens >= 1 and n.topk >= 1 and n.parity_every >= 1,
                "data.online.batch_tokens, data.online.topk and data.online.parity_every must be >= 1")
+
+
+def _check_model(m: ModelConfig) -> None:
+    from dflash_fast.drafter_config import MAX_BLOCK_SIZE
+    from dflash_fast.eager import WINDOW_RULES
+
     _check(m.num_layers >= 1, f"model.num_layers={m.num_layers} must be >= 1")
     _check(m.block_size >= 2, f"model.block_size={m.block_size} must be >= 2 (slot 0 is the given token)")
     _check(m.block_size <= MAX_BLOCK_SIZE,
@@ -398,6 +424,9 @@ def validate(cfg: TrainConfig) -> None:
         f"model.window_from=query needs model.sliding_window >= model.block_size (the engines would window the "
         f"block's own keys too): got {m.sliding_window} < {m.block_size}",
     )
+
+
+def _check_rows(d: DataConfig, m: ModelConfig) -> None:
     _check(
         d.seq_len >= m.block_size,
         f"data.seq_len={d.seq_len} cannot hold one anchor and its block of model.block_size={m.block_size} "
@@ -415,21 +444,30 @@ def validate(cfg: TrainConfig) -> None:
     _check(0 <= d.val_fraction < 1, f"data.val_fraction={d.val_fraction} must be in [0, 1)")
     _check(d.num_workers >= 0, f"data.num_workers={d.num_workers} must be >= 0")
     _check(d.noise_std >= 0, f"data.noise_std={d.noise_std} must be >= 0")
+
+
+def _check_heads_and_loss(m: ModelConfig, loss: LossConfig) -> None:
+    from dflash_fast.dspark import MARKOV_HEAD_TYPES
+    from dflash_fast.eager import DENSE_KINDS, LOSS_KINDS, WEIGHTINGS
+
     _check(m.markov_rank >= 0, f"model.markov_rank={m.markov_rank} must be >= 0 (0 = no Markov head)")
     _check(m.markov_head_type in MARKOV_HEAD_TYPES,
            f"model.markov_head_type={m.markov_head_type!r} is not one of {MARKOV_HEAD_TYPES}")
     _check(not (m.confidence_head and m.confidence_head_with_markov and m.markov_rank == 0),
            "model.confidence_head_with_markov=true needs the Markov head: set model.markov_rank > 0 "
            "(DSpark's default 256) or model.confidence_head_with_markov=false")
-    _check(not m.confidence_head or cfg.loss.kind in ("auto",) + DENSE_KINDS,
+    _check(not m.confidence_head or loss.kind in ("auto",) + DENSE_KINDS,
            f"model.confidence_head=true trains against the acceptance rate sum_v min(q_v, p_v), which needs the full "
-           f"teacher: loss.kind={cfg.loss.kind!r} has none; use one of {DENSE_KINDS} (a store with `last`)")
-    _check(cfg.loss.confidence_alpha >= 0, f"loss.confidence_alpha={cfg.loss.confidence_alpha} must be >= 0")
+           f"teacher: loss.kind={loss.kind!r} has none; use one of {DENSE_KINDS} (a store with `last`)")
+    _check(loss.confidence_alpha >= 0, f"loss.confidence_alpha={loss.confidence_alpha} must be >= 0")
     kinds = ("auto",) + LOSS_KINDS
-    _check(cfg.loss.kind in kinds, f"loss.kind={cfg.loss.kind!r} is not one of {kinds}")
-    _check(cfg.loss.gamma > 0, f"loss.gamma={cfg.loss.gamma} must be > 0")
-    _check(cfg.loss.weighting in WEIGHTINGS, f"loss.weighting={cfg.loss.weighting!r} is not one of {WEIGHTINGS}")
-    _check(0 <= cfg.loss.dpace_alpha <= 1, f"loss.dpace_alpha={cfg.loss.dpace_alpha} must be in [0, 1]")
+    _check(loss.kind in kinds, f"loss.kind={loss.kind!r} is not one of {kinds}")
+    _check(loss.gamma > 0, f"loss.gamma={loss.gamma} must be > 0")
+    _check(loss.weighting in WEIGHTINGS, f"loss.weighting={loss.weighting!r} is not one of {WEIGHTINGS}")
+    _check(0 <= loss.dpace_alpha <= 1, f"loss.dpace_alpha={loss.dpace_alpha} must be in [0, 1]")
+
+
+def _check_optimizer(o: OptimizerConfig) -> None:
     _check(o.kind in OPTIMIZERS, f"optimizer.kind={o.kind!r} is not one of {OPTIMIZERS}")
     _check(o.lr > 0 and o.muon_lr > 0, f"optimizer.lr={o.lr} and optimizer.muon_lr={o.muon_lr} must be > 0")
     _check(0 <= o.muon_momentum < 1, f"optimizer.muon_momentum={o.muon_momentum} must be in [0, 1)")
@@ -444,6 +482,10 @@ def validate(cfg: TrainConfig) -> None:
         o.eps > 0 and o.weight_decay >= 0 and o.grad_clip >= 0,
         "optimizer.eps must be > 0, optimizer.weight_decay and optimizer.grad_clip >= 0",
     )
+
+
+def _check_schedule_and_outputs(cfg: TrainConfig) -> None:
+    s = cfg.schedule
     _check(s.kind in SCHEDULES, f"schedule.kind={s.kind!r} is not one of {SCHEDULES}")
     _check(0 <= s.warmup_ratio < 1, f"schedule.warmup_ratio={s.warmup_ratio} must be in [0, 1)")
     _check(0 <= s.min_lr_ratio <= 1, f"schedule.min_lr_ratio={s.min_lr_ratio} must be in [0, 1]")
@@ -459,23 +501,8 @@ def validate(cfg: TrainConfig) -> None:
         "validation.every and validation.max_batches must be >= 0",
     )
     _check(
-        cfg.validation.every == 0 or d.val_fraction > 0,
+        cfg.validation.every == 0 or cfg.data.val_fraction > 0,
         f"validation.every={cfg.validation.every} needs a held-out split: set data.val_fraction > 0",
     )
     _check(cfg.precision in PRECISIONS, f"precision={cfg.precision!r} is not one of {PRECISIONS}")
     _check(cfg.export_dtype in EXPORT_DTYPES, f"export_dtype={cfg.export_dtype!r} is not one of {EXPORT_DTYPES}")
-    _check(bool(cfg.output_dir), "output_dir is empty")
-    if cfg.checkpoint.resume is not None and cfg.checkpoint.resume.lower() in ("true", "false"):
-        cfg.checkpoint.resume = "latest" if cfg.checkpoint.resume.lower() == "true" else None
-    _check(bool(cfg.deepspeed), "deepspeed is empty: give a DeepSpeed JSON such as configs/ds_zero2.json")
-    try:
-        ops.parse_backends(cfg.kernels)
-    except ValueError as e:
-        raise ConfigError(f"kernels: {e}") from None
-    if cfg.logging.tensorboard:
-        try:
-            import torch.utils.tensorboard  # noqa: F401
-        except ImportError:
-            raise ConfigError(
-                "logging.tensorboard=true needs the tensorboard package: pip install tensorboard"
-            ) from None
