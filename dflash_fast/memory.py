@@ -311,10 +311,12 @@ def device_bytes() -> Optional[int]:
     return device_memory(torch.device("cuda", torch.cuda.current_device()))
 
 
-def check_fits(plan: Plan, limit: Optional[int], cfg: TrainConfig) -> None:
-    """Refuse, before anything is allocated, a run whose plan exceeds `limit` bytes per rank, naming both."""
+def check_fits(plan: Plan, limit: Optional[int], cfg: TrainConfig) -> str:
+    """Refuse, before anything is allocated, a run whose plan exceeds `limit` bytes per rank (default: the GPU's;
+    a CPU has none), naming both; else the log line of the plan."""
+    limit = device_bytes() if limit is None else limit
     if limit is None or plan.peak <= limit:
-        return
+        return f"memory plan: {gib(plan.peak)} per rank at the peak of a step (train.py --plan shows its terms)"
     d = cfg.data
     raise UserError(
         f"the memory plan of this run needs {plan.peak:,} bytes ({gib(plan.peak)}) per rank at the peak of a step, "

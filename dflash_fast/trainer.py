@@ -111,8 +111,7 @@ class Trainer:
         # own forward): ZeRO-3 detects such reads and gathers the parameters itself.
         self.zero_stage = ds.get("zero_optimization", {}).get("stage", 0)
         plan = run_plan(cfg, drafter.config, ds, world_size, self.dtype, self.loss_kind, manifest, self.target)
-        check_fits(plan, device_bytes() if device_memory is None else device_memory, cfg)
-        self.log(f"memory plan: {gib(plan.peak)} per rank at the peak of a step (train.py --plan shows its terms)")
+        self.log(check_fits(plan, device_memory, cfg))
         num_params = sum(p.numel() for p in drafter.parameters())
         self.stream = TrainStream(self.store, cfg, rank, world_size, with_last=self.with_last)
         self.total_steps = total_steps(cfg.schedule, self.stream.per_epoch)

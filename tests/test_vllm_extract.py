@@ -18,8 +18,8 @@ from tiny_targets import make_tiny_target, sample_records, write_jsonl
 from dflash_fast import cli
 from dflash_fast.errors import UserError
 from dflash_fast.extract import extract
-from dflash_fast.quickstart import TARGET
 from dflash_fast.fp8 import dequantize_fp8
+from dflash_fast.quickstart import TARGET
 from dflash_fast.store import HiddenStateStore
 from dflash_fast.target import final_norm_module, load_head, load_target
 from dflash_fast.vllm_extract import aux_layer_ids
