@@ -23,8 +23,8 @@ from dflash_fast.evaluate import SpecResult, Tally, _report
 from dflash_fast.export import read_export_config
 from dflash_fast.layouts import DFLASH_ONLY
 from dflash_fast.regenerate import cut_response, encode_prompt, eos_token_ids, read_prompts
+from dflash_fast.store_format import normalise_dtype
 from dflash_fast.target import check_target
-from dflash_fast.vllm_extract import VLLM_DTYPES
 from dflash_fast.vllm_extract import import_vllm as _vllm
 
 
@@ -36,7 +36,7 @@ def load_engine(target: str, drafter: Optional[str] = None, block_size: Optional
     vllm = _vllm()
     kwargs = dict(
         model=target,
-        dtype=VLLM_DTYPES[dtype or ("bf16" if on_gpu else "fp32")],
+        dtype=normalise_dtype(dtype or ("bf16" if on_gpu else "fp32")),
         max_model_len=max_model_len,
         enforce_eager=not on_gpu,  # no torch.compile / CUDA graphs on a CPU
         enable_prefix_caching=False,  # every prompt is prefilled, as our evaluator does
@@ -126,7 +126,7 @@ def evaluate_vllm(
             tally.add_greedy(toks, per_prompt_s, spec)
         del llm
     return _report(tally, baseline, engine=f"vllm {vllm.__version__}", target=target, drafter=drafter,
-                   device="cuda" if torch.cuda.is_available() else "cpu", dtype=VLLM_DTYPES[dtype],
+                   device="cuda" if torch.cuda.is_available() else "cpu", dtype=normalise_dtype(dtype),
                    prompts=len(prompts), block_size=cfg.block_size, layer_ids=list(cfg.layer_ids),
                    max_new_tokens=max_new_tokens)
 

