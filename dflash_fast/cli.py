@@ -15,6 +15,8 @@ from dflash_fast.errors import DEBUG_ENV, run_reporting_errors
 
 COMMANDS = {
     "extract": ("dflash_fast.extract", "run the target over JSONL data and write a hidden-state store"),
+    "serve-target": ("dflash_fast.serve_target", "serve the target's hidden states to trainers over TCP "
+                     "(data.online.address)"),
     "verify": ("dflash_fast.store", "check every shard of a store against the sha256 sums recorded at extraction"),
     "export": ("dflash_fast.export", "write a trained drafter in the speculators/vLLM format"),
     "eval": ("dflash_fast.evaluate", "real block speculative decoding: measure acceptance length tau"),

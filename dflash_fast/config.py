@@ -94,6 +94,8 @@ class OnlineConfig:
     parity_every: int = 50  # check lm_head(norm(last)) == logits on the first forward and every N
     skip_bad: bool = False  # skip and count malformed JSONL lines instead of failing
     prefetch: bool = True  # run the next micro-batch's target forward on a side thread during this step
+    # HOST:PORT of `dflash-fast serve-target` (same engine and settings): it runs the forwards; "": this process
+    address: str = ""
 
 
 @dataclasses.dataclass
@@ -393,6 +395,10 @@ def _check_data_source(d: DataConfig, m: ModelConfig) -> None:
         _check(n.max_seq_len >= 2, f"data.online.max_seq_len={n.max_seq_len} must be >= 2")
         _check(n.batch_tokens >= 1 and n.topk >= 1 and n.parity_every >= 1,
                "data.online.batch_tokens, data.online.topk and data.online.parity_every must be >= 1")
+        if n.address:
+            from dflash_fast.serve_target import parse_address
+
+            parse_address(n.address)
 
 
 def _check_model(m: ModelConfig) -> None:

@@ -2,7 +2,8 @@
 stream of training micro-batches a resume continues exactly.
 
     open_source    data.source=store: the store at data.store; online (vllm): the target run over data.jsonl in
-                   this process by transformers (by vLLM) (an OnlineSource, read like a store)
+                   this process by transformers (by vLLM), or by `dflash-fast serve-target` at
+                   data.online.address (an OnlineSource, read like a store)
     open_batches   one epoch of one split (train / val) for this rank: a DataLoader over the store, or online an
                    OnlineBatches (the target forward one micro-batch ahead)
     TrainStream    the training micro-batches, epoch after epoch, from a (epoch, micro-batch) position
@@ -28,10 +29,12 @@ def open_source(cfg: TrainConfig):
     d = cfg.data
     if d.source == "store":
         return HiddenStateStore(d.store)
-    if d.source == "vllm" and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        raise UserError("data.source=vllm runs one vLLM engine inside a one-rank trainer; with several ranks extract "
-                        "a store with `dflash-fast extract --engine vllm` and train on it (data.source=store)")
     n = d.online
+    if (d.source == "vllm" and not n.address and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() > 1):
+        raise UserError("data.source=vllm runs one vLLM engine inside a one-rank trainer; with several ranks serve "
+                        "the target (`dflash-fast serve-target --engine vllm`, data.online.address=HOST:PORT) or "
+                        "extract a store with `dflash-fast extract --engine vllm` (data.source=store)")
     options = ExtractOptions(
         layer_ids=cfg.model.layer_ids,
         max_seq_len=n.max_seq_len,
@@ -45,7 +48,7 @@ def open_source(cfg: TrainConfig):
         engine="vllm" if d.source == "vllm" else "hf",
     )
     try:
-        return OnlineSource(cfg.model.target, d.jsonl, options)
+        return OnlineSource(cfg.model.target, d.jsonl, options, address=n.address)
     except (OSError, ValueError) as e:  # bad data or a missing file: exit 1, with the keys that named them
         raise ValueError(f"data.source={d.source} over data.jsonl={d.jsonl} with model.target={cfg.model.target}: "
                          f"{e}") from None

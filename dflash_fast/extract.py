@@ -366,21 +366,29 @@ def _layer_ids_arg(text):
 
 def add_arguments(parser) -> None:
     p = parser
-    p.add_argument("--target", required=True, help="Hugging Face causal LM: local directory or hub id")
+    add_target_arguments(p)
     p.add_argument("--data", required=True, help="JSONL: {conversations: [...]}, {text: ...} or {input_ids, loss_mask}")
     p.add_argument("--out", required=True, help="store directory (re-run the same command to resume)")
+    p.add_argument("--batch-tokens", type=int, default=16384, help="padded tokens per forward (default 16384)")
+    p.add_argument("--shard-tokens", type=int, default=None, help="tokens per shard (default: about 1 GiB)")
+    p.add_argument("--skip-bad", action="store_true", help="skip and count malformed JSONL lines instead of failing")
+    p.add_argument("--estimate", action="store_true",
+                   help="print the disk the store needs (tokens x bytes per token per field and dtype) and the free "
+                        "space, then exit without loading the model or writing anything")
+
+
+def add_target_arguments(p) -> None:
+    """The flags of the target and of what is captured from it: extract's, and serve-target's (serve_target.py)."""
+    p.add_argument("--target", required=True, help="Hugging Face causal LM: local directory or hub id")
     p.add_argument("--layer-ids", type=_layer_ids_arg, default=None,
                    help="comma-separated decoder layer ids, 0..L-1 (id l = HF hidden_states[l+1]); "
                         "default: --num-tapped ids spread over 1..L-3")
     p.add_argument("--num-tapped", type=int, default=5, help="K, when --layer-ids is not given (default 5)")
     p.add_argument("--max-seq-len", type=int, default=2048, help="longer sequences are truncated and counted")
-    p.add_argument("--batch-tokens", type=int, default=16384, help="padded tokens per forward (default 16384)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32", "fp8"], default="bf16",
                    help="store dtype of hidden/last; fp8 = e4m3 with an fp32 scale per token and layer (half of bf16)")
-    p.add_argument("--shard-tokens", type=int, default=None, help="tokens per shard (default: about 1 GiB)")
     p.add_argument("--topk", type=int, default=8, help="teacher top-k kept per token (default 8)")
     p.add_argument("--no-last", action="store_true", help="do not store `last` (stores for ce / top-k losses only)")
-    p.add_argument("--skip-bad", action="store_true", help="skip and count malformed JSONL lines instead of failing")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modelling code to run")
     p.add_argument("--parity-every", type=int, default=50,
                    help="check lm_head(norm(last)) == logits on the first batch and every N batches (default 50)")
@@ -388,9 +396,6 @@ def add_arguments(parser) -> None:
                    help="what runs the target: hf (transformers, one device) or vllm (its extract_hidden_states "
                         "path; docs/engine-target.md)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="--engine vllm: GPUs the target spans")
-    p.add_argument("--estimate", action="store_true",
-                   help="print the disk the store needs (tokens x bytes per token per field and dtype) and the free "
-                        "space, then exit without loading the model or writing anything")
 
 
 def run(args) -> int:

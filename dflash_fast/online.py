@@ -28,19 +28,22 @@ import torch
 
 from dflash_fast.batches import RowBatches
 from dflash_fast.plan import ExtractOptions, job_manifest, make_runner, plan_batches, plan_job
+from dflash_fast.serve_target import RemoteRunner
 
 
 class OnlineSource:
     """Stands in for a HiddenStateStore: `lengths`, `manifest`, `layout`, `len()`, `source[i]` (document i
     through the target), and `run(items)`, the documents of a step in padded forwards.
 
-    The target is loaded here (bf16 on CUDA, fp32 on CPU, as extraction picks), on this rank's device.
+    The target is loaded here (bf16 on CUDA, fp32 on CPU, as extraction picks), on this rank's device, or, with
+    an `address`, served by `dflash-fast serve-target` there (serve_target.py: only the forwards move).
     """
 
-    def __init__(self, target: str, jsonl: str, options: ExtractOptions, device=None):
+    def __init__(self, target: str, jsonl: str, options: ExtractOptions, device=None, address: str = ""):
         # Every record, as a one-rank extraction reads them: training ranks split rows, not records.
         self.job = plan_job(target, jsonl, None, options, device, rank=0, world_size=1)
-        self.runner = make_runner(self.job)
+        # A served target (`dflash-fast serve-target` at `address`) runs the forwards, else this process does.
+        self.runner = RemoteRunner(address, self.job) if address else make_runner(self.job)
         self.layout = self.job.layout
         self.lengths = np.asarray([len(e.input_ids) for e in self.job.examples], dtype=np.int64)
         if not len(self.lengths):

@@ -94,7 +94,7 @@ class Job:
     """One extraction run on one rank, planned and validated before the model loads."""
 
     target: str
-    data: str
+    data: Optional[str]
     out: Optional[str]
     options: ExtractOptions
     rank: int
@@ -112,11 +112,11 @@ class Job:
     id: str  # sha256 of `identity`
 
 
-def plan_job(target: str, data: str, out: Optional[str], options: ExtractOptions, device=None, rank=None,
+def plan_job(target: str, data: Optional[str], out: Optional[str], options: ExtractOptions, device=None, rank=None,
              world_size=None) -> Job:
     """Check the layer ids against the target's config and tokenize this rank's JSONL records -> Job.
     `rank` / `world_size` default to the launcher's RANK / WORLD_SIZE; `out` is None when nothing is written
-    (online training)."""
+    (online training); `data` is None for a served target, which gets its documents with each request."""
     from transformers import AutoConfig, AutoTokenizer
 
     rank, world_size = _launcher_env(rank, world_size)
@@ -135,9 +135,12 @@ def plan_job(target: str, data: str, out: Optional[str], options: ExtractOptions
     layout = Layout(len(layer_ids), text_config.hidden_size, options.topk, dtype, not options.no_last)
     shard_tokens = options.shard_tokens or max(1, (1 << 30) // layout.bytes_per_token())
     tokenizer = AutoTokenizer.from_pretrained(target, trust_remote_code=options.trust_remote_code)
-    examples, stats, data_sha = read_examples(
-        data, ChatTokenizer(tokenizer, vocab_size), options.max_seq_len, options.skip_bad, rank, world_size
-    )
+    if data is None:  # a served target (serve_target.py): the documents come with each request
+        examples, stats, data_sha = [], InputStats(), None
+    else:
+        examples, stats, data_sha = read_examples(
+            data, ChatTokenizer(tokenizer, vocab_size), options.max_seq_len, options.skip_bad, rank, world_size
+        )
     identity = {
         "schema_version": layout.schema_version,
         "target_config_sha256": config_sha256(target),

@@ -125,7 +125,7 @@ class VllmRunner(TargetRunner):
         self.aux_ids, self.tapped, self.last = aux_layer_ids(self.layer_ids, self.num_layers)
         self.scratch = tempfile.mkdtemp(prefix="dflash-vllm-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         weakref.finalize(self, shutil.rmtree, self.scratch, ignore_errors=True)
-        longest = max(len(e.input_ids) for e in job.examples)
+        longest = max((len(e.input_ids) for e in job.examples), default=job.options.max_seq_len)  # served: any
         self.llm = load_engine(job.target, self.aux_ids, self.scratch, job.compute_dtype, longest + 1,
                                job.options.tensor_parallel_size, job.options.trust_remote_code)
         self._logprobs = None
