@@ -166,10 +166,11 @@ def test_vllm_store_is_the_hf_store_for_a_tiny_llama(data, tmp_path):
 # ---------------------------------------------------------------- data.source=vllm: online from the engine
 
 
-def train_in_a_process(stores, data, out, source):
-    """`python train.py` (configs/tiny.yaml, 4 steps of 2 micro-batches with hidden-state noise) on the store vLLM
-    extracted with OPTIONS (source "store"), or with data.source=vllm over the same JSONL and settings, in a process
-    of its own: DeepSpeed and vLLM each set up torch.distributed once per process, as in a real run."""
+def train_in_a_process(stores, data, out, source, overrides=None, wait=True):
+    """`python train.py` (configs/tiny.yaml, 4 steps of 2 micro-batches with hidden-state noise, then `overrides`)
+    on the store vLLM extracted with OPTIONS (source "store"), or with data.source=vllm over the same JSONL and
+    settings, in a process of its own: DeepSpeed and vLLM each set up torch.distributed once per process, as in a
+    real run. -> its losses by step, or with `wait=False` the running process."""
     from test_trainer import losses
     from test_trainer import settings as trainer_settings
 
@@ -179,6 +180,7 @@ def train_in_a_process(stores, data, out, source):
         extra.update({"data.source": "vllm", "data.jsonl": str(data), "data.online.max_seq_len": OPTIONS["max_seq_len"],
                       "data.online.dtype": "fp32", "data.online.topk": OPTIONS["topk"],
                       "data.online.batch_tokens": OPTIONS["batch_tokens"], "data.online.parity_every": 1})
+    extra.update(overrides or {})
     store = type("Store", (), {"store": stores["vllm"]})
     argv = trainer_settings(store, out, **{k.replace(".", "__"): v for k, v in extra.items()})
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
@@ -186,6 +188,8 @@ def train_in_a_process(stores, data, out, source):
     env["PYTHONPATH"] = REPO
     cmd = [sys.executable, os.path.join(REPO, "train.py"), "--config", os.path.join(REPO, "configs", "tiny.yaml"),
            *argv]
+    if not wait:
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return losses(out)
