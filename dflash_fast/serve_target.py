@@ -159,6 +159,8 @@ class TargetServer(socketserver.ThreadingTCPServer):
 
 
 class Handler(socketserver.BaseRequestHandler):
+    """One connection (a trainer rank): requests answered in turn until the trainer hangs up."""
+
     def handle(self):
         server: TargetServer = self.server
         max_request = 4 * server.job.options.max_seq_len * MAX_REQUEST_DOCUMENTS
@@ -168,17 +170,29 @@ class Handler(socketserver.BaseRequestHandler):
             except (EOFError, OSError):  # the trainer is gone
                 return
             except ValueError as e:  # something else speaking: say what, and drop the connection
-                send(self.request, {"error": f"bad request: {e}"})
+                self.reply({"error": f"bad request: {e}"})
                 return
-            try:
-                if header.get("op") == "hello":
-                    send(self.request, {"settings": server.settings})
-                elif header.get("op") == "run":
-                    send(self.request, *server.run(header.get("lengths"), payload))
-                else:
-                    send(self.request, {"error": f"unknown op {header.get('op')!r} (hello, run)"})
-            except (ValueError, UserError) as e:  # the request's fault, or the target's parity check: say so
-                send(self.request, {"error": str(e)})
+            if not self.reply(*self.answer(header, payload)):
+                return
+
+    def answer(self, header: Dict, payload: bytearray) -> Tuple[Dict, Sequence[bytes]]:
+        server: TargetServer = self.server
+        try:
+            if header.get("op") == "hello":
+                return {"settings": server.settings}, ()
+            if header.get("op") == "run":
+                return server.run(header.get("lengths"), payload)
+            return {"error": f"unknown op {header.get('op')!r} (hello, run)"}, ()
+        except (ValueError, UserError) as e:  # the request's fault, or the target's parity check: say so
+            return {"error": str(e)}, ()
+
+    def reply(self, header: Dict, payload: Sequence[bytes] = ()) -> bool:
+        """Send; False when the trainer is gone."""
+        try:
+            send(self.request, header, payload)
+        except OSError:
+            return False
+        return True
 
 
 def serve(target: str, host: str = "127.0.0.1", port: int = 7400, ready=None, **options) -> None:
