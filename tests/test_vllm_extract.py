@@ -155,6 +155,23 @@ def test_vllm_fp8_store_is_the_hf_fp8_store(data, tmp_path):
 
 
 @needs_vllm
+def test_a_tensor_parallel_2_store_is_the_tensor_parallel_1_store(stores, data, tmp_path):
+    # In a process of its own: TP starts worker processes, which this process's engines must not share a world with.
+    out = tmp_path / "tp2"
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in OPTIONS.items() if k not in ("layer_ids", "progress")]
+    cmd = [sys.executable, "-m", "dflash_fast.cli", "extract", "--engine", "vllm", "--tensor-parallel-size", "2",
+           "--target", TARGET, "--data", str(data), "--out", str(out), "--layer-ids", ",".join(map(str, LAYER_IDS)),
+           *flags]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                                            "MASTER_PORT", "VLLM_CPU_OMP_THREADS_BIND")}
+    done = subprocess.run(cmd, cwd=REPO, env={**env, "PYTHONPATH": REPO}, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # Each TP rank sums its heads' and MLP slices' partial products in another order: rounding, within 1e-4.
+    assert_same_store(stores["vllm"], out)
+
+
+@needs_vllm
 def test_vllm_store_is_the_hf_store_for_a_tiny_llama(data, tmp_path):
     # hidden_size 128: vLLM's CPU attention takes head_dim 32, not the tiny targets' default 16.
     target = make_tiny_target(tmp_path / "llama", "llama", num_layers=4, hidden_size=128)
