@@ -246,3 +246,42 @@ def test_data_source_vllm_at_an_address_is_not_refused_under_several_ranks(tiny,
     with pytest.raises(UserError, match=rf"the target served at {served} runs engine='hf' \(--engine\), this "
                                         r"trainer asks engine='vllm'"):
         open_source(cfg)
+
+
+def test_two_trainer_ranks_on_one_served_target_train_the_one_rank_steps(tiny, served, tmp_path,  # noqa: F811
+                                                                         monkeypatch):
+    """One launch of 2 gloo ranks, each asking the server for its own rows, against 1 rank with 2 micro-batches
+    (the same global batch) in process."""
+    import os
+    import subprocess
+    import sys
+
+    from test_online import REPO, settings
+
+    from dflash_fast.distributed import free_port
+    from dflash_fast.serve_target import TargetServer
+
+    answered, real_run = set(), TargetServer.run
+
+    def run(server, lengths, payload):  # the server runs in this process: note which connection asked
+        answered.add(threading.current_thread().name)
+        return real_run(server, lengths, payload)
+
+    monkeypatch.setattr(TargetServer, "run", run)
+
+    common = dict(schedule__steps=3, data__online__topk=SERVED["topk"])
+    one = str(tmp_path / "one")
+    train(config(tiny, one, "online", schedule__grad_accum=2, **common))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                                            "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2", "--master_port",
+           str(free_port()), os.path.join(REPO, "tests", "test_trainer_launch.py"), str(tmp_path / "two"),
+           os.path.join(REPO, "configs", "ds_zero1.json"), TINY_YAML,
+           *settings(tiny, "unused", "online", data__online__address=served, **common)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=480)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert len(answered) >= 2, f"the forwards came over {len(answered)} connection(s), not one per rank"
+    got, want = losses(str(tmp_path / "two" / "run0")), losses(one)
+    assert got.keys() == want.keys() and len(want) == 3
+    assert all(got[step] == pytest.approx(loss, rel=1e-5) for step, loss in want.items())
