@@ -123,17 +123,22 @@ def server_settings(job: Job, runner) -> Dict:
 
 
 class TargetServer(socketserver.ThreadingTCPServer):
-    """A TCP server over one runner: a thread per connection (a trainer rank), one forward at a time."""
+    """A TCP server over one runner: a thread per connection (a trainer rank), one forward at a time. It listens
+    from construction, so a port in use fails before the target loads; a trainer that connects before `serve`
+    waits for its hello until then."""
 
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, job: Job, runner, host: str, port: int):
+    def __init__(self, host: str, port: int):
+        self.lock = threading.Lock()
+        super().__init__((host, port), Handler)
+
+    def serve(self, job: Job, runner) -> None:
         self.job, self.runner = job, runner
         self.settings = server_settings(job, runner)
         self.fields = served_fields(job)
-        self.lock = threading.Lock()
-        super().__init__((host, port), Handler)
+        self.serve_forever()
 
     def run(self, lengths, payload: bytearray) -> Tuple[Dict, List[bytes]]:
         """A run request -> its reply; ValueError for a request that does not fit the job."""
@@ -198,15 +203,22 @@ class Handler(socketserver.BaseRequestHandler):
 def serve(target: str, host: str = "127.0.0.1", port: int = 7400, ready=None, **options) -> None:
     """Load the target as `dflash-fast extract` would (no data) and answer requests until interrupted.
     `ready(address)` is called once the socket listens."""
+    if not 0 <= port < 65536:
+        raise ConfigError(f"--port {port} is not a TCP port (0..65535; 0: any free one)")
     job = plan_job(target, None, None, ExtractOptions(**options), rank=0, world_size=1)
-    runner = make_runner(job)
-    with TargetServer(job, runner, host, port) as server:
+    try:
+        server = TargetServer(host, port)
+    except OSError as e:
+        raise OSError(f"cannot listen on --host {host} --port {port} ({e}): pick another port, or an address of "
+                      "this machine") from None
+    with server:
+        runner = make_runner(job)
         address = "%s:%d" % server.server_address[:2]
         print(f"serve-target: {target} ({job.options.engine}, layer ids {job.layer_ids}, {job.layout.dtype}, "
               f"top-k {job.options.topk}, max_seq_len {job.options.max_seq_len}) listening on {address}", flush=True)
         if ready is not None:
             ready(address)
-        server.serve_forever()
+        server.serve(job, runner)
 
 
 def add_arguments(parser) -> None:

@@ -285,3 +285,15 @@ def test_two_trainer_ranks_on_one_served_target_train_the_one_rank_steps(tiny, s
     got, want = losses(str(tmp_path / "two" / "run0")), losses(one)
     assert got.keys() == want.keys() and len(want) == 3
     assert all(got[step] == pytest.approx(loss, rel=1e-5) for step, loss in want.items())
+
+
+def test_serve_target_on_a_port_in_use_is_one_error_line_naming_it(tiny, served, capsys):  # noqa: F811
+    from dflash_fast import cli
+
+    port = served.rsplit(":", 1)[1]
+    argv = ["serve-target", "--target", tiny.target, "--port", port, "--layer-ids", "1,2", "--dtype", "fp32"]
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot listen on --host 127.0.0.1 --port {port}") and err.count("\n") == 1
+    assert cli.main([*argv[:4], "70000"]) == 2
+    assert capsys.readouterr().err.startswith("error: --port 70000 is not a TCP port")
