@@ -115,7 +115,8 @@ def main(argv=None) -> List[Dict]:
     store = Layout(drafter.num_tapped, drafter.target_hidden_size, TOPK, "bfloat16", has_last=True)
     base = run_setup(cfg, ds, args.world_size, e, dense, store)
     online = OnlineTarget(target_weight_bytes(MODELS["8b"], e), MODELS["8b"]["num_hidden_layers"],
-                          MODELS["8b"]["hidden_size"], MODELS["8b"]["intermediate_size"], MODELS["8b"]["vocab_size"], 0)
+                          MODELS["8b"]["hidden_size"], MODELS["8b"]["intermediate_size"], MODELS["8b"]["vocab_size"], 0,
+                          drafter.num_tapped)
     rows = []
     for t in SEQ_LENS:
         for a in ANCHORS:

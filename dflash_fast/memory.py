@@ -37,6 +37,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from dflash_fast.batches import INT64_FIELDS
+from dflash_fast.capture import LOGIT_CHUNK
 from dflash_fast.config import OnlineConfig, TrainConfig
 from dflash_fast.data import COMPUTE_DTYPE_FIELDS
 from dflash_fast.drafter_config import DrafterConfig
@@ -75,6 +76,7 @@ class OnlineTarget:
     intermediate_size: int
     vocab_size: int
     forward_tokens: int  # padded tokens of one forward (data.online: max(batch_tokens, max_seq_len))
+    num_tapped: int  # K, the layer ids the forward keeps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,11 +233,17 @@ def layer_backward_bytes(cfg: DrafterConfig, q: int, tokens: int, e: int) -> int
     return e * q * h + max(mlp, attention)
 
 
-def online_forward_bytes(target: OnlineTarget, e: int) -> int:
-    """A Hugging Face forward of the target over its forward_tokens positions with every hidden state returned (the
-    online source's): L + 1 hidden states, the logits [T, V], and one layer's MLP intermediates."""
+def online_forward_bytes(target: OnlineTarget, e: int, chunk: int = LOGIT_CHUNK) -> int:
+    """The online source's target forward over its forward_tokens positions (capture.TargetRunner), the larger of
+    two moments: in a decoder layer, the K tapped layers kept so far (target.LayerTaps) beside the layer's working
+    set (the embeddings, the layer's input, its residual and normed input [T, H], the MLP's gate, up and product
+    [T, I]); then `last` [T, H] beside the teacher's chunk of `chunk` rows (capture.LOGIT_CHUNK) (fp32 logits and
+    logsumexp's fp32 temporary, 8 bytes an entry; the tapped layers are on the host by then). No [T, V] logits and
+    no other layer's hidden states are kept."""
     h, tokens = target.hidden_size, target.forward_tokens
-    return tokens * ((target.num_layers + 1) * h * e + target.vocab_size * e + 3 * target.intermediate_size * e)
+    forward = tokens * (target.num_tapped * h + 4 * h + 3 * target.intermediate_size) * e
+    teacher = tokens * h * e + min(chunk, tokens) * target.vocab_size * 8
+    return max(forward, teacher)
 
 
 def step_memory(cfg: DrafterConfig, step: Step, setup: Setup) -> Plan:
@@ -293,8 +301,9 @@ def step_of(cfg: TrainConfig) -> Step:
     return Step(cfg.data.seq_len, cfg.data.num_anchors, cfg.data.batch_rows)
 
 
-def online_target(target: str, dtype: torch.dtype, online: OnlineConfig) -> OnlineTarget:
-    """The sizes of the target a data.source=online run loads, from its config.json and safetensors headers."""
+def online_target(target: str, dtype: torch.dtype, online: OnlineConfig, num_tapped: int) -> OnlineTarget:
+    """The sizes of the target a data.source=online run loads, from its config.json and safetensors headers, and
+    the number of layer ids it taps."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(target)
@@ -302,14 +311,16 @@ def online_target(target: str, dtype: torch.dtype, online: OnlineConfig) -> Onli
     h = text.hidden_size
     return OnlineTarget(weight_bytes(target, dtype) or 0, text.num_hidden_layers, h,
                         getattr(text, "intermediate_size", None) or 4 * h, text.vocab_size,
-                        max(online.batch_tokens, online.max_seq_len))
+                        max(online.batch_tokens, online.max_seq_len), num_tapped)
 
 
 def run_plan(cfg: TrainConfig, drafter: DrafterConfig, ds: Dict, world_size: int, dtype: torch.dtype,
              loss_kind: str, manifest: Dict, target: str) -> Plan:
     """The Plan of a run's step: its config, drafter, completed DeepSpeed JSON (optim.deepspeed_config), world size,
     compute dtype, loss kind, and its store's manifest (or the online source's)."""
-    online = online_target(target, dtype, cfg.data.online) if cfg.data.source == "online" else None
+    online = None
+    if cfg.data.source == "online":
+        online = online_target(target, dtype, cfg.data.online, len(manifest["layer_ids"]))
     setup = run_setup(cfg, ds, world_size, dtype.itemsize, needs_last(loss_kind, stored_labels=True),
                       Layout.from_manifest(manifest), online)
     return step_memory(drafter, step_of(cfg), setup)

@@ -12,6 +12,7 @@ import os
 import re
 import weakref
 
+import numpy as np
 import pytest
 import torch
 from test_store import write_store
@@ -25,6 +26,7 @@ from dflash_fast.data import to_device
 from dflash_fast.drafter import DFlashDrafter
 from dflash_fast.drafter_config import DrafterConfig
 from dflash_fast.memory import (
+    OnlineTarget,
     Setup,
     Step,
     batch_bytes,
@@ -33,6 +35,7 @@ from dflash_fast.memory import (
     layer_block_bytes,
     layer_context_bytes,
     loss_workspace,
+    online_forward_bytes,
     step_memory,
     training_states,
 )
@@ -211,6 +214,49 @@ def test_planned_micro_batch_is_the_collated_batch_for_every_store_dtype(store_d
         setup = Setup(dtype_bytes=compute.itemsize, store=Layout.from_manifest(store.manifest), dense_teacher=with_last)
         assert batch_bytes(Step(seq_len, anchors, len(rows)), setup) == sum(t.nbytes for t in b.values()), (
             compute, with_last)
+
+
+def profiled_peak(fn) -> int:
+    """The most bytes fn's own allocations hold at once, from torch's profiler memory events (they see the
+    temporaries made inside one ATen op, logsumexp's for one, which LiveBytes does not)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for event in events:
+        live += event.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.parametrize("hidden, inter, vocab, tokens, layers, chunk", [
+    (128, 512, 384, 256, 12, 2048),  # the peak in a layer's MLP: 12 layers' states would be more
+    (64, 128, 4096, 512, 4, 128),  # the peak in the teacher's chunk: [T, V] logits would be 4 times more
+])
+def test_online_target_forward_keeps_what_the_model_says(hidden, inter, vocab, tokens, layers, chunk, monkeypatch):
+    """The online source's target forward (capture.TargetRunner, the one extraction runs) holds its tapped layers,
+    one layer's working set, then `last` and one chunk of teacher logits: no [T, V] logits, no other layer's
+    states, whatever T is."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from dflash_fast import capture
+    from dflash_fast.records import Example
+
+    monkeypatch.setattr(capture, "LOGIT_CHUNK", chunk)
+    real = capture._to_numpy  # a GPU run's host copy is host memory; on the CPU it would be the tensor itself
+    monkeypatch.setattr(capture, "_to_numpy", lambda t: real(t).copy())
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=hidden // 4, num_hidden_layers=layers)
+    target = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").eval()
+    layer_ids = [0, layers // 2, layers - 1]  # L-1: `last`
+    runner = capture.TargetRunner(target, layer_ids, Layout(3, hidden, 4, "float32", True), 0, parity_every=2)
+    example = Example(np.arange(tokens, dtype=np.int32) % vocab, np.ones(tokens, dtype=bool))
+    runner([example])  # the parity batch; the measured one is a plain batch
+    measured = profiled_peak(lambda: runner([example]))
+    modelled = online_forward_bytes(OnlineTarget(0, layers, hidden, inter, vocab, tokens, len(layer_ids)), 4, chunk)
+    within(measured, modelled, "the online target's forward")
 
 
 def test_16_bit_adamw_keeps_an_fp32_master_and_two_moments():
