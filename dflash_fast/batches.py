@@ -14,8 +14,8 @@ per row, is the contract the drafter and the trainer consume:
     hidden              [R, T, K, H_t]        store dtype (bf16 from an fp8 store: dequantised here); 0 on padding
     last                [R, T, H_t]           like hidden; only with `with_last=True`
     teacher_topk_ids    [R, T, k] int64       \
-    teacher_topk_logits [R, T, k] store dtype  > each only if the store has it; 0 on padding
-    teacher_lse         [R, T]    store dtype /
+    teacher_topk_logits [R, T, k] float32     > each only if the store has it; 0 on padding
+    teacher_lse         [R, T]    float32     /
     anchors             [R, A] int64          sorted; the valid slots come first
     anchor_valid        [R, A] bool
 
@@ -58,7 +58,7 @@ Row = List[Piece]
 
 SPLITS = ("train", "val")
 OPTIONAL_FIELDS = ("last", "teacher_topk_ids", "teacher_topk_logits", "teacher_lse")
-_INT64_FIELDS = ("input_ids", "teacher_topk_ids")
+INT64_FIELDS = ("input_ids", "teacher_topk_ids")  # int32 in a store, int64 in a batch
 
 # Distinct streams of randomness: the same (seed, epoch, row) never feeds two of them.
 _TAG_PACK, _TAG_SPLIT, _TAG_ORDER, _TAG_ANCHORS, _TAG_VAL_ANCHORS = range(5)
@@ -210,7 +210,7 @@ def row_fields(store, with_last: bool = False) -> Dict[str, Tuple[Tuple[int, ...
     fields = {}
     for key in keys:
         x = torch.as_tensor(sample[key])
-        dtype = torch.int64 if key in _INT64_FIELDS else torch.bool if key == "loss_mask" else x.dtype
+        dtype = torch.int64 if key in INT64_FIELDS else torch.bool if key == "loss_mask" else x.dtype
         fields[key] = (tuple(x.shape[1:]), FP8_READ_DTYPE if dtype == torch.float8_e4m3fn else dtype)
     return fields
 

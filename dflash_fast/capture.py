@@ -1,13 +1,16 @@
 """One forward of the frozen target per batch -> per-document arrays in the store's layout (SPEC §2).
 
-Per token: the tapped layers (`hidden`), the residual entering the final norm (`last`, captured by a pre-hook on
-the norm), and the teacher's next-token summary (top-k ids and logits, the full log-sum-exp) taken from the
-logits the forward computes anyway. Every `parity_every` batches (and on the first) `lm_head(final_norm(last))`
-is checked against the model's own logits with the norm kind the manifest records; an fp8 store's `last` is
-checked once more as training will read it back. Extraction writes what TargetRunner returns; the online mode
+Per token: the tapped layers (`hidden`) and the residual entering the final norm (`last`), kept by hooks as the
+forward runs (target.LayerTaps: no other layer's states, no [T, V] logits), and the teacher's next-token summary
+(top-k ids and logits, the full log-sum-exp) from `last` through the target's own final norm and lm_head, a chunk
+of rows at a time (`teacher_summary`; the engine path computes it the same way). Every `parity_every` batches (and
+on the first) `lm_head(final_norm(last))` with the norm kind the manifest records is checked against the model's
+own logits, which the forward computes at PARITY_POSITIONS positions of such a batch only; an fp8 store's `last`
+is checked once more as training will read it back. Extraction writes what TargetRunner returns; the online mode
 trains on it directly.
 """
-from typing import Dict, List, Sequence
+import inspect
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -17,7 +20,7 @@ from dflash_fast.errors import UserError
 from dflash_fast.fp8 import FP8, SCALE_FIELDS, dequantize_fp8, quantize_fp8
 from dflash_fast.records import Example
 from dflash_fast.store_format import DTYPES, Layout
-from dflash_fast.target import detect_norm_kind, final_norm_module, final_norm_weight, tapped_layers
+from dflash_fast.target import LayerTaps, detect_norm_kind, final_norm_weight
 
 # Parity tolerance on |lm_head(norm(last)) - logits|, relative to the largest |logit|.
 PARITY_RTOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 2e-2}
@@ -25,7 +28,36 @@ PARITY_RTOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 2e-2}
 # itself, so the logits move by a few percent of their scale; 2^-3 is twice the per-element bound and still
 # far below what a wrong tensor gives (tests/test_extract.py measures both).
 PARITY_RTOL_FP8 = 0.125
-LOGIT_CHUNK = 2048  # tokens per fp32 top-k / lse chunk: bounds the fp32 copy of [n, V]
+# Rows of `last` per teacher chunk: the chunk's fp32 logits [c, V] and logsumexp's fp32 temporary (8 bytes an
+# entry) are what the teacher adds to `last`, 2.5 GB at V = 151936, whatever T is (dflash_fast/memory.py).
+LOGIT_CHUNK = 2048
+# Positions of a parity batch (spread over its length) at which the forward keeps the model's own logits.
+PARITY_POSITIONS = 256
+
+
+def head_chunks(norm, lm_head, last: torch.Tensor) -> Iterator[Tuple[int, torch.Tensor]]:
+    """lm_head(norm(last)) of last [n, H], LOGIT_CHUNK rows at a time, through the target's own final norm and
+    lm_head as its forward applies them -> (first row, fp32 logits [c, V]) pairs; never [n, V] at once."""
+    for a in range(0, last.shape[0], LOGIT_CHUNK):
+        yield a, lm_head(norm(last[a : a + LOGIT_CHUNK])).float()
+
+
+def teacher_summary(norm, lm_head, last: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The teacher's next-token summary of last [n, H] (SPEC §2): top-k ids [n, k] int32 and logits [n, k] fp32,
+    descending, and the full log-sum-exp [n] fp32, from head_chunks."""
+    ids, values, lse = [], [], []
+    for _, logits in head_chunks(norm, lm_head, last):
+        v, i = torch.topk(logits, k, dim=-1, sorted=True)
+        ids.append(i.to(torch.int32))
+        values.append(v)
+        lse.append(torch.logsumexp(logits, dim=-1))
+    return torch.cat(ids), torch.cat(values), torch.cat(lse)
+
+
+def parity_positions(length: int) -> torch.Tensor:
+    """[P] positions of a padded length at which a parity batch keeps the model's own logits: every one up to
+    PARITY_POSITIONS, else PARITY_POSITIONS spread evenly from the first to the last."""
+    return torch.linspace(0, length - 1, min(length, PARITY_POSITIONS)).round().long()
 
 
 class TargetRunner:
@@ -39,17 +71,19 @@ class TargetRunner:
         self.layout = layout
         self.pad_id = pad_id
         self.parity_every = parity_every
-        self.norm, self.norm_name = final_norm_module(model)
+        self.taps = LayerTaps(model, self.layer_ids)
+        self.norm, self.norm_name = self.taps.norm, self.taps.norm_name
         self.norm_kind, self.norm_eps = detect_norm_kind(self.norm)
         self.lm_head = model.get_output_embeddings()
         self.vocab_size = self.lm_head.weight.shape[0]
         self.device = next(model.parameters()).device
         self.batches_run = 0
-        self._captured = []
-        self.norm.register_forward_pre_hook(lambda _module, args: self._captured.append(args[0]))
+        # A model whose forward cannot limit its logits (remote code without logits_to_keep) computes all of them.
+        self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
 
-    def _forward(self, examples):
-        """Right-padded forward -> logits [b, T, V], hidden [b, T, K, H], last [b, T, H]."""
+    def _forward(self, examples, positions: Optional[torch.Tensor]):
+        """Right-padded forward -> hidden [b, T, K, H], last [b, T, H], and the model's own logits [b, P, V] at
+        `positions` [P] (None: none)."""
         t = max(len(e.input_ids) for e in examples)
         ids = torch.full((len(examples), t), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(examples), t), dtype=torch.long)
@@ -57,40 +91,37 @@ class TargetRunner:
             ids[r, : len(e.input_ids)] = torch.from_numpy(e.input_ids)
             mask[r, : len(e.input_ids)] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
-        self._captured.clear()
-        out = self.model(input_ids=ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
-        if len(self._captured) != 1:
-            raise UserError(
-                f"the final norm {self.norm_name} ran {len(self._captured)} times in one forward, not once"
-            )
-        last = self._captured.pop()
-        states = out.hidden_states
-        if len(states) != self.num_layers + 1:
-            raise UserError(f"the target returned {len(states)} hidden states, expected L+1 = {self.num_layers + 1}")
-        return out.logits, torch.stack(tapped_layers(states, last, self.layer_ids), dim=2), last
+        keep = {}
+        if self._logits_to_keep:
+            keep["logits_to_keep"] = positions.to(self.device) if positions is not None else 1
+        with self.taps:
+            out = self.model(input_ids=ids, attention_mask=mask, use_cache=False, **keep)
+        hidden, last = self.taps.take()
+        if positions is None:
+            return hidden, last, None
+        return hidden, last, out.logits if self._logits_to_keep else out.logits[:, positions.to(self.device)]
 
-    def check_parity(self, logits, last, lengths, rtol=None, what="last") -> None:
+    def check_parity(self, logits, positions, last, lengths, rtol=None, what="last") -> None:
         """lm_head(final_norm(last)) must reproduce the model's own logits, with the recorded norm kind.
 
-        logits [b, T, V], last [b, T, H]; row r is valid up to lengths[r]. rtol: relative to the largest
-        |logit|, default PARITY_RTOL of the logits' dtype.
+        logits [b, P, V] at positions [P], last [b, T, H]; row r is valid up to lengths[r]. rtol: relative to the
+        largest |logit|, default PARITY_RTOL of the logits' dtype.
         """
         scale = final_norm_weight(self.norm.weight, self.norm_kind)
         rtol = PARITY_RTOL[logits.dtype] if rtol is None else rtol
-        last = last.to(logits.dtype)
+        last, positions = last.to(logits.dtype), positions.to(last.device)
         for r, n in enumerate(lengths):
-            for a in range(0, n, LOGIT_CHUNK):
-                b = min(n, a + LOGIT_CHUNK)
-                got = self.lm_head(rms_norm(last[r, a:b], scale, self.norm_eps)).float()
-                want = logits[r, a:b].float()
-                err = (got - want).abs().max().item()
-                bound = rtol * max(want.abs().max().item(), 1.0)
-                if not err <= bound:
-                    raise UserError(
-                        f"parity check failed: lm_head({self.norm_name}({what})) differs from the model's logits by "
-                        f"{err:.3g} (tolerance {bound:.3g}, norm kind {self.norm_kind}); `last` is not the input of "
-                        f"the final norm or the norm is mis-described. Nothing was written for this batch."
-                    )
+            valid = positions < n
+            got = self.lm_head(rms_norm(last[r, positions[valid]], scale, self.norm_eps)).float()
+            want = logits[r, valid].float()
+            err = (got - want).abs().max().item()
+            bound = rtol * max(want.abs().max().item(), 1.0)
+            if not err <= bound:
+                raise UserError(
+                    f"parity check failed: lm_head({self.norm_name}({what})) differs from the model's logits by "
+                    f"{err:.3g} (tolerance {bound:.3g}, norm kind {self.norm_kind}); `last` is not the input of "
+                    f"the final norm or the norm is mis-described. Nothing was written for this batch."
+                )
 
     def _as_stored(self, name: str, x: torch.Tensor) -> Dict[str, torch.Tensor]:
         """`hidden` or `last` in the store's dtype: {name: x} cast, or for fp8 {name: q, name_scale: scale}."""
@@ -101,39 +132,34 @@ class TargetRunner:
 
     @torch.inference_mode()
     def __call__(self, examples: Sequence[Example]) -> List[Dict[str, np.ndarray]]:
-        logits, hidden, last = self._forward(examples)
+        lengths = [len(e.input_ids) for e in examples]
+        positions = parity_positions(max(lengths)) if self.batches_run % self.parity_every == 0 else None
+        hidden, last, logits = self._forward(examples, positions)
         stored = self._as_stored("hidden", hidden)
+        del hidden  # `stored` holds it (the same tensor where the dtypes agree) until its host copy below
         if self.layout.has_last:
             stored.update(self._as_stored("last", last))
-        if self.batches_run % self.parity_every == 0:
-            lengths = [len(e.input_ids) for e in examples]
-            self.check_parity(logits, last, lengths)
+        if positions is not None:
+            self.check_parity(logits, positions, last, lengths)
             if self.layout.has_last and self.layout.dtype == FP8:
                 # What training will read back must still reproduce the teacher, at fp8's tolerance.
                 stored_last = dequantize_fp8(stored["last"], stored["last_scale"], logits.dtype)
-                self.check_parity(logits, stored_last, lengths, PARITY_RTOL_FP8, "last as stored in fp8")
+                self.check_parity(logits, positions, stored_last, lengths, PARITY_RTOL_FP8, "last as stored in fp8")
+            del logits
         self.batches_run += 1
-        stored = {name: _to_numpy(x) for name, x in stored.items()}
-        k = self.layout.topk
+        stored = {name: _to_numpy(x) for name, x in stored.items()}  # host copies: the device keeps only `last`
         out = []
         for r, e in enumerate(examples):
             n = len(e.input_ids)
-            top_v, top_i, lse = [], [], []
-            for a in range(0, n, LOGIT_CHUNK):
-                chunk = logits[r, a: min(n, a + LOGIT_CHUNK)].float()
-                v, i = torch.topk(chunk, k, dim=-1, sorted=True)
-                top_v.append(v)
-                top_i.append(i)
-                lse.append(torch.logsumexp(chunk, dim=-1))
-            arrays = {
+            top_i, top_v, lse = teacher_summary(self.norm, self.lm_head, last[r, :n], self.layout.topk)
+            out.append({
                 "input_ids": e.input_ids,
                 "loss_mask": e.loss_mask,
                 **{name: x[r, :n] for name, x in stored.items()},
-                "teacher_topk_ids": torch.cat(top_i).to(torch.int32).cpu().numpy(),
-                "teacher_topk_logits": torch.cat(top_v).cpu().numpy(),
-                "teacher_lse": torch.cat(lse).cpu().numpy(),
-            }
-            out.append(arrays)
+                "teacher_topk_ids": top_i.cpu().numpy(),
+                "teacher_topk_logits": top_v.cpu().numpy(),
+                "teacher_lse": lse.cpu().numpy(),
+            })
         return out
 
 

@@ -84,10 +84,14 @@ def data_identity(manifest: Dict, cfg: TrainConfig, world_size: int) -> Dict:
     }
 
 
+# The batch fields that reach the device in the compute dtype; every other field keeps its batch dtype.
+COMPUTE_DTYPE_FIELDS = ("hidden", "last")
+
+
 def to_device(batch: Dict[str, torch.Tensor], device, dtype: torch.dtype) -> Dict[str, torch.Tensor]:
-    """A batch on `device`, its hidden states (`hidden`, `last`) in the compute `dtype`."""
+    """A batch on `device`, its hidden states (COMPUTE_DTYPE_FIELDS) in the compute `dtype`."""
     out = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-    for key in ("hidden", "last"):
+    for key in COMPUTE_DTYPE_FIELDS:
         if key in out:
             out[key] = out[key].to(dtype)
     return out

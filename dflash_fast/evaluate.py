@@ -26,6 +26,7 @@ is B + 1 tokens. With a confidence head, `confidence_calibration` compares per d
 head's mean predicted acceptance with the measured one, both over the blocks that reached j (accepted
 drafts 1..j-1).
 """
+import contextlib
 import copy
 import inspect
 import json
@@ -48,7 +49,7 @@ from dflash_fast.regenerate import (
     load_model,
     read_prompts,
 )
-from dflash_fast.target import check_target, final_norm_module, tapped_layers
+from dflash_fast.target import LayerTaps, check_target
 from dflash_fast.weights import load_frozen_tensors
 
 # propose(hidden [T, K, H_t] of positions 0..T-1, anchor token x_T, context_ids [T+1] = x_0..x_T) -> [B-1] guesses,
@@ -72,27 +73,17 @@ class TargetRunner:
         self.num_layers = model.config.get_text_config().num_hidden_layers
         self.layer_ids = check_layer_ids(layer_ids, self.num_layers)
         self.device = next(model.parameters()).device
-        self._captured = None
         # transformers 5.2x names the cache argument and output `cache`; earlier 5.x releases (vLLM 0.32 pins
         # transformers < 5.20) name it `past_key_values`.
         self._cache_name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        norm, _ = final_norm_module(model)
-        norm.register_forward_pre_hook(self._capture)
-
-    def _capture(self, _module, args):
-        if self._captured is not None:
-            self._captured.append(args[0])
+        self.taps = LayerTaps(model, self.layer_ids)
 
     @torch.inference_mode()
     def forward(self, ids: Sequence[int], cache=None, taps: bool = True) -> Step:
         """ids [n] appended after what `cache` holds (None: a fresh sequence)."""
         x = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
-        self._captured = [] if taps else None
-        try:
-            out = self.model(input_ids=x, use_cache=True, output_hidden_states=taps, **{self._cache_name: cache})
-            last = self._captured[-1][0] if taps else None
-        finally:
-            self._captured = None
+        with self.taps if taps else contextlib.nullcontext():
+            out = self.model(input_ids=x, use_cache=True, **{self._cache_name: cache})
         cache = getattr(out, self._cache_name, None)
         if cache is None:
             import transformers
@@ -103,8 +94,8 @@ class TargetRunner:
             )
         if not taps:
             return Step(out.logits[0], None, None, cache)
-        hidden = torch.stack([t[0] for t in tapped_layers(out.hidden_states, last[None], self.layer_ids)], dim=1)
-        return Step(out.logits[0], hidden, last, cache)
+        hidden, last = self.taps.take()
+        return Step(out.logits[0], hidden[0], last[0], cache)
 
 
 def _croppable(layer) -> bool:

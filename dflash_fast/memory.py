@@ -36,11 +36,16 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
+from dflash_fast.batches import INT64_FIELDS
+from dflash_fast.capture import LOGIT_CHUNK
 from dflash_fast.config import OnlineConfig, TrainConfig
+from dflash_fast.data import COMPUTE_DTYPE_FIELDS
 from dflash_fast.drafter_config import DrafterConfig
 from dflash_fast.eager import needs_last
 from dflash_fast.errors import UserError
+from dflash_fast.fp8 import SCALE_FIELDS
 from dflash_fast.kernels.lm_head_loss import GPU_CHUNK_BYTES, GPU_ROW_ALIGN, chunk_rows
+from dflash_fast.store_format import Layout
 from dflash_fast.target import device_memory, weight_bytes
 from dflash_fast.weights import trainable_shapes
 
@@ -50,8 +55,6 @@ ZERO_STAGES = (0, 1, 2, 3)
 # two moments, or Muon's one momentum on the matrices (its auxiliary AdamW keeps two moments for the norms).
 ADAM_MOMENTS = 8
 MUON_MOMENTUM = 4
-# Bytes of a store dtype (the manifest's `dtype`): the teacher's top-k logits and lse keep it in a batch.
-STORE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +76,7 @@ class OnlineTarget:
     intermediate_size: int
     vocab_size: int
     forward_tokens: int  # padded tokens of one forward (data.online: max(batch_tokens, max_seq_len))
+    num_tapped: int  # K, the layer ids the forward keeps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,12 +84,12 @@ class Setup:
     """How the step runs: everything but the drafter's sizes and the step's shape."""
 
     dtype_bytes: int = 2  # the compute dtype: 2 (bf16), 4 (fp32)
-    store_bytes: int = 2  # the store's dtype, which the teacher's top-k logits and lse keep in a batch
+    # The store's fields (Layout.from_manifest): the micro-batch's and the teacher's top-k; a step needs it.
+    store: Optional[Layout] = None
     zero_stage: int = 2
     world_size: int = 1
     optimizer: str = "adamw"  # adamw | muon
     dense_teacher: bool = True  # the loss reads `last` (kl and the other dense kinds), else the stored top-k
-    topk: int = 8  # the store's teacher top-k
     checkpointing: bool = False  # activation checkpointing of the drafter layers
     bucket_elements: int = 0  # DeepSpeed's reduce bucket (ZeRO-1/2), in elements of the compute dtype
     tied_embeddings: bool = False  # the target's lm_head is its embedding (one [V, H] tensor)
@@ -113,14 +117,13 @@ class Plan:
         return "\n".join(rows + [f"  {'peak per rank':<{width}}  {gib(self.peak):>9}"])
 
 
-def run_setup(cfg: TrainConfig, ds: Dict, world_size: int, dtype_bytes: int, dense_teacher: bool, topk: int,
-              online: Optional[OnlineTarget] = None, store_bytes: int = 2) -> Setup:
+def run_setup(cfg: TrainConfig, ds: Dict, world_size: int, dtype_bytes: int, dense_teacher: bool, store: Layout,
+              online: Optional[OnlineTarget] = None) -> Setup:
     """The Setup of a training run: its config, its completed DeepSpeed JSON (optim.deepspeed_config), its world
-    size and compute dtype, whether its loss reads `last`, its store's top-k and dtype."""
+    size and compute dtype, whether its loss reads `last`, its store's Layout."""
     zero = ds.get("zero_optimization", {})
-    return Setup(dtype_bytes=dtype_bytes, store_bytes=store_bytes, zero_stage=zero.get("stage", 0),
-                 world_size=world_size,
-                 optimizer=cfg.optimizer.kind, dense_teacher=dense_teacher, topk=topk,
+    return Setup(dtype_bytes=dtype_bytes, store=store, zero_stage=zero.get("stage", 0), world_size=world_size,
+                 optimizer=cfg.optimizer.kind, dense_teacher=dense_teacher,
                  checkpointing=cfg.model.activation_checkpointing,
                  bucket_elements=int(zero.get("reduce_bucket_size", 0)), online=online)
 
@@ -156,14 +159,18 @@ def training_states(cfg: DrafterConfig, setup: Setup) -> Dict[str, int]:
     return terms
 
 
-def batch_bytes(cfg: DrafterConfig, step: Step, setup: Setup) -> int:
-    """The micro-batch on the device (dflash_fast.batches: ids, masks, positions, hidden [R, T, K, H_t] and `last`
-    in the compute dtype, the teacher's top-k ids and logits and lse as stored, anchors)."""
-    r, t, e, s = step.batch_rows, step.seq_len, setup.dtype_bytes, setup.store_bytes
-    per_token = 8 + 1 + 8 + 8 + cfg.num_tapped * cfg.target_hidden_size * e + setup.topk * (8 + s) + s
-    if setup.dense_teacher:
-        per_token += cfg.target_hidden_size * e
-    return r * t * per_token + r * step.num_anchors * 9
+def batch_bytes(step: Step, setup: Setup) -> int:
+    """The micro-batch on the device (dflash_fast.batches, data.to_device): per token the store's fields
+    (Layout.fields: the teacher's top-k logits and lse in float32 whatever the store's dtype) less the fp8 scales,
+    the ids widened to int64, `hidden` and `last` (only when the loss reads it) in the compute dtype; and the
+    document and position ids [R, T] int64, the anchors [R, A] int64 and their validity [R, A] bool."""
+    per_token = 8 + 8  # document_ids, position_ids
+    for name, (_, shape, dtype) in setup.store.fields().items():
+        if name in SCALE_FIELDS.values() or (name == "last" and not setup.dense_teacher):
+            continue
+        size = setup.dtype_bytes if name in COMPUTE_DTYPE_FIELDS else 8 if name in INT64_FIELDS else dtype.itemsize
+        per_token += size * math.prod(shape)
+    return step.batch_rows * (step.seq_len * per_token + step.num_anchors * 9)
 
 
 def layer_block_bytes(cfg: DrafterConfig, q: int, e: int) -> int:
@@ -185,17 +192,22 @@ def layer_context_bytes(cfg: DrafterConfig, tokens: int, e: int) -> int:
 
 def loss_chunk(cfg: DrafterConfig, n: int, tokens: int, setup: Setup) -> Tuple[int, int]:
     """(drafter rows per chunk, teacher rows per chunk at most) of the fused loss over n block rows
-    (kernels/lm_head_loss.py chunk_rows with the GPU's budget)."""
+    (kernels/lm_head_loss.py chunk_rows with the GPU's budget). A chunk's teacher rows are the distinct positions
+    its rows' teachers sit at (chunk_plan): at most one per drafter row and per token; blocks that overlap (anchors
+    closer than B) share them, so the kernel may allocate fewer."""
     rows = chunk_rows(n, cfg.vocab_size, setup.dtype_bytes, setup.dense_teacher, 1, setup.loss_chunk_bytes,
                       setup.loss_row_align)
     return rows, min(rows, tokens) if setup.dense_teacher else 0
 
 
-def loss_kernel_bytes(cfg: DrafterConfig, n: int, tokens: int, setup: Setup) -> int:
+def loss_kernel_bytes(cfg: DrafterConfig, n: int, tokens: int, setup: Setup, teacher_rows: Optional[int] = None) -> int:
     """The fused loss kernel's buffers over n block rows, beyond its inputs and outputs: one chunk's fp32 logits of
     its rows and teacher rows, their dlogits, the normed rows, their fp32 and input-dtype gradients, the vocabulary
-    tiles' softmax partials (what bench/lm_head_model.py reports as the call's peak_extra)."""
+    tiles' softmax partials (what bench/lm_head_model.py reports as the call's peak_extra). teacher_rows: the most
+    distinct teacher rows of any chunk where known (chunk_plan of a sampled batch), else loss_chunk's bound."""
     rows, teacher = loss_chunk(cfg, n, tokens, setup)
+    if teacher_rows is not None and setup.dense_teacher:
+        teacher = teacher_rows
     v, h, e = cfg.vocab_size, cfg.hidden_size, setup.dtype_bytes
     tiles = -(-v // 128)
     logits = (rows + teacher) * v * 4 + rows * v * e
@@ -206,7 +218,8 @@ def loss_kernel_bytes(cfg: DrafterConfig, n: int, tokens: int, setup: Setup) -> 
 def loss_workspace(cfg: DrafterConfig, n: int, tokens: int, setup: Setup) -> int:
     """What the loss holds while it runs over n block rows (transient): the kernel's buffers, the final layer's
     output states [n, H] and the gathered stored top-k ids [n, k]."""
-    return loss_kernel_bytes(cfg, n, tokens, setup) + setup.dtype_bytes * n * cfg.hidden_size + 8 * setup.topk * n
+    return (loss_kernel_bytes(cfg, n, tokens, setup) + setup.dtype_bytes * n * cfg.hidden_size
+            + 8 * setup.store.topk * n)
 
 
 def layer_backward_bytes(cfg: DrafterConfig, q: int, tokens: int, e: int) -> int:
@@ -220,11 +233,17 @@ def layer_backward_bytes(cfg: DrafterConfig, q: int, tokens: int, e: int) -> int
     return e * q * h + max(mlp, attention)
 
 
-def online_forward_bytes(target: OnlineTarget, e: int) -> int:
-    """A Hugging Face forward of the target over its forward_tokens positions with every hidden state returned (the
-    online source's): L + 1 hidden states, the logits [T, V], and one layer's MLP intermediates."""
+def online_forward_bytes(target: OnlineTarget, e: int, chunk: int = LOGIT_CHUNK) -> int:
+    """The online source's target forward over its forward_tokens positions (capture.TargetRunner), the larger of
+    two moments: in a decoder layer, the K tapped layers kept so far (target.LayerTaps) beside the layer's working
+    set (the embeddings, the layer's input, its residual and normed input [T, H], the MLP's gate, up and product
+    [T, I]); then `last` [T, H] beside the teacher's chunk of `chunk` rows (capture.LOGIT_CHUNK) (fp32 logits and
+    logsumexp's fp32 temporary, 8 bytes an entry; the tapped layers are on the host by then). No [T, V] logits and
+    no other layer's hidden states are kept."""
     h, tokens = target.hidden_size, target.forward_tokens
-    return tokens * ((target.num_layers + 1) * h * e + target.vocab_size * e + 3 * target.intermediate_size * e)
+    forward = tokens * (target.num_tapped * h + 4 * h + 3 * target.intermediate_size) * e
+    teacher = tokens * h * e + min(chunk, tokens) * target.vocab_size * 8
+    return max(forward, teacher)
 
 
 def step_memory(cfg: DrafterConfig, step: Step, setup: Setup) -> Plan:
@@ -235,7 +254,7 @@ def step_memory(cfg: DrafterConfig, step: Step, setup: Setup) -> Plan:
     h, layers = cfg.hidden_size, cfg.num_layers
     rotary = int(cfg.head_dim * cfg.rope_parameters.get("partial_rotary_factor", 1.0))
     resident = training_states(cfg, setup)
-    resident["micro-batch"] = batch_bytes(cfg, step, setup)
+    resident["micro-batch"] = batch_bytes(step, setup)
     if setup.online is not None:
         resident["online target weights"] = setup.online.weight_bytes
         resident["online target forward"] = online_forward_bytes(setup.online, e)
@@ -248,7 +267,7 @@ def step_memory(cfg: DrafterConfig, step: Step, setup: Setup) -> Plan:
     else:
         resident["saved activations, blocks"] = layers * block
         resident["saved activations, context k/v"] = layers * context
-    resident["loss: d h and per-slot rows"] = e * q * h + (69 + 8 * setup.topk) * q
+    resident["loss: d h and per-slot rows"] = e * q * h + (69 + 8 * setup.store.topk) * q
     transient = {
         "loss kernel chunk": loss_workspace(cfg, q, tokens, setup),
         "one layer's backward": layer_backward_bytes(cfg, q, tokens, e),
@@ -282,8 +301,9 @@ def step_of(cfg: TrainConfig) -> Step:
     return Step(cfg.data.seq_len, cfg.data.num_anchors, cfg.data.batch_rows)
 
 
-def online_target(target: str, dtype: torch.dtype, online: OnlineConfig) -> OnlineTarget:
-    """The sizes of the target a data.source=online run loads, from its config.json and safetensors headers."""
+def online_target(target: str, dtype: torch.dtype, online: OnlineConfig, num_tapped: int) -> OnlineTarget:
+    """The sizes of the target a data.source=online run loads, from its config.json and safetensors headers, and
+    the number of layer ids it taps."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(target)
@@ -291,16 +311,18 @@ def online_target(target: str, dtype: torch.dtype, online: OnlineConfig) -> Onli
     h = text.hidden_size
     return OnlineTarget(weight_bytes(target, dtype) or 0, text.num_hidden_layers, h,
                         getattr(text, "intermediate_size", None) or 4 * h, text.vocab_size,
-                        max(online.batch_tokens, online.max_seq_len))
+                        max(online.batch_tokens, online.max_seq_len), num_tapped)
 
 
 def run_plan(cfg: TrainConfig, drafter: DrafterConfig, ds: Dict, world_size: int, dtype: torch.dtype,
              loss_kind: str, manifest: Dict, target: str) -> Plan:
     """The Plan of a run's step: its config, drafter, completed DeepSpeed JSON (optim.deepspeed_config), world size,
     compute dtype, loss kind, and its store's manifest (or the online source's)."""
-    online = online_target(target, dtype, cfg.data.online) if cfg.data.source == "online" else None
+    online = None
+    if cfg.data.source == "online":
+        online = online_target(target, dtype, cfg.data.online, len(manifest["layer_ids"]))
     setup = run_setup(cfg, ds, world_size, dtype.itemsize, needs_last(loss_kind, stored_labels=True),
-                      manifest["topk"], online, STORE_BYTES.get(manifest.get("dtype"), 2))
+                      Layout.from_manifest(manifest), online)
     return step_memory(drafter, step_of(cfg), setup)
 
 

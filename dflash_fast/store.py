@@ -46,7 +46,7 @@ class HiddenStateStore:
         version = m["schema_version"]
         if m["dtype"] not in DTYPES:
             raise ValueError(f"{manifest_path}: unknown dtype {m['dtype']!r}; the manifest is corrupted")
-        self.layout = Layout(len(m["layer_ids"]), m["hidden_size"], m["topk"], m["dtype"], m["has_last"])
+        self.layout = Layout.from_manifest(m)
         if version != self.layout.schema_version:
             raise ValueError(
                 f"{manifest_path}: schema version {version} with dtype {m['dtype']} (a {m['dtype']} store is version "

@@ -115,6 +115,12 @@ class Layout:
     dtype: str
     has_last: bool
 
+    @classmethod
+    def from_manifest(cls, manifest: dict) -> "Layout":
+        """The layout a store's manifest (or an online source's) describes."""
+        m = manifest
+        return cls(len(m["layer_ids"]), m["hidden_size"], m["topk"], m["dtype"], m["has_last"])
+
     def fields(self) -> Dict[str, tuple]:
         """name -> (numpy dtype, per-token shape, torch dtype of the view)."""
         np_h, torch_h = DTYPES[self.dtype]

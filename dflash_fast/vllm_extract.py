@@ -11,11 +11,12 @@ the residual entering the final norm. `aux_layer_ids` is the one place our ids b
     layer id l (0 <= l < L)  ->  aux id l + 1          `last`  ->  aux id L
 
 so id L-1 and `last` are the same aux layer, as in the HF path. The teacher (top-k ids and logits, lse) is
-computed from `last` with the target's own final norm and lm_head, loaded alone (target.load_head), exactly as
-the HF path's logits are: vLLM's prompt logprobs give neither raw logits nor the log-sum-exp the store holds.
-Instead they check the capture: on the first batch and every `parity_every` batches, log_softmax(lm_head(
-final_norm(last))) at t must equal vLLM's own logprob of the tokens it reports for position t + 1, so a `last`
-taken from the wrong layer, or a norm mis-described, stops the run before anything is written.
+computed from `last` with the target's own final norm and lm_head, loaded alone (target.load_head), by the HF
+path's own helper (capture.teacher_summary, a chunk of rows at a time): vLLM's prompt logprobs give neither raw
+logits nor the log-sum-exp the store holds. Instead they check the capture: on the first batch and every
+`parity_every` batches, log_softmax(lm_head(final_norm(last))) at t must equal vLLM's own logprob of the tokens
+it reports for position t + 1, so a `last` taken from the wrong layer, or a norm mis-described, stops the run
+before anything is written.
 
 Only `--engine vllm` imports this module, and only its functions import vLLM (`import_vllm`).
 """
@@ -28,7 +29,7 @@ from typing import List, Sequence, Tuple
 import numpy as np
 import torch
 
-from dflash_fast.capture import PARITY_RTOL, TargetRunner
+from dflash_fast.capture import PARITY_RTOL, TargetRunner, head_chunks
 from dflash_fast.errors import UserError
 from dflash_fast.plan import Job
 from dflash_fast.records import Example
@@ -170,33 +171,38 @@ class VllmRunner(TargetRunner):
             captured.append(hidden)
         return captured, [o.prompt_logprobs for o in outputs] if logprobs else None
 
-    def _forward(self, examples):
-        """vLLM's capture, right-padded -> logits [b, T, V], hidden [b, T, K, H], last [b, T, H]."""
-        captured, self._logprobs = self.capture(examples, logprobs=self.batches_run % self.parity_every == 0)
+    def _forward(self, examples, positions):
+        """vLLM's capture, right-padded -> hidden [b, T, K, H], last [b, T, H] (in the head's dtype), and
+        lm_head(final_norm(last)) [b, P, V] at `positions` [P] (None: none)."""
+        captured, self._logprobs = self.capture(examples, logprobs=positions is not None)
         t = max(len(e.input_ids) for e in examples)
         aux = torch.zeros(len(examples), t, len(self.aux_ids), self.config.hidden_size, dtype=captured[0].dtype)
         for r, h in enumerate(captured):
             aux[r, : len(h)] = h
         aux = aux.to(self.device)
-        hidden, last = aux[:, :, self.tapped], aux[:, :, self.last]
-        return self.lm_head(self.norm(last.to(self.norm.weight.dtype))), hidden, last
+        hidden, last = aux[:, :, self.tapped], aux[:, :, self.last].to(self.norm.weight.dtype)
+        if positions is None:
+            return hidden, last, None
+        return hidden, last, self.lm_head(self.norm(last[:, positions.to(self.device)]))
 
-    def check_parity(self, logits, last, lengths, rtol=None, what="last") -> None:
-        """TargetRunner's check, and on the batch vLLM gave prompt logprobs for, our log_softmax of the logits at
-        t against vLLM's logprob of each token it reports for t + 1 (tolerance: rtol of the largest |logit|)."""
-        super().check_parity(logits, last, lengths, rtol, what)
+    def check_parity(self, logits, positions, last, lengths, rtol=None, what="last") -> None:
+        """TargetRunner's check, and on the batch vLLM gave prompt logprobs for, our log_softmax of
+        lm_head(final_norm(last)) at t against vLLM's logprob of each token it reports for t + 1 (tolerance: rtol of
+        the largest |logit| of the chunk of rows, capture.head_chunks, it is in)."""
+        super().check_parity(logits, positions, last, lengths, rtol, what)
         if rtol is not None or self._logprobs is None:
             return
-        bound = PARITY_RTOL[logits.dtype] * max(logits.abs().max().item(), 1.0)
         for r, (n, rows) in enumerate(zip(lengths, self._logprobs)):
-            ours = torch.log_softmax(logits[r, : n - 1].float(), dim=-1).cpu()
-            for t in range(1, n):
-                for token, logprob in rows[t].items():
-                    err = abs(ours[t - 1, token].item() - logprob.logprob)
-                    if not err <= bound:
-                        raise UserError(
-                            f"parity check failed: log_softmax(lm_head({self.norm_name}(last))) differs from vLLM's "
-                            f"own logprob by {err:.3g} (tolerance {bound:.3g}, norm kind {self.norm_kind}): vLLM's "
-                            f"aux layer {self.aux_ids[self.last]} is not the input of the final norm or the norm is "
-                            f"mis-described. Nothing was written for this batch."
-                        )
+            for a, chunk in head_chunks(self.norm, self.lm_head, last[r, : n - 1]):
+                bound = PARITY_RTOL[logits.dtype] * max(chunk.abs().max().item(), 1.0)
+                ours = torch.log_softmax(chunk, dim=-1).cpu()
+                for t in range(a + 1, a + 1 + len(ours)):
+                    for token, logprob in rows[t].items():
+                        err = abs(ours[t - 1 - a, token].item() - logprob.logprob)
+                        if not err <= bound:
+                            raise UserError(
+                                f"parity check failed: log_softmax(lm_head({self.norm_name}(last))) differs from "
+                                f"vLLM's own logprob by {err:.3g} (tolerance {bound:.3g}, norm kind {self.norm_kind}): "
+                                f"vLLM's aux layer {self.aux_ids[self.last]} is not the input of the final norm or the "
+                                f"norm is mis-described. Nothing was written for this batch."
+                            )

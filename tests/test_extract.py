@@ -11,6 +11,7 @@ import re
 import shutil
 import threading
 
+import numpy as np
 import pytest
 import torch
 from tiny_targets import make_tiny_target, make_tokenizer, sample_records, write_jsonl
@@ -25,9 +26,9 @@ from dflash_fast.eager import rms_norm
 from dflash_fast.errors import UserError
 from dflash_fast.extract import extract
 from dflash_fast.fp8 import dequantize_fp8
-from dflash_fast.records import ChatTokenizer, read_examples
+from dflash_fast.records import ChatTokenizer, Example, read_examples
 from dflash_fast.store import HiddenStateStore
-from dflash_fast.store_format import MANIFEST
+from dflash_fast.store_format import MANIFEST, Layout
 from dflash_fast.store_writer import ShardWriter
 from dflash_fast.target import final_norm_weight
 
@@ -146,6 +147,26 @@ def test_teacher_topk_and_lse_are_those_of_the_model_logits(targets, data, tmp_p
         assert torch.equal(item["teacher_topk_ids"].long(), ids)
         assert torch.equal(item["teacher_lse"], torch.logsumexp(logits, dim=-1))
         assert (item["teacher_topk_logits"].diff(dim=-1) <= 0).all()
+
+
+def test_a_forward_that_cannot_limit_its_logits_stores_the_same(targets, monkeypatch):
+    """A target whose forward takes no logits_to_keep (remote code) computes every logit: the parity check reads
+    its positions from them, and the store is the same."""
+    monkeypatch.setattr(capture_module, "PARITY_POSITIONS", 8)  # fewer than the tokens: the logits are sliced
+    model = reference_model(str(targets["qwen3"]))
+    examples = [Example(np.arange(n, dtype=np.int32) * 7 % 300, np.ones(n, dtype=bool)) for n in (40, 23)]
+    layout = Layout(len(LAYER_IDS), model.config.hidden_size, 4, "float32", True)
+    limited = capture_module.TargetRunner(model, LAYER_IDS, layout, 0, parity_every=1)
+    full = capture_module.TargetRunner(model, LAYER_IDS, layout, 0, parity_every=1)
+    full._logits_to_keep = False
+    calls = []
+    forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda *a, **k: calls.append(sorted(k)) or forward(*a, **k))
+    for a, b in zip(limited(examples), full(examples)):
+        assert a.keys() == b.keys()
+        for key in a:
+            np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+    assert "logits_to_keep" in calls[0] and "logits_to_keep" not in calls[1]
 
 
 @pytest.mark.parametrize("arch, kind", [("qwen3", "rmsnorm"), ("qwen3_5", "rmsnorm_zero_centred"),

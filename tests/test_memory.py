@@ -12,17 +12,21 @@ import os
 import re
 import weakref
 
+import numpy as np
 import pytest
 import torch
+from test_store import write_store
 from test_trainer import TINY_YAML, losses, run, settings, tiny  # noqa: F401 (tiny is a fixture)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dflash_fast import drafter as drafter_module
 from dflash_fast import ops, trainer
-from dflash_fast.batches import sample_anchors
+from dflash_fast.batches import collate_rows, pack_rows, row_fields, sample_anchors
+from dflash_fast.data import to_device
 from dflash_fast.drafter import DFlashDrafter
 from dflash_fast.drafter_config import DrafterConfig
 from dflash_fast.memory import (
+    OnlineTarget,
     Setup,
     Step,
     batch_bytes,
@@ -31,15 +35,19 @@ from dflash_fast.memory import (
     layer_block_bytes,
     layer_context_bytes,
     loss_workspace,
+    online_forward_bytes,
     step_memory,
     training_states,
 )
+from dflash_fast.store import HiddenStateStore
+from dflash_fast.store_format import Layout
 from dflash_fast.weights import trainable_parameters, trainable_shapes
 
 H, V, K, B, T, A, INTER = 64, 256, 3, 4, 64, 8, 160
 TOPK = 8
 # The interpreter's chunk budget and row alignment of the loss kernel (kernels/lm_head_loss.py off the GPU).
-SETUP = Setup(dtype_bytes=4, store_bytes=4, zero_stage=0, topk=TOPK, loss_chunk_bytes=1 << 16, loss_row_align=16)
+SETUP = Setup(dtype_bytes=4, store=Layout(K, H, TOPK, "float32", has_last=True), zero_stage=0,
+              loss_chunk_bytes=1 << 16, loss_row_align=16)
 STATES = ("weights", "gradients", "optimizer states", "frozen embedding + lm_head", "micro-batch")
 
 
@@ -182,7 +190,7 @@ def test_checkpointing_keeps_one_input_per_layer():
 
 def test_batch_and_training_states_match_the_model():
     stored = sum(t.numel() * t.element_size() for t in batch().values())
-    within(stored, batch_bytes(config(1), Step(T, A), SETUP), "the micro-batch")
+    within(stored, batch_bytes(Step(T, A), SETUP), "the micro-batch")
     d = drafter(2)
     opt = torch.optim.AdamW(d.parameters())
     opt.step()
@@ -191,6 +199,64 @@ def test_batch_and_training_states_match_the_model():
     within(held, states["optimizer states"], "AdamW's states")
     within(sum(p.numel() * 4 for p in d.parameters()), states["weights"], "the weights")
     assert trainable_parameters(config(2)) * 4 == states["gradients"]
+
+
+@pytest.mark.parametrize("store_dtype", ["float32", "bfloat16", "float16", "float8_e4m3fn"])
+def test_planned_micro_batch_is_the_collated_batch_for_every_store_dtype(store_dtype, tmp_path):
+    """The plan's micro-batch is the bytes of the batch the trainer moves to its device, whatever the store's dtype
+    (the teacher's top-k logits and lse stay float32) and the compute dtype."""
+    write_store(tmp_path, Layout(num_tapped=3, hidden_size=16, topk=4, dtype=store_dtype, has_last=True))
+    store = HiddenStateStore(str(tmp_path))
+    seq_len, anchors = 8, 3
+    rows = pack_rows(store.lengths, seq_len)[:2]
+    for compute, with_last in ((torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)):
+        b = to_device(collate_rows(store, rows, [0, 1], seq_len, anchors, row_fields(store, with_last)), "cpu", compute)
+        setup = Setup(dtype_bytes=compute.itemsize, store=Layout.from_manifest(store.manifest), dense_teacher=with_last)
+        assert batch_bytes(Step(seq_len, anchors, len(rows)), setup) == sum(t.nbytes for t in b.values()), (
+            compute, with_last)
+
+
+def profiled_peak(fn) -> int:
+    """The most bytes fn's own allocations hold at once, from torch's profiler memory events (they see the
+    temporaries made inside one ATen op, logsumexp's for one, which LiveBytes does not)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for event in events:
+        live += event.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.parametrize("hidden, inter, vocab, tokens, layers, chunk", [
+    (128, 512, 384, 256, 12, 2048),  # the peak in a layer's MLP: 12 layers' states would be more
+    (64, 128, 4096, 512, 4, 128),  # the peak in the teacher's chunk: [T, V] logits would be 4 times more
+])
+def test_online_target_forward_keeps_what_the_model_says(hidden, inter, vocab, tokens, layers, chunk, monkeypatch):
+    """The online source's target forward (capture.TargetRunner, the one extraction runs) holds its tapped layers,
+    one layer's working set, then `last` and one chunk of teacher logits: no [T, V] logits, no other layer's
+    states, whatever T is."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from dflash_fast import capture
+    from dflash_fast.records import Example
+
+    monkeypatch.setattr(capture, "LOGIT_CHUNK", chunk)
+    real = capture._to_numpy  # a GPU run's host copy is host memory; on the CPU it would be the tensor itself
+    monkeypatch.setattr(capture, "_to_numpy", lambda t: real(t).copy())
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=hidden // 4, num_hidden_layers=layers)
+    target = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").eval()
+    layer_ids = [0, layers // 2, layers - 1]  # L-1: `last`
+    runner = capture.TargetRunner(target, layer_ids, Layout(3, hidden, 4, "float32", True), 0, parity_every=2)
+    example = Example(np.arange(tokens, dtype=np.int32) % vocab, np.ones(tokens, dtype=bool))
+    runner([example])  # the parity batch; the measured one is a plain batch
+    measured = profiled_peak(lambda: runner([example]))
+    modelled = online_forward_bytes(OnlineTarget(0, layers, hidden, inter, vocab, tokens, len(layer_ids)), 4, chunk)
+    within(measured, modelled, "the online target's forward")
 
 
 def test_16_bit_adamw_keeps_an_fp32_master_and_two_moments():
