@@ -59,6 +59,7 @@ Row = List[Piece]
 SPLITS = ("train", "val")
 OPTIONAL_FIELDS = ("last", "teacher_topk_ids", "teacher_topk_logits", "teacher_lse")
 INT64_FIELDS = ("input_ids", "teacher_topk_ids")  # int32 in a store, int64 in a batch
+COMPUTE_DTYPE_FIELDS = ("hidden", "last")  # in the compute dtype on the device (data.to_device); the rest keep theirs
 
 # Distinct streams of randomness: the same (seed, epoch, row) never feeds two of them.
 _TAG_PACK, _TAG_SPLIT, _TAG_ORDER, _TAG_ANCHORS, _TAG_VAL_ANCHORS = range(5)

@@ -14,7 +14,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from dflash_fast.batches import make_loader, row_batches, steps_per_epoch
+from dflash_fast.batches import COMPUTE_DTYPE_FIELDS, make_loader, row_batches, steps_per_epoch
 from dflash_fast.config import TrainConfig
 from dflash_fast.eager import needs_last
 from dflash_fast.errors import UserError
@@ -82,10 +82,6 @@ def data_identity(manifest: Dict, cfg: TrainConfig, world_size: int) -> Dict:
         "val_fraction": d.val_fraction,
         "split_seed": d.split_seed,
     }
-
-
-# The batch fields that reach the device in the compute dtype; every other field keeps its batch dtype.
-COMPUTE_DTYPE_FIELDS = ("hidden", "last")
 
 
 def to_device(batch: Dict[str, torch.Tensor], device, dtype: torch.dtype) -> Dict[str, torch.Tensor]:

@@ -36,10 +36,9 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-from dflash_fast.batches import INT64_FIELDS
+from dflash_fast.batches import COMPUTE_DTYPE_FIELDS, INT64_FIELDS
 from dflash_fast.capture import LOGIT_CHUNK
 from dflash_fast.config import OnlineConfig, TrainConfig
-from dflash_fast.data import COMPUTE_DTYPE_FIELDS
 from dflash_fast.drafter_config import DrafterConfig
 from dflash_fast.eager import needs_last
 from dflash_fast.errors import UserError
