@@ -39,12 +39,11 @@ def speculative_config(drafter: str, cfg: DrafterConfig) -> Dict:
             "num_speculative_tokens": cfg.drafted_tokens}
 
 
-def load_engine(target: str, speculative: Optional[Dict] = None, dtype: Optional[str] = None,
-                max_model_len: int = 2048, trust_remote_code: bool = False):
-    """vLLM's LLM over `target`, speculating as `speculative` (`speculative_config`) says when given.
-    dtype: bf16 | fp16 | fp32 (default: bf16 on a GPU, fp32 on a CPU, as `dflash_fast.evaluate`)."""
+def engine_args(target: str, speculative: Optional[Dict] = None, dtype: Optional[str] = None,
+                max_model_len: int = 2048, trust_remote_code: bool = False) -> Dict:
+    """The arguments of vLLM's LLM over `target`, speculating as `speculative` (`speculative_config`) says when
+    given. dtype: bf16 | fp16 | fp32 (default: bf16 on a GPU, fp32 on a CPU, as `dflash_fast.evaluate`)."""
     on_gpu = torch.cuda.is_available()
-    vllm = _vllm()
     kwargs = dict(
         model=target,
         dtype=normalise_dtype(dtype or ("bf16" if on_gpu else "fp32")),
@@ -57,7 +56,13 @@ def load_engine(target: str, speculative: Optional[Dict] = None, dtype: Optional
     )
     if speculative is not None:
         kwargs.update(speculative_config=speculative, per_request_spec_decode_metrics="detailed")
-    return vllm.LLM(**kwargs)
+    return kwargs
+
+
+def load_engine(target: str, speculative: Optional[Dict] = None, dtype: Optional[str] = None,
+                max_model_len: int = 2048, trust_remote_code: bool = False):
+    """vLLM's LLM with `engine_args`."""
+    return _vllm().LLM(**engine_args(target, speculative, dtype, max_model_len, trust_remote_code))
 
 
 def generate(llm, encoded: Sequence[List[int]], max_new_tokens: int, eos: Sequence[int], temperature: float = 0.0,
@@ -177,7 +182,7 @@ def vllm_architecture(export_dir: str) -> Dict:
         block = SpeculatorsConfig.extract_vllm_speculative_config(raw)["num_speculative_tokens"] + 1
     else:  # z-lab layout: the command line's num_speculative_tokens + 1, which docs/vllm.md sets from block_size
         block = dflash.get("block_size", getattr(hf, "block_size", None))
-    # The V1 runner refuses mixed sliding/full drafters; the V2 runner (a GPU's) serves them by the same rule.
+    # The V1 runner refuses mixed sliding/full drafters; the V2 runner serves them by the same rule.
     with mock.patch.object(qwen3_dflash, "get_current_vllm_config", lambda: mock.Mock(use_v2_model_runner=True)):
         layers = [qwen3_dflash._resolve_layer_attention(hf, i) for i in range(hf.num_hidden_layers)]
     return {

