@@ -98,6 +98,12 @@ class DrafterConfig:
         return 0 if self.sample_from_anchor else 1
 
     @property
+    def drafted_tokens(self) -> int:
+        """The tokens a block drafts, the engines' num_speculative_tokens: B - 1, or B with sample_from_anchor; a
+        verification block is these and the anchor."""
+        return self.block_size - self.first_slot
+
+    @property
     def num_tapped(self) -> int:
         return len(self.layer_ids)
 

@@ -338,7 +338,7 @@ def _proposal(drafter, model, target: str, block_size: Optional[int], layer_ids)
         cfg, with_confidence = module.config, module.confidence_head is not None
         # verification block: the anchor and the drafted tokens (B of them with sample_from_anchor)
         return Proposal(module, lambda hidden, anchor, _ids: module.propose(hidden, anchor, with_confidence),
-                        cfg.block_size + int(cfg.sample_from_anchor), list(cfg.layer_ids))
+                        cfg.drafted_tokens + 1, list(cfg.layer_ids))
     if callable(drafter):
         if block_size is None:
             raise ValueError("a proposer callable needs block_size (B: the anchor plus B-1 drafted tokens)")

