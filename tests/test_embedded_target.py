@@ -127,3 +127,22 @@ def test_prompts_come_from_disjoint_heldout_files(script):
         sources[split] = {r["source"] for r in records}
         assert all(script.file_split(s) == "heldout" and script.prompt_split(s) == split for s in sources[split])
     assert not sources["train"] & sources["eval"]
+
+
+def test_loss_by_position_scores_each_token_in_the_bucket_of_its_context_length(model, monkeypatch):
+    """scripts/target_loss_by_position.py (docs/long-context.md's target table): position p, predicted from p
+    tokens, lands in eval's context bucket of p, and each bucket's loss is the mean over exactly its tokens."""
+    monkeypatch.syspath_prepend(str(TRAIN_SCRIPT.parent))
+    spec = importlib.util.spec_from_file_location("target_loss_by_position",
+                                                  TRAIN_SCRIPT.parent / "target_loss_by_position.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    windows = torch.randint(0, 2048, (5, 131), generator=torch.Generator().manual_seed(0))
+    buckets = module.loss_by_position(model, windows)
+    with torch.no_grad():
+        nll = torch.nn.functional.cross_entropy(model(input_ids=windows).logits[:, :-1].transpose(1, 2),
+                                                windows[:, 1:], reduction="none")
+    assert [(b["context"], b["tokens"]) for b in buckets] == [("0-63", 5 * 63), ("64-127", 5 * 64),
+                                                              ("128-255", 5 * 3)]
+    for b, (lo, hi) in zip(buckets, [(1, 64), (64, 128), (128, 131)]):
+        assert math.isclose(b["loss"], float(nll[:, lo - 1 : hi - 1].mean()), rel_tol=1e-5)

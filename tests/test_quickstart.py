@@ -107,3 +107,49 @@ def test_compare_dspark_passes_its_trainer_overrides_to_both_drafters_of_every_s
     assert calls == [(f"{d}_s{s}", d, [f"seed={s}", "schedule.steps=48", "loss.kind=tv"])
                      for s in (0, 1) for d in ("dflash", "dspark")]
     assert len(json.loads((tmp_path / "summary.json").read_text())) == 4
+
+
+def test_chained_prompts_fill_their_token_budget_and_end_with_a_user_turn():
+    from transformers import AutoTokenizer
+
+    from dflash_fast.quickstart import TARGET, chain_turns
+    from dflash_fast.regenerate import encode_prompt, read_prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(TARGET)
+    answered = [{"conversations": [{"role": "user", "content": f"def f{i}(x):\n    return x + {i}\n"},
+                                   {"role": "assistant", "content": f"\ndef g{i}(y):\n    return y * {i}\n"}],
+                 "source": f"file{i}.py"} for i in range(40)]
+
+    def length(turns):
+        return len(encode_prompt(tokenizer, read_prompts([{"conversations": turns}])[0]))
+
+    record, used = chain_turns(answered, tokenizer, 300)
+    turns = record["conversations"]
+    assert [t["role"] for t in turns] == ["user", "assistant"] * (used - 1) + ["user"]
+    assert turns[-1] == answered[used - 1]["conversations"][0] and record["sources"] == [f"file{i}.py" for i in
+                                                                                       range(used)]
+    assert 1 < used < 40 and length(turns) <= 300
+    assert length(turns[:-1] + answered[used - 1]["conversations"][1:] + answered[used]["conversations"][:1]) > 300
+    alone, one = chain_turns(answered, tokenizer, 1)
+    assert one == 1 and alone["conversations"] == answered[0]["conversations"][:1], "a first prompt over budget stays"
+
+
+def test_quickstart_long_context_trains_long_rows_and_evaluates_past_the_short_length(tmp_path):
+    import yaml
+
+    from dflash_fast.quickstart import MAX_SEQ_LEN
+    from dflash_fast.store import HiddenStateStore
+
+    out = tmp_path / "qs"
+    report = quickstart(str(out), num_prompts=12, eval_prompts=2, max_new_tokens=24, eval_max_new_tokens=16,
+                        extra_overrides=["schedule.steps=2", "logging.every=1", "validation.every=0",
+                                         "data.val_fraction=0"],
+                        progress=False, long_context=True)
+    chained = [json.loads(line) for line in (out / "train_long.jsonl").read_text().splitlines()]
+    assert sum(len(r["sources"]) for r in chained) == 12, "every answered training prompt is chained once"
+    assert all(r["conversations"][-1]["role"] == "assistant" for r in chained)
+    assert max(HiddenStateStore(str(out / "store")).lengths) > MAX_SEQ_LEN
+    assert yaml.safe_load((out / "run" / "config.yaml").read_text())["data"]["seq_len"] == 2048
+    assert report["greedy_mismatches"] == 0 and report["prompts"] == 2
+    contexts = [b["context"] for b in report["acceptance_by_context"]]
+    assert contexts[0] == "128-255" and contexts[-1] == "1024-2047"
