@@ -234,7 +234,8 @@ def add_arguments(parser) -> None:
                         help="no store: the trainer runs the target over the regenerated data (data.source=online)")
     parser.add_argument("--long-context", action="store_true",
                         help=f"train on multi-turn conversations of up to {LONG_SEQ_LEN} tokens at that row length "
-                             f"and evaluate on held-out ones of 128-{LONG_SEQ_LEN - 96} tokens (docs/long-context.md)")
+                             f"and evaluate on held-out ones of {SHORTEST_EVAL_CONTEXT} to {LONG_SEQ_LEN} minus "
+                             "--eval-max-new-tokens tokens (docs/long-context.md)")
     parser.add_argument("overrides", nargs="*", help="extra trainer overrides, key=value")
 
 
