@@ -1,4 +1,4 @@
-"""Extraction throughput: dflash_fast.extract's runner and writer vs the target's bare forward, same batches.
+"""Extraction throughput: dflash_fast.extract.extract's runner and writer vs the target's bare forward, same batches.
 
     python bench/bench_extract.py [--model 8b|1.7b] [--seq-len 2048] [--batch-tokens 16384] [--batches 3] [--out DIR]
     python bench/bench_extract.py --smoke       # CPU: a tiny fp32 Qwen3 (CI only)
@@ -32,13 +32,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.harness import peak_memory_mb, time_calls_ms, write_results  # noqa: E402
-from dflash_fast.capture import TargetRunner  # noqa: E402
-from dflash_fast.extract import _run_shards  # noqa: E402
-from dflash_fast.layer_ids import default_layer_ids  # noqa: E402
-from dflash_fast.records import Example  # noqa: E402
-from dflash_fast.store_format import Layout  # noqa: E402
-from dflash_fast.store_writer import StoreWriter  # noqa: E402
-from dflash_fast.target import attention_implementation  # noqa: E402
+from dflash_fast.extract.capture import TargetRunner  # noqa: E402
+from dflash_fast.extract.extract import _run_shards  # noqa: E402
+from dflash_fast.store.format import Layout  # noqa: E402
+from dflash_fast.store.layer_ids import default_layer_ids  # noqa: E402
+from dflash_fast.store.writer import StoreWriter  # noqa: E402
+from dflash_fast.target.load import attention_implementation  # noqa: E402
+from dflash_fast.target.records import Example  # noqa: E402
 
 MODELS = {
     "8b": dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,

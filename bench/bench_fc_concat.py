@@ -34,7 +34,7 @@ def main(argv=None):
     from dflash_fast.kernels.fc_concat import fc_concat
 
     from bench.harness import peak_memory_mb, time_ms, write_results
-    from dflash_fast import eager
+    from dflash_fast.drafter import eager
 
     if args.smoke:
         device, dtype, shapes, reps = "cpu", torch.float32, [(32, 2, 32, 24)], dict(warmup=0, rep=1)

@@ -26,8 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dflash_fast.kernels.lm_head_loss import lm_head_loss  # noqa: E402
 
 from bench.harness import peak_memory_mb, time_ms, write_results  # noqa: E402
-from dflash_fast import eager  # noqa: E402
-from dflash_fast.eager import Teacher  # noqa: E402
+from dflash_fast.drafter import eager  # noqa: E402
+from dflash_fast.drafter.eager import Teacher  # noqa: E402
 
 EPS = 1e-6
 KINDS = {"kl": ("kl", False), "ce (stored labels)": ("ce", True)}

@@ -4,7 +4,7 @@
     python bench/bench_online.py --smoke                                        # CPU: the embedded target (CI only)
 
 One data set (random-token documents, `{"input_ids", "loss_mask"}` JSONL), one drafter config, one seed; three
-Trainers (dflash_fast.trainer, the real `train_step`), each timed over `--steps` optimizer steps after one untimed:
+Trainers (dflash_fast.train.trainer, the real `train_step`), each timed over `--steps` optimizer steps after one untimed:
 
   store               batches from a store extracted from the same JSONL beforehand (in-process loading)
   online (in line)    data.source=online, data.online.prefetch=false: each micro-batch's target forward, then the step
@@ -31,11 +31,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.bench_extract import MODELS, build_target  # noqa: E402
 from bench.harness import write_results  # noqa: E402
-from dflash_fast import trainer  # noqa: E402
-from dflash_fast.config import load_config  # noqa: E402
-from dflash_fast.distributed import init_distributed  # noqa: E402
-from dflash_fast.extract import extract  # noqa: E402
-from dflash_fast.quickstart import REPO, TARGET  # noqa: E402
+from dflash_fast.evaluate.quickstart import REPO, TARGET  # noqa: E402
+from dflash_fast.extract.extract import extract  # noqa: E402
+from dflash_fast.train import trainer  # noqa: E402
+from dflash_fast.train.config import load_config  # noqa: E402
+from dflash_fast.train.distributed import init_distributed  # noqa: E402
 
 PATHS = ("store", "online (in line)", "online (prefetch)")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")

@@ -48,13 +48,13 @@ if "--smoke" in sys.argv or not torch.cuda.is_available():
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.harness import peak_memory_mb, time_calls_ms, time_ms, write_results  # noqa: E402
-from dflash_fast import ops  # noqa: E402
-from dflash_fast.batches import sample_anchors  # noqa: E402
-from dflash_fast.drafter import DFlashDrafter  # noqa: E402
-from dflash_fast.drafter_config import DrafterConfig  # noqa: E402
-from dflash_fast.eager import LOSS_KINDS, needs_last  # noqa: E402
-from dflash_fast.layouts import qwen3_layer  # noqa: E402
-from dflash_fast.model import resolve_loss_kind  # noqa: E402
+from dflash_fast.data.batches import sample_anchors  # noqa: E402
+from dflash_fast.drafter import ops  # noqa: E402
+from dflash_fast.drafter.config import DrafterConfig  # noqa: E402
+from dflash_fast.drafter.eager import LOSS_KINDS, needs_last  # noqa: E402
+from dflash_fast.drafter.model import DFlashDrafter  # noqa: E402
+from dflash_fast.serve.layouts import qwen3_layer  # noqa: E402
+from dflash_fast.train.model import resolve_loss_kind  # noqa: E402
 
 FULL = dict(H=4096, Hq=32, Hkv=8, D=128, I=12288, V=151936, K=5, L=5, B=16, A=512, T=3072, docs=4)
 SMOKE = dict(H=32, Hq=2, Hkv=1, D=16, I=64, V=256, K=2, L=2, B=4, A=6, T=48, docs=3)
@@ -93,7 +93,7 @@ def drafter_config(s) -> DrafterConfig:
 
 
 def make_batch(s, dtype, device, seed=0):
-    """One synthetic row in the dflash_fast.batches layout (R = 1): `docs` documents of random
+    """One synthetic row in the dflash_fast.data.batches layout (R = 1): `docs` documents of random
     lengths, each with a prompt (loss_mask 0) on its first eighth; A sorted anchors; hidden
     [1, T, K, H], last [1, T, H], a stored top-k teacher [1, T, k] with its lse [1, T]."""
     t, v = s["T"], s["V"]

@@ -86,7 +86,7 @@ from bench.static_facts import (  # noqa: E402
     occupancy,
     static_facts,
 )
-from dflash_fast.store_format import torch_dtype  # noqa: E402
+from dflash_fast.store.format import torch_dtype  # noqa: E402
 
 KERNELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels")
 REFERENCE = dict(H=4096, H_t=4096, K=5, Hq=32, Hkv=8, D=128, V=151936, B=16, A=512, T=3072, docs=4)

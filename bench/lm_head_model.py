@@ -50,10 +50,10 @@ from triton.runtime.jit import JITFunction
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.harness import write_results  # noqa: E402
-from dflash_fast.batches import sample_anchors  # noqa: E402
-from dflash_fast.drafter import slot_targets, teacher_index  # noqa: E402
-from dflash_fast.eager import DPace, Markov, Teacher  # noqa: E402
-from dflash_fast.store_format import torch_dtype  # noqa: E402
+from dflash_fast.data.batches import sample_anchors  # noqa: E402
+from dflash_fast.drafter.eager import DPace, Markov, Teacher  # noqa: E402
+from dflash_fast.drafter.model import slot_targets, teacher_index  # noqa: E402
+from dflash_fast.store.format import torch_dtype  # noqa: E402
 
 H200 = dict(flops=790e12, hbm=4.3e12, sms=132, l2=50 << 20, smem_per_sm=233472, regs=65536, warps=64, blocks=32)
 REFERENCE = dict(H=4096, V=151936, B=16, A=512, T=3072, docs=4, rows=(1, 4))
@@ -406,7 +406,7 @@ class HostOps(TorchDispatchMode):
 def training_rows(s: Dict, rows: int, seed: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
     """Slot mask [N] and teacher index [N] (into rows*T positions) of `rows` synthetic training rows:
     `docs` documents of random lengths, a prompt (loss_mask 0) on each one's first eighth, A anchors
-    sampled as dflash_fast.batches does (bench/bench_step.py's synthetic row)."""
+    sampled as dflash_fast.data.batches does (bench/bench_step.py's synthetic row)."""
     t = s["T"]
     gen = torch.Generator().manual_seed(seed)
     batch = collections.defaultdict(list)

@@ -1,9 +1,9 @@
-"""The memory model (dflash_fast/memory.py) of the Qwen3-8B drafter at long context, computed on a CPU.
+"""The memory model (dflash_fast/train/memory.py) of the Qwen3-8B drafter at long context, computed on a CPU.
 
     python bench/memory_model.py                      # configs/qwen3-8b.yaml, T = 3k..128k, A = 512/1024/2048
     python bench/memory_model.py --world-size 1 --rows 1 --config configs/qwen3-8b.yaml
 
-Nothing here is a measurement: every number is `dflash_fast.memory.step_memory` of the drafter the config builds
+Nothing here is a measurement: every number is `dflash_fast.train.memory.step_memory` of the drafter the config builds
 for Qwen3-8B (its config.json sizes: bench/bench_extract.py MODELS["8b"]), with the config's ZeRO stage (its
 DeepSpeed JSON), optimizer, precision and loss kind, per rank of `--world-size` ranks, one micro-batch of
 `--rows` rows. The same function plans `train.py --plan` and refuses a run that does not fit its GPU. The model is
@@ -29,10 +29,11 @@ from dflash_fast.kernels.lm_head_loss import chunk_plan  # noqa: E402
 from bench.bench_extract import MODELS, TOPK  # noqa: E402
 from bench.harness import markdown_table, write_results  # noqa: E402
 from bench.lm_head_model import REFERENCE, training_rows  # noqa: E402
-from dflash_fast.config import load_config  # noqa: E402
-from dflash_fast.eager import needs_last  # noqa: E402
-from dflash_fast.layer_ids import default_layer_ids  # noqa: E402
-from dflash_fast.memory import (  # noqa: E402
+from dflash_fast.drafter.eager import needs_last  # noqa: E402
+from dflash_fast.store.format import Layout  # noqa: E402
+from dflash_fast.store.layer_ids import default_layer_ids  # noqa: E402
+from dflash_fast.train.config import load_config  # noqa: E402
+from dflash_fast.train.memory import (  # noqa: E402
     GIB,
     OnlineTarget,
     Setup,
@@ -43,8 +44,7 @@ from dflash_fast.memory import (  # noqa: E402
     step_memory,
     training_states,
 )
-from dflash_fast.optim import deepspeed_config  # noqa: E402
-from dflash_fast.store_format import Layout  # noqa: E402
+from dflash_fast.train.optim import deepspeed_config  # noqa: E402
 
 SEQ_LENS = (3072, 8192, 32768, 131072)
 ANCHORS = (512, 1024, 2048)
@@ -57,7 +57,7 @@ def qwen3_8b_drafter(cfg):
     model.* options."""
     from transformers import Qwen3Config
 
-    from dflash_fast.drafter_config import DrafterConfig
+    from dflash_fast.drafter.config import DrafterConfig
 
     target = Qwen3Config(**MODELS["8b"])
     ids = cfg.model.layer_ids or default_layer_ids(target.num_hidden_layers)
@@ -153,7 +153,7 @@ def main(argv=None) -> List[Dict]:
         target="Qwen3-8B (bench/bench_extract.py MODELS['8b']): H = 4096, 36 layers, V = 151936",
         per_rank=f"{args.world_size} ranks, {args.rows} row(s) per micro-batch",
         fits=f"peak + {RESERVE / GIB:.0f} GiB reserve <= 141 GB (one H200)",
-        what="a model (dflash_fast/memory.py), not a measurement",
+        what="a model (dflash_fast/train/memory.py), not a measurement",
     )
     name = f"memory_model_{args.world_size}rank"
     md = write_results(name, rows, args.out, meta=meta)

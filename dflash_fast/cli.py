@@ -14,15 +14,15 @@ import sys
 from dflash_fast.errors import DEBUG_ENV, run_reporting_errors
 
 COMMANDS = {
-    "extract": ("dflash_fast.extract", "run the target over JSONL data and write a hidden-state store"),
-    "serve-target": ("dflash_fast.serve_target", "serve the target's hidden states to trainers over TCP "
+    "extract": ("dflash_fast.extract.extract", "run the target over JSONL data and write a hidden-state store"),
+    "serve-target": ("dflash_fast.extract.serve", "serve the target's hidden states to trainers over TCP "
                      "(data.online.address)"),
-    "verify": ("dflash_fast.store", "check every shard of a store against the sha256 sums recorded at extraction"),
-    "export": ("dflash_fast.export", "write a trained drafter in the speculators/vLLM format"),
-    "eval": ("dflash_fast.evaluate", "real block speculative decoding: measure acceptance length tau"),
-    "regenerate": ("dflash_fast.regenerate", "let the target write the responses to a prompt set"),
-    "quickstart": ("dflash_fast.quickstart", "the whole pipeline on the embedded target, on CPU"),
-    "plot": ("dflash_fast.plot", "draw loss, tau_offline and per-slot accuracy curves of a run"),
+    "verify": ("dflash_fast.store.reader", "check every shard of a store against the sha256 sums recorded at extraction"),
+    "export": ("dflash_fast.serve.export", "write a trained drafter in the speculators/vLLM format"),
+    "eval": ("dflash_fast.evaluate.evaluate", "real block speculative decoding: measure acceptance length tau"),
+    "regenerate": ("dflash_fast.extract.regenerate", "let the target write the responses to a prompt set"),
+    "quickstart": ("dflash_fast.evaluate.quickstart", "the whole pipeline on the embedded target, on CPU"),
+    "plot": ("dflash_fast.evaluate.plot", "draw loss, tau_offline and per-slot accuracy curves of a run"),
 }
 DEBUG_HELP = f"show the traceback of an error (also: {DEBUG_ENV}=1)"
 

@@ -62,7 +62,7 @@ import triton
 import triton.language as tl
 from dflash_fast.kernels._common import autotune_configs, check_device, dot_precision
 
-from dflash_fast.eager import check_window, document_starts
+from dflash_fast.drafter.eager import check_window, document_starts
 
 
 def _configs(gpu_configs, interpreter_config):
@@ -763,7 +763,7 @@ def anchored_attention(
     document_ids: [R, T] (contiguous runs) -> out [R, A*B, Hq, D] in q.dtype.
     Rows of invalid anchors are zero and pass no gradient. Hq must be a multiple of
     Hkv (GQA); D a power of two in 16..128. Differentiable in q, k_ctx, v_ctx, k_blk, v_blk.
-    Same semantics as `dflash_fast.eager.anchored_attention`.
+    Same semantics as `dflash_fast.drafter.eager.anchored_attention`.
     """
     _check_inputs(q, k_ctx, v_ctx, k_blk, v_blk, anchors, anchor_valid, document_ids, block_size)
     check_window(window, window_from, block_size)

@@ -326,7 +326,7 @@ def fc_concat(
     hidden: [N, K, H_t] (any strides) or K tensors [N, H_t]; fc_weight: [H, K*H_t]; norm_weight: [H]
     -> ctx [N, H]. `noise_std > 0` adds uniform noise in [-noise_std, noise_std) drawn from `seed`
     (same distribution as the eager twin, different numbers). No gradient flows into hidden.
-    Semantics: `dflash_fast.eager.fc_concat`.
+    Semantics: `dflash_fast.drafter.eager.fc_concat`.
     """
     if noise_std < 0:
         raise ValueError(f"noise_std = {noise_std} must be >= 0 (0 disables the noise)")

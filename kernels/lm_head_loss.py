@@ -1,6 +1,6 @@
 """Fused drafter norm + lm_head + loss against the teacher (SPEC §5) that never builds [N, V] logits.
 
-Same signature, result and semantics as `dflash_fast.eager.lm_head_loss`; the gradients (dh,
+Same signature, result and semantics as `dflash_fast.drafter.eager.lm_head_loss`; the gradients (dh,
 d norm_weight, and d lm_head_weight when it requires grad) are computed during the forward,
 because the loss is the final scalar: backward only scales them by the incoming gradient.
 
@@ -85,7 +85,7 @@ from dflash_fast.kernels._common import (
     rms_norm_forward,
 )
 
-from dflash_fast.eager import (
+from dflash_fast.drafter.eager import (
     DENSE_KINDS,
     LK_HYBRID_ETA,
     LK_MIN_ALPHA,
@@ -593,7 +593,7 @@ def chunk_rows(n: int, v: int, element_size: int, with_teacher: bool, block: int
                budget: int = CHUNK_BYTES, row_align: int = ROW_ALIGN) -> int:
     """Drafter rows per chunk: fp32 logits of the rows (and of as many teacher rows), and their dlogits,
     within `budget` bytes (CHUNK_BYTES); a power-of-two multiple of `row_align` (ROW_ALIGN) and of `block` (the
-    D-PACE block). dflash_fast/memory.py passes the GPU's values to plan a GPU run from any machine.
+    D-PACE block). dflash_fast/train/memory.py passes the GPU's values to plan a GPU run from any machine.
 
     Powers of two keep the input-gradient GEMM's grid in whole waves: 1024 rows at H = 4096 are
     8 x 32 = 256 programs of 128 x 128, one wave at 2 per SM on 132 SMs (1664 rows, what the budget
@@ -978,10 +978,10 @@ def lm_head_loss(
     """Drafter norm + lm_head + loss against the teacher (SPEC §5) without [N, V] logits.
 
     h: [N, H] drafter pre-norm states; norm_weight: [H]; lm_head_weight: [V, H] (gets a gradient
-    only if it requires grad); weights: [N]; teacher: `dflash_fast.eager.Teacher`; dpace: D-PACE
-    weights or None; markov: DSpark's Markov bias (`dflash_fast.eager.Markov`: e [N, r], w2 [V, r]), folded
+    only if it requires grad); weights: [N]; teacher: `dflash_fast.drafter.eager.Teacher`; dpace: D-PACE
+    weights or None; markov: DSpark's Markov bias (`dflash_fast.drafter.eager.Markov`: e [N, r], w2 [V, r]), folded
     into the lm_head GEMM as r more columns, with gradients for e and w2. Semantics and kinds exactly as
-    `dflash_fast.eager.lm_head_loss`; logits are accumulated in fp32.
+    `dflash_fast.drafter.eager.lm_head_loss`; logits are accumulated in fp32.
     """
     e, w2 = (markov.e, markov.w2) if markov is not None else (None, None)
     grad_inputs = [t for t in (h, norm_weight, lm_head_weight, e, w2) if t is not None]

@@ -11,7 +11,7 @@ import argparse
 import json
 import os
 
-from dflash_fast.quickstart import build_store, quickstart
+from dflash_fast.evaluate.quickstart import build_store, quickstart
 
 
 def main(argv=None):

@@ -16,7 +16,7 @@ import os
 import statistics
 import subprocess
 
-from dflash_fast.quickstart import ASSETS, REPO, TARGET, build_store, train_command
+from dflash_fast.evaluate.quickstart import ASSETS, REPO, TARGET, build_store, train_command
 
 ADAMW = ["optimizer.kind=adamw", "optimizer.grad_clip=1.0"]  # tiny.yaml's AdamW settings before Muon won
 MUON = ["optimizer.kind=muon", "optimizer.grad_clip=0"]

@@ -49,10 +49,10 @@ T_EXPORT = "tests/test_export.py::test_export_round_trip_names_and_layer_ids"
 T_ANCHOR = "tests/test_batches.py::test_anchor_needs_loss_mask_on_itself_and_next_token"
 
 MUTATIONS: List[Mutation] = [
-    # ---- SPEC §5: which slots train (dflash_fast/drafter.py)
+    # ---- SPEC §5: which slots train (dflash_fast/drafter/model.py)
     Mutation(
         "slot-mask-ignores-anchor-valid",
-        "dflash_fast/drafter.py",
+        "dflash_fast/drafter/model.py",
         "& valid[:, :, None]",
         None,
         [T_ALIGN],
@@ -60,7 +60,7 @@ MUTATIONS: List[Mutation] = [
     ),
     Mutation(
         "slot-mask-ignores-document",
-        "dflash_fast/drafter.py",
+        "dflash_fast/drafter/model.py",
         '& (gather(batch["document_ids"]) == anchor_doc)',
         None,
         [T_ALIGN],
@@ -68,7 +68,7 @@ MUTATIONS: List[Mutation] = [
     ),
     Mutation(
         "slot-mask-ignores-loss-mask",
-        "dflash_fast/drafter.py",
+        "dflash_fast/drafter/model.py",
         '& gather(batch["loss_mask"].bool())',
         None,
         [T_ALIGN],
@@ -76,7 +76,7 @@ MUTATIONS: List[Mutation] = [
     ),
     Mutation(
         "slot-zero-trained",
-        "dflash_fast/drafter.py",
+        "dflash_fast/drafter/model.py",
         "(j >= (0 if sample_from_anchor else 1))",
         "(j >= 0)",
         [T_ALIGN],
@@ -85,7 +85,7 @@ MUTATIONS: List[Mutation] = [
     # ---- SPEC §5: the teacher at p - 1, the data label at p
     Mutation(
         "teacher-row-at-p",
-        "dflash_fast/drafter.py",
+        "dflash_fast/drafter/model.py",
         "return Targets(mask, in_row, (p - 1).clamp(0, t - 1), prev)",
         "return Targets(mask, in_row, p.clamp(0, t - 1), prev)",
         [T_ALIGN],
@@ -93,7 +93,7 @@ MUTATIONS: List[Mutation] = [
     ),
     Mutation(
         "kl-last-at-p",
-        "dflash_fast/drafter.py",
+        "dflash_fast/drafter/model.py",
         "return (targets.teacher_row + offsets).flatten()",
         "return (targets.position + offsets).flatten()",
         [T_ALIGN],
@@ -101,7 +101,7 @@ MUTATIONS: List[Mutation] = [
     ),
     Mutation(
         "ce-stored-label-at-p",
-        "dflash_fast/drafter.py",
+        "dflash_fast/drafter/model.py",
         'gather_rows(batch["teacher_topk_ids"], targets.teacher_row)[:, 0] if "teacher_topk_ids" in batch else None',
         'gather_rows(batch["teacher_topk_ids"], targets.position)[:, 0] if "teacher_topk_ids" in batch else None',
         [T_ALIGN],
@@ -109,7 +109,7 @@ MUTATIONS: List[Mutation] = [
     ),
     Mutation(
         "ce_data-label-at-p-minus-1",
-        "dflash_fast/drafter.py",
+        "dflash_fast/drafter/model.py",
         'teacher = Teacher(labels=gather_rows(batch["input_ids"], targets.position))',
         'teacher = Teacher(labels=gather_rows(batch["input_ids"], targets.teacher_row))',
         [T_ALIGN],
@@ -117,7 +117,7 @@ MUTATIONS: List[Mutation] = [
     ),
     Mutation(
         "kl_topk-ids-at-p",
-        "dflash_fast/drafter.py",
+        "dflash_fast/drafter/model.py",
         'topk_ids=gather_rows(batch["teacher_topk_ids"], targets.teacher_row),',
         'topk_ids=gather_rows(batch["teacher_topk_ids"], targets.position),',
         [T_ALIGN],
@@ -125,7 +125,7 @@ MUTATIONS: List[Mutation] = [
     ),
     Mutation(
         "kl_topk-logits-at-p",
-        "dflash_fast/drafter.py",
+        "dflash_fast/drafter/model.py",
         'topk_logits=gather_rows(batch["teacher_topk_logits"], targets.teacher_row),',
         'topk_logits=gather_rows(batch["teacher_topk_logits"], targets.position),',
         [T_ALIGN],
@@ -133,7 +133,7 @@ MUTATIONS: List[Mutation] = [
     ),
     Mutation(
         "kl_topk-lse-at-p",
-        "dflash_fast/drafter.py",
+        "dflash_fast/drafter/model.py",
         'topk_lse=gather_rows(batch["teacher_lse"], targets.teacher_row),',
         'topk_lse=gather_rows(batch["teacher_lse"], targets.position),',
         [T_ALIGN],
@@ -141,7 +141,7 @@ MUTATIONS: List[Mutation] = [
     ),
     Mutation(
         "ce_data-metric-against-the-data",
-        "dflash_fast/drafter.py",
+        "dflash_fast/drafter/model.py",
         'teacher_argmax = stored_argmax if stored_argmax is not None and loss_kind == "ce_data" '
         "else out.teacher_argmax",
         "teacher_argmax = out.teacher_argmax",
@@ -151,7 +151,7 @@ MUTATIONS: List[Mutation] = [
     # ---- SPEC §5: weights and the denominator
     Mutation(
         "position-weight-off-by-one",
-        "dflash_fast/drafter.py",
+        "dflash_fast/drafter/model.py",
         "return torch.where(j >= 1, torch.exp(-(j - 1) / gamma), torch.zeros(()))",
         "return torch.where(j >= 1, torch.exp(-j / gamma), torch.zeros(()))",
         [T_ORACLES + "::test_position_weights_are_spec_values"],
@@ -159,7 +159,7 @@ MUTATIONS: List[Mutation] = [
     ),
     Mutation(
         "denominator-is-the-weight-sum",
-        "dflash_fast/drafter.py",
+        "dflash_fast/drafter/model.py",
         "targets.slot_mask.sum(),",
         "weights.sum(),",
         [T_ALIGN],
@@ -167,7 +167,7 @@ MUTATIONS: List[Mutation] = [
     ),
     Mutation(
         "trainer-ignores-loss-gamma",
-        "dflash_fast/trainer.py",
+        "dflash_fast/train/trainer.py",
         "gamma=loss.gamma, weighting=loss.weighting,",
         "gamma=7.0, weighting=loss.weighting,",
         [T_TRAINER],
@@ -175,7 +175,7 @@ MUTATIONS: List[Mutation] = [
     ),
     Mutation(
         "auto-loss-kind-without-last-is-ce",
-        "dflash_fast/model.py",
+        "dflash_fast/train/model.py",
         'return "kl" if manifest["has_last"] else "kl_topk"',
         'return "kl" if manifest["has_last"] else "ce"',
         [T_TRAINER],
@@ -183,16 +183,16 @@ MUTATIONS: List[Mutation] = [
     ),
     Mutation(
         "resume-skips-a-micro-batch",
-        "dflash_fast/trainer.py",
+        "dflash_fast/train/trainer.py",
         'client["micro_batch"])',
         'client["micro_batch"] + 1)',
         [T_TRAINER],
         "resume continues exactly",
     ),
-    # ---- SPEC §5: the loss kinds (dflash_fast/eager.py, the oracle the kernels are tested against)
+    # ---- SPEC §5: the loss kinds (dflash_fast/drafter/eager.py, the oracle the kernels are tested against)
     Mutation(
         "final-norm-twice-in-the-teacher",
-        "dflash_fast/eager.py",
+        "dflash_fast/drafter/eager.py",
         "teacher_logits = F.linear(rms_norm(teacher.last, teacher.final_norm_weight, eps), lm_head_weight).float()",
         "teacher_logits = F.linear(rms_norm(rms_norm(teacher.last, teacher.final_norm_weight, eps), "
         "teacher.final_norm_weight, eps), lm_head_weight).float()",
@@ -201,7 +201,7 @@ MUTATIONS: List[Mutation] = [
     ),
     Mutation(
         "kl-metric-is-the-soft-ce",
-        "dflash_fast/eager.py",
+        "dflash_fast/drafter/eager.py",
         "kl = (p * (logp - logq)).sum(-1)",
         "kl = -(p * logq).sum(-1)",
         [T_ORACLES],
@@ -209,7 +209,7 @@ MUTATIONS: List[Mutation] = [
     ),
     Mutation(
         "kl_topk-without-rest-mass",
-        "dflash_fast/eager.py",
+        "dflash_fast/drafter/eager.py",
         "per_row = -((p * logq_top).sum(-1) + rest_term)",
         "per_row = -(p * logq_top).sum(-1)",
         [T_ORACLES],
@@ -217,7 +217,7 @@ MUTATIONS: List[Mutation] = [
     ),
     Mutation(
         "kl_topk-rest-probability-unnormalised",
-        "dflash_fast/eager.py",
+        "dflash_fast/drafter/eager.py",
         "logq_rest = torch.logsumexp(rest_logits, dim=-1) - torch.logsumexp(logits, dim=-1)",
         "logq_rest = torch.logsumexp(rest_logits, dim=-1)",
         [T_ORACLES],
@@ -225,7 +225,7 @@ MUTATIONS: List[Mutation] = [
     ),
     Mutation(
         "kl_topk-renormalised-top-k",
-        "dflash_fast/eager.py",
+        "dflash_fast/drafter/eager.py",
         "p = torch.exp(teacher.topk_logits.float() - teacher.topk_lse.float()[:, None])  # [N, k]",
         "p = torch.softmax(teacher.topk_logits.float(), dim=-1)  # [N, k]",
         [T_ORACLES],
@@ -233,7 +233,7 @@ MUTATIONS: List[Mutation] = [
     ),
     Mutation(
         "kl_topk-metric-without-rest-mass",
-        "dflash_fast/eager.py",
+        "dflash_fast/drafter/eager.py",
         "plogp = plogp + torch.where(p_rest > 0, p_rest * p_rest.clamp(min=1e-38).log(), torch.zeros_like(p_rest))",
         None,
         [T_ORACLES],
@@ -241,7 +241,7 @@ MUTATIONS: List[Mutation] = [
     ),
     Mutation(
         "kl_topk-rest-mass-at-k-equal-v",
-        "dflash_fast/eager.py",
+        "dflash_fast/drafter/eager.py",
         "p_rest = (1 - p.sum(-1)).clamp(min=0) if ids.shape[1] < logits.shape[1] else torch.zeros_like(p[:, 0])",
         "p_rest = (1 - p.sum(-1)).clamp(min=0)",
         [T_ORACLES],
@@ -258,7 +258,7 @@ MUTATIONS: List[Mutation] = [
     # ---- SPEC §4: the anchored attention pattern
     Mutation(
         "context-includes-the-anchor",
-        "dflash_fast/eager.py",
+        "dflash_fast/drafter/eager.py",
         "ctx = (document_ids[:, None, :] == anchor_doc[:, :, None]) & (p[None, None, :] < anchors[:, :, None])",
         "ctx = (document_ids[:, None, :] == anchor_doc[:, :, None]) & (p[None, None, :] <= anchors[:, :, None])",
         [T_ORACLES],
@@ -266,7 +266,7 @@ MUTATIONS: List[Mutation] = [
     ),
     Mutation(
         "context-ignores-documents",
-        "dflash_fast/eager.py",
+        "dflash_fast/drafter/eager.py",
         "ctx = (document_ids[:, None, :] == anchor_doc[:, :, None]) & (p[None, None, :] < anchors[:, :, None])",
         "ctx = p[None, None, :] < anchors[:, :, None]",
         [T_ORACLES],
@@ -274,7 +274,7 @@ MUTATIONS: List[Mutation] = [
     ),
     Mutation(
         "window-edge-off-by-one",
-        "dflash_fast/eager.py",
+        "dflash_fast/drafter/eager.py",
         'first = anchors[:, :, None] - window if window_from == "anchor" else anchors[:, :, None] + j - window + 1',
         'first = anchors[:, :, None] - window + 1 if window_from == "anchor" else anchors[:, :, None] + j - window + 1',
         [T_ORACLES],
@@ -282,7 +282,7 @@ MUTATIONS: List[Mutation] = [
     ),
     Mutation(
         "query-window-ends-at-the-anchor",
-        "dflash_fast/eager.py",
+        "dflash_fast/drafter/eager.py",
         'first = anchors[:, :, None] - window if window_from == "anchor" else anchors[:, :, None] + j - window + 1',
         'first = anchors[:, :, None] - window if window_from == "anchor" else anchors[:, :, None] - window + 1',
         [T_ORACLES],
@@ -298,7 +298,7 @@ MUTATIONS: List[Mutation] = [
     ),
     Mutation(
         "causal-in-block-transposed",
-        "dflash_fast/eager.py",
+        "dflash_fast/drafter/eager.py",
         "return torch.tril(ones) if causal_in_block else ones",
         "return torch.triu(ones) if causal_in_block else ones",
         [T_ORACLES],
@@ -315,7 +315,7 @@ MUTATIONS: List[Mutation] = [
     # ---- SPEC §3: anchors and fc
     Mutation(
         "anchor-without-a-next-trainable-token",
-        "dflash_fast/batches.py",
+        "dflash_fast/data/batches.py",
         "eligible = (m[:-1] & m[1:] & (document_ids[:-1] == document_ids[1:])).nonzero().flatten()",
         "eligible = (m[:-1] & (document_ids[:-1] == document_ids[1:])).nonzero().flatten()",
         [T_ANCHOR],
@@ -323,7 +323,7 @@ MUTATIONS: List[Mutation] = [
     ),
     Mutation(
         "fc-over-k-minus-1-layers",
-        "dflash_fast/eager.py",
+        "dflash_fast/drafter/eager.py",
         "return rms_norm(F.linear(x.reshape(n, k * h_t), fc_weight), norm_weight, eps)",
         "return rms_norm(F.linear(x[:, 1:].reshape(n, (k - 1) * h_t), fc_weight[:, h_t:]), norm_weight, eps)",
         [T_FC],
@@ -332,7 +332,7 @@ MUTATIONS: List[Mutation] = [
     # ---- SPEC §1-2: layer ids, taps, `last`
     Mutation(
         "tap-hidden-states-l-not-l-plus-1",
-        "dflash_fast/target.py",
+        "dflash_fast/target/load.py",
         "layers[layer].register_forward_hook(lambda _m, _args, out, layer=layer: self._keep(layer, out))",
         "layers[layer].register_forward_pre_hook(lambda _m, args, layer=layer: self._keep(layer, args[0]))",
         [T_EXTRACT_TAPS, T_EVAL_TAPS],
@@ -340,7 +340,7 @@ MUTATIONS: List[Mutation] = [
     ),
     Mutation(
         "tap-last-layer-after-the-final-norm",
-        "dflash_fast/target.py",
+        "dflash_fast/target/load.py",
         "self._keep(self.num_layers - 1, args[0])",
         "self._keep(self.num_layers - 1, self.norm.forward(args[0]))",
         [T_EXTRACT_TAPS, T_EVAL_TAPS],
@@ -348,7 +348,7 @@ MUTATIONS: List[Mutation] = [
     ),
     Mutation(
         "teacher-from-an-intermediate-layer",
-        "dflash_fast/capture.py",
+        "dflash_fast/extract/capture.py",
         "hidden, last = self.taps.take()",
         "hidden, last = self.taps.take(); last = hidden[..., 0, :]",
         [T_EXTRACT_LAST],
@@ -356,7 +356,7 @@ MUTATIONS: List[Mutation] = [
     ),
     Mutation(
         "eval-last-from-an-intermediate-layer",
-        "dflash_fast/evaluate.py",
+        "dflash_fast/evaluate/evaluate.py",
         "return Step(out.logits[0], hidden[0], last[0], cache)",
         "return Step(out.logits[0], hidden[0], hidden[0, :, 0], cache)",
         [T_EVAL_TAPS],
@@ -364,7 +364,7 @@ MUTATIONS: List[Mutation] = [
     ),
     Mutation(
         "stored-last-after-the-final-norm",
-        "dflash_fast/target.py",
+        "dflash_fast/target/load.py",
         "self._last.append(args[0])",
         "self._last.append(self.norm.forward(args[0]))",
         [T_EXTRACT_LAST],
@@ -373,7 +373,7 @@ MUTATIONS: List[Mutation] = [
     # ---- SPEC §1: the export's layer-id convention
     Mutation(
         "export-layer-ids-not-shifted",
-        "dflash_fast/layouts.py",
+        "dflash_fast/serve/layouts.py",
         '"aux_hidden_state_layer_ids": [i + 1 for i in cfg.layer_ids],',
         '"aux_hidden_state_layer_ids": list(cfg.layer_ids),',
         [T_EXPORT],
@@ -381,7 +381,7 @@ MUTATIONS: List[Mutation] = [
     ),
     Mutation(
         "import-layer-ids-not-shifted",
-        "dflash_fast/engines.py",
+        "dflash_fast/serve/engines.py",
         '"layer_ids": [i - 1 for i in aux],',
         '"layer_ids": list(aux),',
         [T_EXPORT],

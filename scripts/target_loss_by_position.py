@@ -15,7 +15,7 @@ from typing import Dict, List
 import torch
 from train_embedded_target import file_split, read_texts, stdlib_files, stdlib_root
 
-from dflash_fast.evaluate import context_bucket
+from dflash_fast.evaluate.report import context_bucket
 
 TARGET = Path(__file__).resolve().parents[1] / "dflash_fast" / "assets" / "target"
 

@@ -1,9 +1,9 @@
-"""Packing, anchor sampling, sharding and the loader of dflash_fast.batches (SPEC §3)."""
+"""Packing, anchor sampling, sharding and the loader of dflash_fast.data.batches (SPEC §3)."""
 import numpy as np
 import pytest
 import torch
 
-from dflash_fast.batches import (
+from dflash_fast.data.batches import (
     collate_rows,
     epoch_schedule,
     make_loader,

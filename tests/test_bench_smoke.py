@@ -13,7 +13,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from bench.bench_step import FULL, PEER_LOSS, SMOKE, make_batch, parse_args, step_flops, visible_pairs  # noqa: E402
-from dflash_fast.eager import LOSS_KINDS, anchored_attention_mask  # noqa: E402
+from dflash_fast.drafter.eager import LOSS_KINDS, anchored_attention_mask  # noqa: E402
 
 
 def run_smoke(script, out_dir, *extra):

@@ -1,6 +1,6 @@
 """Trainer checkpoints that someone else made or the disk damaged: export, eval and resume never run a pickle
 they did not write, never trust bytes that changed after the save, and fall back to the newest checkpoint that
-verifies, saying so (dflash_fast/checkpoint.py)."""
+verifies, saying so (dflash_fast/train/checkpoint.py)."""
 import glob
 import hashlib
 import json
@@ -26,8 +26,10 @@ from test_trainer import (
 )
 from tiny_targets import write_jsonl
 
-from dflash_fast import cli, trainer
-from dflash_fast.checkpoint import (
+from dflash_fast import cli
+from dflash_fast.store.reader import HiddenStateStore
+from dflash_fast.train import trainer
+from dflash_fast.train.checkpoint import (
     MARKER,
     MARKER_FORMAT,
     WEIGHTS,
@@ -38,10 +40,9 @@ from dflash_fast.checkpoint import (
     set_rng_state,
     verify_checkpoint,
 )
-from dflash_fast.config import ConfigError, load_config
-from dflash_fast.distributed import init_distributed
-from dflash_fast.store import HiddenStateStore
-from dflash_fast.trainer import NonFiniteLoss
+from dflash_fast.train.config import ConfigError, load_config
+from dflash_fast.train.distributed import init_distributed
+from dflash_fast.train.trainer import NonFiniteLoss
 
 STEPS = dict(schedule__steps=3, checkpoint__every=1, checkpoint__keep_last=3)
 

@@ -13,8 +13,8 @@ import sys
 
 import torch.distributed as dist
 
-from dflash_fast.config import load_config
-from dflash_fast.trainer import train
+from dflash_fast.train.config import load_config
+from dflash_fast.train.trainer import train
 
 
 def run(argv):

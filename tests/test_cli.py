@@ -9,12 +9,14 @@ import pytest
 import torch
 from tiny_targets import write_jsonl
 
-from dflash_fast import cli, plot, trainer
-from dflash_fast.config import ConfigError, load_config
-from dflash_fast.drafter import build_drafter
-from dflash_fast.export import export_drafter
-from dflash_fast.quickstart import TARGET
-from dflash_fast.store import HiddenStateStore
+from dflash_fast import cli
+from dflash_fast.drafter.model import build_drafter
+from dflash_fast.evaluate import plot
+from dflash_fast.evaluate.quickstart import TARGET
+from dflash_fast.serve.export import export_drafter
+from dflash_fast.store.reader import HiddenStateStore
+from dflash_fast.train import trainer
+from dflash_fast.train.config import ConfigError, load_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_YAML = os.path.join(REPO, "configs", "tiny.yaml")

@@ -23,7 +23,8 @@ import re
 
 import pytest
 
-from dflash_fast import cli, config, trainer
+from dflash_fast import cli
+from dflash_fast.train import config, trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC_FILES = ["README.md"] + sorted(os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "docs", "*.md")))
@@ -128,7 +129,7 @@ def command_problems(line: str) -> list:
             for token in rest:
                 o = OVERRIDE.match(token.strip("[]'\""))
                 if o and not o.group(1).isupper() and not config_key_exists(o.group(1)):
-                    found.append(f"override `{token}`: `{o.group(1)}` is not a config key (dflash_fast/config.py)")
+                    found.append(f"override `{token}`: `{o.group(1)}` is not a config key (dflash_fast/train/config.py)")
     return found
 
 
@@ -136,7 +137,7 @@ def key_problems(code: str) -> list:
     out = []
     for key in SECTION_KEY.findall(code):
         if not config_key_exists(key) and key.rsplit(".", 1)[-1] not in FILE_SUFFIXES:
-            out.append(f"`{key}` is not a config key (dflash_fast/config.py)")
+            out.append(f"`{key}` is not a config key (dflash_fast/train/config.py)")
     return out
 
 

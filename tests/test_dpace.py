@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_fast import eager
-from dflash_fast.eager import DPace, Teacher, dpace_weights
+from dflash_fast.drafter import eager
+from dflash_fast.drafter.eager import DPace, Teacher, dpace_weights
 
 
 def test_weights_of_a_hand_computed_block():
@@ -107,7 +107,7 @@ def test_drafter_dpace_weights_the_mask_by_its_own_confidence_against_the_teache
     ],
 )
 def test_config_refuses_an_unknown_weighting_and_alpha_outside_0_1(override, message):
-    from dflash_fast.config import ConfigError, load_config
+    from dflash_fast.train.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=message):
         load_config(None, ["data.store=/x", override])

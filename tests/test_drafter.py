@@ -6,8 +6,9 @@ import torch.nn.functional as F
 from oracles import position_weight, trained_slots, visible_keys
 from tiny_targets import tiny_model, tiny_sizes
 
-from dflash_fast import eager, ops
-from dflash_fast.drafter import (
+from dflash_fast.drafter import eager, ops
+from dflash_fast.drafter.config import DrafterConfig
+from dflash_fast.drafter.model import (
     DFlashDrafter,
     DrafterOutput,
     build_drafter,
@@ -15,7 +16,6 @@ from dflash_fast.drafter import (
     resolve_mask_token_id,
     slot_metrics,
 )
-from dflash_fast.drafter_config import DrafterConfig
 
 V, H, K, B = 96, 32, 3, 4
 
@@ -203,7 +203,7 @@ def test_slots_leaving_the_document_or_masked_are_not_trained():
 def ce_against_stored_argmax(d: DFlashDrafter, batch):
     """Per-slot CE [A*B] of the drafter's materialised logits against the stored teacher argmax at p - 1,
     and the slot mask [R, A, B]: a reference for the `ce` loss outside ops.lm_head_loss (one row)."""
-    from dflash_fast.drafter import gather_rows, slot_targets
+    from dflash_fast.drafter.model import gather_rows, slot_targets
 
     tg = slot_targets(batch, d.config.block_size)
     x = d.batch_states(batch)
@@ -415,7 +415,7 @@ def test_a_target_without_an_embedding_is_refused_by_name(tmp_path):
 
     from safetensors.torch import save_file
 
-    from dflash_fast.weights import load_frozen_tensors
+    from dflash_fast.drafter.weights import load_frozen_tensors
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", "tie_word_embeddings": True}))
     save_file({"model.norm.weight": torch.ones(8)}, str(tmp_path / "model.safetensors"))

@@ -5,8 +5,8 @@ import torch
 from oracles import dspark_batch_loss, position_weight, rms_norm
 from test_drafter import B, V, random_batch, random_drafter
 
-from dflash_fast import eager, ops
-from dflash_fast.drafter import DrafterOutput, position_weights, slot_metrics, slot_targets
+from dflash_fast.drafter import eager, ops
+from dflash_fast.drafter.model import DrafterOutput, position_weights, slot_metrics, slot_targets
 
 EPS = 1e-6
 HEAD_TYPES = ("vanilla", "gated", "rnn")
@@ -178,7 +178,7 @@ def test_dspark_config_is_checked():
 
 
 def test_dspark_config_keys_are_checked_at_the_edge():
-    from dflash_fast.config import ConfigError, load_config
+    from dflash_fast.train.config import ConfigError, load_config
 
     base = ["data.store=x"]
     dspark = ["model.markov_rank=16", "model.confidence_head=true", "model.sample_from_anchor=true"]
@@ -199,7 +199,7 @@ def test_dspark_config_keys_are_checked_at_the_edge():
 def written(out, cfg):
     import json
 
-    from dflash_fast.export import read_weights
+    from dflash_fast.serve.export import read_weights
 
     with open(f"{out}/config.json") as f:
         return json.load(f), read_weights(out, cfg)
@@ -207,7 +207,7 @@ def written(out, cfg):
 
 @pytest.mark.parametrize("sample_from_anchor", [True, False], ids=["from_anchor", "dflash_alignment"])
 def test_dspark_export_passes_the_gate_and_rebuilds_as_vllm_reads_it(tmp_path, sample_from_anchor):
-    from dflash_fast.export import export_drafter, load_exported
+    from dflash_fast.serve.export import export_drafter, load_exported
 
     d = dspark_drafter("vanilla", sample_from_anchor)
     out = export_drafter(d, str(tmp_path / "export"), "tiny-target", torch.float32)
@@ -232,7 +232,7 @@ def test_dspark_export_passes_the_gate_and_rebuilds_as_vllm_reads_it(tmp_path, s
 
 def test_the_gate_compares_the_markov_bias_and_the_confidence(tmp_path, monkeypatch):
     """A written Markov W2 or confidence weight that differs from the trained one fails the gate."""
-    from dflash_fast import export
+    from dflash_fast.serve import export
 
     for name in ("markov_head.markov_w2.weight", "confidence_head.proj.weight"):
         real_save = __import__("safetensors.torch", fromlist=["save_file"]).save_file
@@ -248,8 +248,8 @@ def test_the_gate_compares_the_markov_bias_and_the_confidence(tmp_path, monkeypa
 
 @pytest.mark.parametrize("head_type", ["gated", "rnn"])
 def test_a_markov_head_vllm_does_not_serve_is_never_exported(tmp_path, head_type):
-    from dflash_fast.export import export_drafter
-    from dflash_fast.layouts import ExportError
+    from dflash_fast.serve.export import export_drafter
+    from dflash_fast.serve.layouts import ExportError
 
     with pytest.raises(ExportError, match="markov_head_type: trained '" + head_type):
         export_drafter(dspark_drafter(head_type), str(tmp_path / "export"), "t", torch.float32)

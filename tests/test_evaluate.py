@@ -8,21 +8,12 @@ from tiny_targets import make_tiny_target, write_jsonl
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_fast.cli import main
-from dflash_fast.drafter import build_drafter
-from dflash_fast.evaluate import (
-    TargetRunner,
-    acceptance_by_context,
-    acceptance_by_position,
-    context_bucket,
-    evaluate,
-    greedy_generate,
-    offline_tau,
-    response_row,
-    speculative_generate,
-    summary,
-)
-from dflash_fast.export import export_drafter
-from dflash_fast.plot import plot_recipes, plot_run, read_metrics, read_recipes
+from dflash_fast.drafter.model import build_drafter
+from dflash_fast.evaluate.decode import TargetRunner, greedy_generate, speculative_generate
+from dflash_fast.evaluate.evaluate import evaluate, offline_tau, response_row
+from dflash_fast.evaluate.plot import plot_recipes, plot_run, read_metrics, read_recipes
+from dflash_fast.evaluate.report import acceptance_by_context, acceptance_by_position, context_bucket, summary
+from dflash_fast.serve.export import export_drafter
 
 B = 4
 LAYER_IDS = [1, 3, 5]  # 5 = L-1 of the 6-layer tiny targets: tapped before the final norm

@@ -3,7 +3,7 @@ config classes, the gate that refuses a mismatch, published drafters loaded back
 
 What runs for real here: transformers' Qwen3Config / AutoConfig / Qwen3RotaryEmbedding and safetensors. What
 does not (not installed, GPU-only): speculators, vLLM, SGLang; their config handling is reproduced in
-dflash_fast/engines.py (`_speculators_view`, `_vllm_speculators_view`, `_sglang_view`, `_vllm_zlab_view`, each
+dflash_fast/serve/engines.py (`_speculators_view`, `_vllm_speculators_view`, `_sglang_view`, `_vllm_zlab_view`, each
 citing the file and function it follows) and pinned below against what those files do.
 """
 import json
@@ -17,13 +17,13 @@ from test_trainer import TINY_YAML, settings, tiny  # noqa: F401 (tiny: the stor
 from transformers import AutoConfig, Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-from dflash_fast import engines, export, layouts
-from dflash_fast.drafter import DFlashDrafter
-from dflash_fast.drafter_config import DrafterConfig
-from dflash_fast.engines import ENGINES, SERVING_RULES, architecture, config_from_export, served_architectures
-from dflash_fast.export import export_drafter, gate_batch, gate_logits, load_exported
-from dflash_fast.layers import Rope
-from dflash_fast.layouts import FORMATS, ExportError
+from dflash_fast.drafter.config import DrafterConfig
+from dflash_fast.drafter.layers import Rope
+from dflash_fast.drafter.model import DFlashDrafter
+from dflash_fast.serve import engines, export, layouts
+from dflash_fast.serve.engines import ENGINES, SERVING_RULES, architecture, config_from_export, served_architectures
+from dflash_fast.serve.export import export_drafter, gate_batch, gate_logits, load_exported
+from dflash_fast.serve.layouts import FORMATS, ExportError
 
 V, H, B = 96, 32, 4
 
@@ -558,7 +558,7 @@ def test_unreadable_files_are_refused_by_name(spec_export):
 
 def test_eval_names_what_is_wrong_with_a_broken_export(spec_export):
     """dflash-fast eval --drafter DIR: a directory with a config.json is an export (checkpoints have none)."""
-    from dflash_fast.evaluate import load_drafter
+    from dflash_fast.evaluate.evaluate import load_drafter
 
     with open(os.path.join(spec_export, "config.json"), "w") as f:
         f.write("{ not json")
@@ -774,8 +774,8 @@ TARGET_V = 384  # test_trainer's tiny target vocabulary; 383 is free for the mas
 @pytest.fixture(scope="module")
 def trained(tiny):  # noqa: F811 (the fixture imported above)
     """test_trainer's tiny target and store (layer ids 1, 2) and a 2-step run that ends with its export."""
-    from dflash_fast.config import load_config
-    from dflash_fast.trainer import train
+    from dflash_fast.train.config import load_config
+    from dflash_fast.train.trainer import train
 
     run = str(tiny.root / "export_run")
     tiny.run, tiny.result = run, train(load_config(TINY_YAML, settings(tiny, run, schedule__steps=2)))
@@ -783,9 +783,9 @@ def trained(tiny):  # noqa: F811 (the fixture imported above)
 
 
 def trainer_for(store, out, **extra):
-    from dflash_fast import trainer
-    from dflash_fast.config import load_config
-    from dflash_fast.distributed import init_distributed
+    from dflash_fast.train import trainer
+    from dflash_fast.train.config import load_config
+    from dflash_fast.train.distributed import init_distributed
 
     return trainer.Trainer(load_config(TINY_YAML, settings(store, out, **extra)), *init_distributed())
 
@@ -811,7 +811,7 @@ def zlab_like_drafter_for_the_tiny_target(directory, layer_ids=(1, 2), hidden=32
 
 
 def test_the_trainers_export_passes_the_gate_and_loads_back_with_the_checkpoints_weights(trained):
-    from dflash_fast.checkpoint import load_drafter_for_export
+    from dflash_fast.train.checkpoint import load_drafter_for_export
 
     assert trained.result["export"] == os.path.join(trained.run, "export")
     drafter, verifier = load_drafter_for_export(trained.run)
@@ -833,7 +833,7 @@ def test_dflash_fast_export_writes_the_zlab_layout_from_a_checkpoint(trained, ca
 
 
 def test_init_from_starts_training_from_a_published_drafter(trained):
-    from dflash_fast.evaluate import load_drafter
+    from dflash_fast.evaluate.evaluate import load_drafter
 
     published = zlab_like_drafter_for_the_tiny_target(os.path.join(trained.root, "published"))
     # settings() sets model.num_layers=1, so the export's 2 is given (a value set in the config must agree)
@@ -852,8 +852,8 @@ def test_init_from_starts_training_from_a_published_drafter(trained):
 
 
 def test_init_from_refuses_a_drafter_that_does_not_match_the_store(trained):
-    from dflash_fast.config import ConfigError
-    from dflash_fast.model import StoreMismatch
+    from dflash_fast.train.config import ConfigError
+    from dflash_fast.train.model import StoreMismatch
 
     zlab_like_drafter_for_the_tiny_target(os.path.join(trained.root, "ids03"), layer_ids=(0, 3))
     with pytest.raises(StoreMismatch, match=r"model.init_from=.*ids03: (.|\n)*layer ids: the store has \[1, 2\], "
@@ -891,7 +891,7 @@ def test_load_exported_refuses_a_drafter_made_for_another_target(trained):
 
 
 def test_the_trainer_refuses_before_step_1_a_drafter_its_export_cannot_serve(trained):
-    from dflash_fast.config import ConfigError
+    from dflash_fast.train.config import ConfigError
 
     refused = (r"layer_causal: trained \[True\], speculators serves \[False\](.|\n)*"
                r"layer_causal: trained \[True\], sglang serves \[False\](.|\n)*export=false")

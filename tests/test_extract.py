@@ -16,21 +16,20 @@ import pytest
 import torch
 from tiny_targets import make_tiny_target, make_tokenizer, sample_records, write_jsonl
 
-from dflash_fast import capture as capture_module
 from dflash_fast import cli
-from dflash_fast import extract as extract_module
-from dflash_fast import plan as plan_module
-from dflash_fast import target as target_module
-from dflash_fast.batches import make_loader
-from dflash_fast.eager import rms_norm
+from dflash_fast.data.batches import make_loader
 from dflash_fast.errors import UserError
-from dflash_fast.extract import extract
-from dflash_fast.fp8 import dequantize_fp8
-from dflash_fast.records import ChatTokenizer, Example, read_examples
-from dflash_fast.store import HiddenStateStore
-from dflash_fast.store_format import MANIFEST, Layout
-from dflash_fast.store_writer import ShardWriter
-from dflash_fast.target import final_norm_weight
+from dflash_fast.extract import capture as capture_module
+from dflash_fast.extract import extract as extract_module
+from dflash_fast.extract import plan as plan_module
+from dflash_fast.extract.extract import extract
+from dflash_fast.store.format import MANIFEST, Layout
+from dflash_fast.store.fp8 import dequantize_fp8
+from dflash_fast.store.reader import HiddenStateStore
+from dflash_fast.store.writer import ShardWriter
+from dflash_fast.target import load as target_module
+from dflash_fast.target.norm import final_norm_weight, rms_norm
+from dflash_fast.target.records import ChatTokenizer, Example, read_examples
 
 NUM_LAYERS = 6
 LAYER_IDS = [0, 2, 4, 5]  # includes the first and the last decoder layer
@@ -384,7 +383,7 @@ def test_parallel_loads_leave_weight_tying_working():
     the process (the embedded one) kept its lm_head on the meta device. load_target serialises them."""
     from transformers import PreTrainedModel
 
-    from dflash_fast.quickstart import TARGET
+    from dflash_fast.evaluate.quickstart import TARGET
 
     models, errors = [], []
 

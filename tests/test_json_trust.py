@@ -6,7 +6,8 @@ import os
 import pytest
 from test_store import _zero_bytes_in_place
 
-from dflash_fast.checkpoint import (
+from dflash_fast.errors import COUNT, STR, ListOf, MapOf, Obj, schema_problem
+from dflash_fast.train.checkpoint import (
     MARKER,
     MARKER_FORMAT,
     CheckpointError,
@@ -15,7 +16,6 @@ from dflash_fast.checkpoint import (
     verify_checkpoint,
     write_marker,
 )
-from dflash_fast.errors import COUNT, STR, ListOf, MapOf, Obj, schema_problem
 
 
 def test_schema_problem_names_the_first_wrong_field_by_its_path():
@@ -76,7 +76,7 @@ def test_verify_finds_a_checkpoint_byte_changed_past_the_first_mib(tmp_path):
 
 
 def test_an_rng_state_of_the_wrong_shape_is_one_error_naming_the_field(tmp_path):
-    from dflash_fast.checkpoint import restore_rng_state, rng_file
+    from dflash_fast.train.checkpoint import restore_rng_state, rng_file
 
     (tmp_path / rng_file(0)).write_text('{"python": [3, [], null], "numpy": [], "torch": 5}')
     with pytest.raises(CheckpointError, match=f"{tmp_path / rng_file(0)}: torch must be a string, got 5"):
@@ -93,8 +93,8 @@ def test_an_export_config_key_of_the_wrong_type_is_one_error_naming_its_path(tmp
     import torch
     from test_export import edit_config, make_drafter
 
-    from dflash_fast.export import export_drafter, load_exported
-    from dflash_fast.layouts import ExportError
+    from dflash_fast.serve.export import export_drafter, load_exported
+    from dflash_fast.serve.layouts import ExportError
 
     out = export_drafter(make_drafter(), str(tmp_path / "export"), "tiny-target", torch.float32, fmt=fmt)
     edit_config(out, edit)
@@ -108,7 +108,8 @@ def test_an_export_config_key_of_the_wrong_type_is_one_error_naming_its_path(tmp
     ("[" * 100_000 + "]" * 100_000, "is not valid JSON"),
 ])
 def test_a_regenerate_output_line_of_the_wrong_shape_is_one_error_naming_the_line(tmp_path, line, message):
-    from dflash_fast.regenerate import read_done, read_prompts
+    from dflash_fast.extract.regenerate import read_done
+    from dflash_fast.target.prompts import read_prompts
 
     out = tmp_path / "out.jsonl"
     out.write_text('{"index": 0, "text": "hi there"}\n' + line + "\n")
@@ -117,7 +118,7 @@ def test_a_regenerate_output_line_of_the_wrong_shape_is_one_error_naming_the_lin
 
 
 def test_a_training_config_nested_too_deeply_to_parse_is_one_config_error(tmp_path):
-    from dflash_fast.config import ConfigError, load_config
+    from dflash_fast.train.config import ConfigError, load_config
 
     (tmp_path / "run.yaml").write_text("data: " + "[" * 3000 + "]" * 3000 + "\n")
     with pytest.raises(ConfigError, match=f"{tmp_path / 'run.yaml'} is not valid YAML: it is nested too deeply"):
@@ -130,8 +131,8 @@ def test_a_training_config_nested_too_deeply_to_parse_is_one_config_error(tmp_pa
 @pytest.mark.parametrize("weight_map, message", [([], "weight_map must be an object, got a list"),
                                                  ({"lm_head.weight": 3}, "weight_map.lm_head.weight must be a string")])
 def test_a_target_index_of_the_wrong_shape_is_one_error_naming_the_field(tmp_path, weight_map, message):
-    from dflash_fast.target import _safetensors_files
-    from dflash_fast.weights import target_tensor_files
+    from dflash_fast.drafter.weights import target_tensor_files
+    from dflash_fast.target.load import _safetensors_files
 
     index = tmp_path / "model.safetensors.index.json"
     index.write_text(json.dumps({"weight_map": weight_map}))
@@ -143,7 +144,7 @@ def test_a_target_index_of_the_wrong_shape_is_one_error_naming_the_field(tmp_pat
 @pytest.mark.parametrize("text, message", [("[" * 100_000, "is not valid JSON"), ('{"text_config": []}',
                                            "text_config must be an object, got a list")])
 def test_a_target_config_that_is_no_model_config_is_one_error_naming_the_file(tmp_path, text, message):
-    from dflash_fast.weights import load_frozen_tensors
+    from dflash_fast.drafter.weights import load_frozen_tensors
 
     (tmp_path / "config.json").write_text(text)
     with pytest.raises(ValueError, match=f"{tmp_path / 'config.json'}:? {message}"):

@@ -1,4 +1,4 @@
-"""The fused fc-concat kernel equals its eager twin (dflash_fast.eager.fc_concat).
+"""The fused fc-concat kernel equals its eager twin (dflash_fast.drafter.eager.fc_concat).
 
 On CPU the kernels run under TRITON_INTERPRET=1 (set by conftest) in fp32 and fp16 with 32-wide
 tiles, so the odd shapes below cover several tiles, partial tiles and the even-tile fast paths.
@@ -12,7 +12,7 @@ import pytest
 import torch
 from dflash_fast.kernels.fc_concat import fc_concat, fc_concat_forward, split_layers
 
-from dflash_fast import eager, ops
+from dflash_fast.drafter import eager, ops
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-6

@@ -1,4 +1,4 @@
-"""The fused norm + lm_head + loss kernel equals its eager twin (dflash_fast.eager.lm_head_loss).
+"""The fused norm + lm_head + loss kernel equals its eager twin (dflash_fast.drafter.eager.lm_head_loss).
 
 CPU runs go through the Triton interpreter (tests/conftest.py) in fp32 and fp16 with
 small H and V; bf16 numerics are checked on a GPU against an fp32 eager reference.
@@ -19,8 +19,8 @@ import triton
 import triton.language as tl
 from dflash_fast.kernels.lm_head_loss import lm_head_loss
 
-from dflash_fast import eager, ops
-from dflash_fast.eager import DPace, Teacher
+from dflash_fast.drafter import eager, ops
+from dflash_fast.drafter.eager import DPace, Teacher
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.lm_head_model import tile_order  # noqa: E402
@@ -376,7 +376,7 @@ def test_ops_switch_routes_to_the_kernel(monkeypatch):
 
 
 def test_eager_twin_has_the_kernels_exact_signature():
-    # dflash_fast/eager.py promises it, and ops.lm_head_loss passes the same arguments to either backend.
+    # dflash_fast/drafter/eager.py promises it, and ops.lm_head_loss passes the same arguments to either backend.
     assert inspect.signature(eager.lm_head_loss) == inspect.signature(lm_head_loss)
 
 

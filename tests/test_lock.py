@@ -75,8 +75,8 @@ def test_an_extraction_into_a_locked_out_is_one_error_and_writes_nothing(tmp_pat
 
 
 def test_a_training_run_into_a_locked_output_dir_is_refused(tmp_path, holder, monkeypatch):
-    from dflash_fast import trainer
-    from dflash_fast.config import load_config
+    from dflash_fast.train import trainer
+    from dflash_fast.train.config import load_config
 
     monkeypatch.setattr(trainer, "init_distributed", lambda: (0, 1))  # a world of one, without DeepSpeed's start-up
     with pytest.raises(UserError, match=f"in use by another dflash-fast run \\(pid {holder.pid}"):

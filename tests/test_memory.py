@@ -1,4 +1,4 @@
-"""The memory model (dflash_fast/memory.py) against what a CPU step allocates, term by term, within 10%.
+"""The memory model (dflash_fast/train/memory.py) against what a CPU step allocates, term by term, within 10%.
 
 The step runs the fused kernels (under TRITON_INTERPRET=1) in fp32 at small shapes; `LiveBytes` counts the bytes
 of every tensor storage created inside it while it is alive, as torch.cuda.max_memory_allocated would on a GPU
@@ -19,13 +19,17 @@ from test_store import write_store
 from test_trainer import TINY_YAML, losses, run, settings, tiny  # noqa: F401 (tiny is a fixture)
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dflash_fast import drafter as drafter_module
-from dflash_fast import ops, trainer
-from dflash_fast.batches import collate_rows, pack_rows, row_fields, sample_anchors
-from dflash_fast.data import to_device
-from dflash_fast.drafter import DFlashDrafter
-from dflash_fast.drafter_config import DrafterConfig
-from dflash_fast.memory import (
+from dflash_fast.data.batches import collate_rows, pack_rows, row_fields, sample_anchors
+from dflash_fast.drafter import model as drafter_module
+from dflash_fast.drafter import ops
+from dflash_fast.drafter.config import DrafterConfig
+from dflash_fast.drafter.model import DFlashDrafter
+from dflash_fast.drafter.weights import trainable_parameters, trainable_shapes
+from dflash_fast.store.format import Layout
+from dflash_fast.store.reader import HiddenStateStore
+from dflash_fast.train import trainer
+from dflash_fast.train.data import to_device
+from dflash_fast.train.memory import (
     OnlineTarget,
     Setup,
     Step,
@@ -39,9 +43,6 @@ from dflash_fast.memory import (
     step_memory,
     training_states,
 )
-from dflash_fast.store import HiddenStateStore
-from dflash_fast.store_format import Layout
-from dflash_fast.weights import trainable_parameters, trainable_shapes
 
 H, V, K, B, T, A, INTER = 64, 256, 3, 4, 64, 8, 160
 TOPK = 8
@@ -240,8 +241,8 @@ def test_online_target_forward_keeps_what_the_model_says(hidden, inter, vocab, t
     states, whatever T is."""
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from dflash_fast import capture
-    from dflash_fast.records import Example
+    from dflash_fast.extract import capture
+    from dflash_fast.target.records import Example
 
     monkeypatch.setattr(capture, "LOGIT_CHUNK", chunk)
     real = capture._to_numpy  # a GPU run's host copy is host memory; on the CPU it would be the tensor itself

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from dflash_fast.metrics import MetricsLog
+from dflash_fast.train.metrics import MetricsLog
 
 
 def write_metrics(out, lines):

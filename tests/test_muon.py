@@ -10,10 +10,10 @@ import torch
 from deepspeed.runtime.zero.muon.original_muon import muon_update
 from test_trainer import TINY_YAML, exported, losses, run, settings, tiny  # noqa: F401 (tiny is a fixture)
 
-from dflash_fast import distributed, optim, trainer
-from dflash_fast.batches import make_loader
-from dflash_fast.config import ConfigError, load_config
-from dflash_fast.drafter import build_drafter
+from dflash_fast.data.batches import make_loader
+from dflash_fast.drafter.model import build_drafter
+from dflash_fast.train import distributed, optim, trainer
+from dflash_fast.train.config import ConfigError, load_config
 
 
 @pytest.fixture(autouse=True)

@@ -41,6 +41,6 @@ def test_mutation_tests_exist(mutation):
 
 
 def test_a_target_line_that_moved_on_is_reported_by_name():
-    missing = mutation_check.Mutation("gone", "dflash_fast/drafter.py", "this line is not there", None, ["x"], "")
+    missing = mutation_check.Mutation("gone", "dflash_fast/drafter/model.py", "this line is not there", None, ["x"], "")
     with pytest.raises(ValueError, match="gone: the line 'this line is not there' occurs 0 times"):
         mutation_check.mutate("a = 1\n", missing)

@@ -14,13 +14,13 @@ from test_trainer import STOP_AND_RESUME, exported, losses, records, stopped_by_
 from test_trainer import settings as trainer_settings
 from tiny_targets import make_tiny_target, sample_records, write_jsonl
 
-from dflash_fast import trainer
-from dflash_fast.config import ConfigError, load_config
-from dflash_fast.data import TrainStream, open_batches, open_source
-from dflash_fast.distributed import init_distributed
-from dflash_fast.extract import extract
-from dflash_fast.online import OnlineBatches
-from dflash_fast.trainer import train
+from dflash_fast.data.online import OnlineBatches
+from dflash_fast.extract.extract import extract
+from dflash_fast.train import trainer
+from dflash_fast.train.config import ConfigError, load_config
+from dflash_fast.train.data import TrainStream, open_batches, open_source
+from dflash_fast.train.distributed import init_distributed
+from dflash_fast.train.trainer import train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_YAML = os.path.join(REPO, "configs", "tiny.yaml")
@@ -222,7 +222,7 @@ def test_online_stop_by_sigterm_and_resume_equals_an_uninterrupted_run(tiny, tmp
 
 
 def test_online_resume_after_kill_9_equals_an_uninterrupted_run(tiny, tmp_path):
-    from dflash_fast.checkpoint import checkpoint_tags
+    from dflash_fast.train.checkpoint import checkpoint_tags
 
     common = dict(schedule__steps=9, checkpoint__every=2, checkpoint__keep_last=1)
     whole, parts = str(tmp_path / "whole"), str(tmp_path / "parts")

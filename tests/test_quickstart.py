@@ -4,7 +4,7 @@ the extract stage."""
 import json
 import os
 
-from dflash_fast.quickstart import quickstart
+from dflash_fast.evaluate.quickstart import quickstart
 
 SMALL = [
     "schedule.steps=3",
@@ -69,7 +69,7 @@ def test_quickstart_dspark_trains_exports_and_decodes_greedy_exact(tmp_path):
 def test_the_dspark_config_is_tiny_yaml_plus_the_dspark_keys():
     import yaml
 
-    from dflash_fast.quickstart import REPO
+    from dflash_fast.evaluate.quickstart import REPO
 
     def read(name):
         with open(os.path.join(REPO, "configs", name)) as f:
@@ -90,7 +90,7 @@ def test_compare_dspark_passes_its_trainer_overrides_to_both_drafters_of_every_s
     """scripts/compare_dspark.py key=value words reach every run (docs/dspark.md's table names its loss that way)."""
     import importlib.util
 
-    from dflash_fast.quickstart import REPO
+    from dflash_fast.evaluate.quickstart import REPO
 
     spec = importlib.util.spec_from_file_location("compare_dspark", os.path.join(REPO, "scripts", "compare_dspark.py"))
     script = importlib.util.module_from_spec(spec)
@@ -112,8 +112,8 @@ def test_compare_dspark_passes_its_trainer_overrides_to_both_drafters_of_every_s
 def test_chained_prompts_fill_their_token_budget_and_end_with_a_user_turn():
     from transformers import AutoTokenizer
 
-    from dflash_fast.quickstart import TARGET, chain_turns
-    from dflash_fast.regenerate import encode_prompt, read_prompts
+    from dflash_fast.evaluate.quickstart import TARGET, chain_turns
+    from dflash_fast.target.prompts import encode_prompt, read_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(TARGET)
     answered = [{"conversations": [{"role": "user", "content": f"def f{i}(x):\n    return x + {i}\n"},
@@ -137,8 +137,8 @@ def test_chained_prompts_fill_their_token_budget_and_end_with_a_user_turn():
 def test_quickstart_long_context_trains_long_rows_and_evaluates_past_the_short_length(tmp_path):
     import yaml
 
-    from dflash_fast.quickstart import MAX_SEQ_LEN
-    from dflash_fast.store import HiddenStateStore
+    from dflash_fast.evaluate.quickstart import MAX_SEQ_LEN
+    from dflash_fast.store.reader import HiddenStateStore
 
     out = tmp_path / "qs"
     report = quickstart(str(out), num_prompts=12, eval_prompts=2, max_new_tokens=24, eval_max_new_tokens=16,

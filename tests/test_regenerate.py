@@ -6,9 +6,9 @@ import torch
 from tiny_targets import make_tiny_target, write_jsonl
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dflash_fast import regenerate as regen
 from dflash_fast.cli import main
-from dflash_fast.records import ChatTokenizer
+from dflash_fast.extract import regenerate as regen
+from dflash_fast.target.records import ChatTokenizer
 
 PROMPTS = [
     {"conversations": [{"role": "user", "content": "parse the arguments"}], "source": "argparse.py"},

@@ -7,8 +7,8 @@ import subprocess
 import pytest
 from test_trainer import REPO, TINY_YAML, settings, tiny  # noqa: F401  (tiny: the fixture)
 
-from dflash_fast.config import ConfigError, load_config
-from dflash_fast.quickstart import train_command
+from dflash_fast.evaluate.quickstart import train_command
+from dflash_fast.train.config import ConfigError, load_config
 
 
 def test_a_configs_deepspeed_json_is_found_beside_it_from_any_directory(tmp_path, monkeypatch):

@@ -11,11 +11,12 @@ import pytest
 from test_online import LAYER_IDS, MAX_SEQ_LEN, TINY_YAML, config, tiny  # noqa: F401  (tiny: the module fixture)
 from test_trainer import STOP_AND_RESUME, exported, losses, stopped_by_sigterm
 
-from dflash_fast.config import ConfigError, load_config
 from dflash_fast.errors import UserError
-from dflash_fast.plan import ExtractOptions, plan_job
-from dflash_fast.serve_target import MAGIC, PREFIX, SETTINGS, RemoteRunner, receive, send, serve
-from dflash_fast.trainer import train
+from dflash_fast.extract.plan import ExtractOptions, plan_job
+from dflash_fast.extract.remote import MAGIC, PREFIX, SETTINGS, RemoteRunner, receive, send
+from dflash_fast.extract.serve import serve
+from dflash_fast.train.config import ConfigError, load_config
+from dflash_fast.train.trainer import train
 
 SERVED = dict(layer_ids=LAYER_IDS, max_seq_len=MAX_SEQ_LEN, dtype="fp32", topk=8, parity_every=1)
 
@@ -51,7 +52,7 @@ def no_target_in_the_trainer(monkeypatch):
     def refuse(_job):
         raise AssertionError("a trainer with data.online.address loaded the target itself")
 
-    monkeypatch.setattr("dflash_fast.online.make_runner", refuse)
+    monkeypatch.setattr("dflash_fast.data.online.make_runner", refuse)
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +94,7 @@ def test_a_served_target_with_other_settings_is_refused_naming_both_values(tiny,
 
 
 def test_the_served_fields_are_the_in_process_runners(tiny, served):  # noqa: F811
-    from dflash_fast.plan import make_runner
+    from dflash_fast.extract.runners import make_runner
 
     job = trainer_job(tiny)
     remote, local = RemoteRunner(served, job), make_runner(job)
@@ -151,7 +152,7 @@ def message(header, payload=b"", magic=MAGIC, header_size=None, payload_size=Non
 
 def good_reply(job, header):
     """The reply a real server gives, with zeros: -> (its header, its payload)."""
-    from dflash_fast.serve_target import served_fields
+    from dflash_fast.extract.remote import served_fields
 
     total = sum(header["lengths"])
     fields = [{"name": n, "dtype": d.str, "shape": [total, *s]} for n, (d, s) in served_fields(job).items()]
@@ -237,7 +238,7 @@ def test_one_server_answers_several_trainer_ranks_connected_at_once(tiny, served
 def test_data_source_vllm_at_an_address_is_not_refused_under_several_ranks(tiny, served, monkeypatch):  # noqa: F811
     import torch
 
-    from dflash_fast.data import open_source
+    from dflash_fast.train.data import open_source
 
     cfg = served_config(tiny, "unused", served, data__source="vllm")
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
@@ -258,8 +259,8 @@ def test_two_trainer_ranks_on_one_served_target_train_the_one_rank_steps(tiny, s
 
     from test_online import REPO, settings
 
-    from dflash_fast.distributed import free_port
-    from dflash_fast.serve_target import TargetServer
+    from dflash_fast.extract.serve import TargetServer
+    from dflash_fast.train.distributed import free_port
 
     answered, real_run = set(), TargetServer.run
 

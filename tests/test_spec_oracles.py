@@ -26,9 +26,9 @@ from oracles import (
     visible_keys,
 )
 
-from dflash_fast import eager
-from dflash_fast.batches import sample_anchors
-from dflash_fast.drafter import position_weights, slot_targets
+from dflash_fast.data.batches import sample_anchors
+from dflash_fast.drafter import eager
+from dflash_fast.drafter.model import position_weights, slot_targets
 
 BACKENDS = {"eager": (eager.anchored_attention, eager.lm_head_loss), "triton": (attention_kernel, loss_kernel)}
 EPS = 1e-6

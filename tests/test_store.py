@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from dflash_fast import cli
-from dflash_fast.fp8 import dequantize_fp8, quantize_fp8
-from dflash_fast.layer_ids import check_layer_ids, default_layer_ids
-from dflash_fast.store import HiddenStateStore, verify_store
-from dflash_fast.store_format import DTYPES, INDEX, MANIFEST, Layout, write_json_atomic
-from dflash_fast.store_writer import StoreWriter
-from dflash_fast.target import final_norm_weight
+from dflash_fast.store.format import DTYPES, INDEX, MANIFEST, Layout, write_json_atomic
+from dflash_fast.store.fp8 import dequantize_fp8, quantize_fp8
+from dflash_fast.store.layer_ids import check_layer_ids, default_layer_ids
+from dflash_fast.store.reader import HiddenStateStore, verify_store
+from dflash_fast.store.writer import StoreWriter
+from dflash_fast.target.norm import final_norm_weight
 
 LAYOUT = Layout(num_tapped=3, hidden_size=16, topk=4, dtype="bfloat16", has_last=True)
 LENGTHS = [[5, 3, 7], [4, 1]]  # two shards

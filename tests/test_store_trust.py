@@ -8,8 +8,8 @@ import pytest
 from test_store import _zero_bytes_in_place, edited_json, write_store
 
 from dflash_fast import cli
-from dflash_fast.store import HiddenStateStore, verify_store
-from dflash_fast.store_format import INDEX, MANIFEST, Layout, sha256_file
+from dflash_fast.store.format import INDEX, MANIFEST, Layout, sha256_file
+from dflash_fast.store.reader import HiddenStateStore, verify_store
 
 SHARD1 = "rank00000-shard00001"
 
@@ -142,7 +142,7 @@ def test_verify_finds_a_shard_byte_changed_past_the_first_mib(tmp_path):
 
 
 def test_a_ranks_note_of_the_wrong_shape_is_one_error_naming_the_file_and_the_field(tmp_path):
-    from dflash_fast.extract import RANKS_DIR, _wait_for_ranks
+    from dflash_fast.extract.extract import RANKS_DIR, _wait_for_ranks
 
     (tmp_path / RANKS_DIR).mkdir()
     note = tmp_path / RANKS_DIR / "rank00000.json"

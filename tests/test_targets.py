@@ -13,14 +13,14 @@ from safetensors.torch import load_file, save_file
 from tiny_targets import make_tiny_target, make_tokenizer, sample_records, write_jsonl
 
 from dflash_fast import cli
-from dflash_fast import target as target_module
-from dflash_fast.config import load_config
 from dflash_fast.errors import UserError
-from dflash_fast.evaluate import evaluate
-from dflash_fast.extract import extract
-from dflash_fast.records import ChatTokenizer, read_examples
-from dflash_fast.target import load_target, weight_bytes
-from dflash_fast.trainer import train
+from dflash_fast.evaluate.evaluate import evaluate
+from dflash_fast.extract.extract import extract
+from dflash_fast.target import load as target_module
+from dflash_fast.target.load import load_target, weight_bytes
+from dflash_fast.target.records import ChatTokenizer, read_examples
+from dflash_fast.train.config import load_config
+from dflash_fast.train.trainer import train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = ["def parse_args(self, args=None):", "the drafter reads the hidden state of"]

@@ -20,7 +20,7 @@ from oracles import (
 )
 from test_drafter import B, H, K, V, small_config
 
-from dflash_fast.drafter import DFlashDrafter, slot_metrics
+from dflash_fast.drafter.model import DFlashDrafter, slot_metrics
 
 T, TOPK = 30, 5
 EPS = 1e-6

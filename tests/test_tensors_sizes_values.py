@@ -1,7 +1,7 @@
 """Drafter weights, sizes and values read from files a user may receive (exports, checkpoints, target configs) or
 types (the training config): every tensor checked before use, a size no weight backs refused before anything is
-built, a number that means nothing refused by name (dflash_fast/weights.py: check_tensors;
-dflash_fast/drafter_config.py: value_problems)."""
+built, a number that means nothing refused by name (dflash_fast/drafter/weights.py: check_tensors;
+dflash_fast/drafter/config.py: value_problems)."""
 import json
 import math
 import os
@@ -15,14 +15,14 @@ from test_export import edit_config, make_drafter
 from tiny_targets import make_tiny_target
 
 from dflash_fast import cli
-from dflash_fast.checkpoint import WEIGHTS, CheckpointError, load_drafter_for_export, write_marker, write_weights
-from dflash_fast.config import ConfigError, load_config
-from dflash_fast.drafter import DFlashDrafter, build_drafter
-from dflash_fast.drafter_config import DrafterConfig
-from dflash_fast.evaluate import load_drafter
-from dflash_fast.export import export_drafter, load_exported
-from dflash_fast.layouts import ExportError
-from dflash_fast.weights import TENSORS_PER_LAYER, trainable_parameters, trainable_shapes
+from dflash_fast.drafter.config import DrafterConfig
+from dflash_fast.drafter.model import DFlashDrafter, build_drafter
+from dflash_fast.drafter.weights import TENSORS_PER_LAYER, trainable_parameters, trainable_shapes
+from dflash_fast.evaluate.evaluate import load_drafter
+from dflash_fast.serve.export import export_drafter, load_exported
+from dflash_fast.serve.layouts import ExportError
+from dflash_fast.train.checkpoint import WEIGHTS, CheckpointError, load_drafter_for_export, write_marker, write_weights
+from dflash_fast.train.config import ConfigError, load_config
 
 
 @pytest.fixture()

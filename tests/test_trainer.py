@@ -15,16 +15,16 @@ import torch
 from safetensors.torch import load_file
 from tiny_targets import make_tiny_target, sample_records, write_jsonl
 
-from dflash_fast import trainer
-from dflash_fast.checkpoint import checkpoint_tags, load_drafter_for_export
-from dflash_fast.config import ConfigError, load_config
-from dflash_fast.distributed import free_port
-from dflash_fast.drafter import build_drafter
-from dflash_fast.extract import extract
-from dflash_fast.model import StoreMismatch, check_store_matches
-from dflash_fast.optim import deepspeed_config, lr_multiplier
-from dflash_fast.store import HiddenStateStore
-from dflash_fast.trainer import NonFiniteLoss, train
+from dflash_fast.drafter.model import build_drafter
+from dflash_fast.extract.extract import extract
+from dflash_fast.store.reader import HiddenStateStore
+from dflash_fast.train import trainer
+from dflash_fast.train.checkpoint import checkpoint_tags, load_drafter_for_export
+from dflash_fast.train.config import ConfigError, load_config
+from dflash_fast.train.distributed import free_port
+from dflash_fast.train.model import StoreMismatch, check_store_matches
+from dflash_fast.train.optim import deepspeed_config, lr_multiplier
+from dflash_fast.train.trainer import NonFiniteLoss, train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_YAML = os.path.join(REPO, "configs", "tiny.yaml")
@@ -224,8 +224,8 @@ def test_loss_falls_and_the_export_holds_the_trained_weights(tiny, tmp_path):
 
 
 def test_loss_weighting_dpace_reaches_the_loss(tiny, tmp_path, monkeypatch):
-    from dflash_fast import ops
-    from dflash_fast.eager import DPace
+    from dflash_fast.drafter import ops
+    from dflash_fast.drafter.eager import DPace
 
     calls = []
     loss_fn = ops.lm_head_loss
@@ -249,7 +249,7 @@ def test_loss_weighting_dpace_reaches_the_loss(tiny, tmp_path, monkeypatch):
 def test_loss_kind_reaches_the_loss_and_alpha_per_slot_is_logged(tiny, tmp_path, monkeypatch):
     """loss.kind=tv trains through ops.lm_head_loss, and metrics.jsonl holds alpha_j: the mean over the valid slots
     j of the loss's per-row acceptance estimate (LossOutput.alpha), next to the KL metric of the dense kinds."""
-    from dflash_fast import ops
+    from dflash_fast.drafter import ops
 
     seen = []
     loss_fn = ops.lm_head_loss

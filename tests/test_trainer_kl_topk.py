@@ -13,13 +13,13 @@ from oracles import batch_loss, drafter_logits
 from test_trainer import exported, records, stopped_by_sigterm
 from tiny_targets import make_tiny_target, sample_records, write_jsonl
 
-from dflash_fast import trainer
-from dflash_fast.batches import make_loader
-from dflash_fast.config import load_config
-from dflash_fast.distributed import init_distributed
-from dflash_fast.drafter import build_drafter
-from dflash_fast.extract import extract
-from dflash_fast.store import HiddenStateStore
+from dflash_fast.data.batches import make_loader
+from dflash_fast.drafter.model import build_drafter
+from dflash_fast.extract.extract import extract
+from dflash_fast.store.reader import HiddenStateStore
+from dflash_fast.train import trainer
+from dflash_fast.train.config import load_config
+from dflash_fast.train.distributed import init_distributed
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_YAML = os.path.join(REPO, "configs", "tiny.yaml")

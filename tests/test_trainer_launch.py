@@ -8,8 +8,8 @@ Run i writes OUT_ROOT/run<i>. Holds no tests itself.
 import os
 import sys
 
-from dflash_fast.config import load_config
-from dflash_fast.trainer import train
+from dflash_fast.train.config import load_config
+from dflash_fast.train.trainer import train
 
 
 def run_each(argv):

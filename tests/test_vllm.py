@@ -19,24 +19,17 @@ import torch
 if os.environ.get("DFLASH_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm")
 
-from dflash_fast import ops  # noqa: E402 (vLLM's absence skips the module first)
-from dflash_fast.drafter import DFlashDrafter, build_drafter  # noqa: E402
-from dflash_fast.engines import (  # noqa: E402
-    architecture,
-    config_from_export,  # noqa: E402
-    served_architectures,
-)
-from dflash_fast.evaluate import TargetRunner, evaluate, greedy_generate, response_row  # noqa: E402
-from dflash_fast.export import export_drafter, read_export_config  # noqa: E402
-from dflash_fast.quickstart import ASSETS, TARGET  # noqa: E402
-from dflash_fast.regenerate import load_model, read_prompts, regenerate  # noqa: E402
-from dflash_fast.vllm_engine import (  # noqa: E402
-    engine_args,
-    evaluate_vllm,
-    speculative_config,
-    v2_runner_available,
-    vllm_architecture,
-)
+from dflash_fast.drafter import ops  # noqa: E402 (vLLM's absence skips the module first)
+from dflash_fast.drafter.model import DFlashDrafter, build_drafter  # noqa: E402
+from dflash_fast.evaluate.decode import TargetRunner, greedy_generate  # noqa: E402
+from dflash_fast.evaluate.evaluate import evaluate, response_row  # noqa: E402
+from dflash_fast.evaluate.quickstart import ASSETS, TARGET  # noqa: E402
+from dflash_fast.evaluate.vllm import evaluate_vllm, speculative_config, v2_runner_available, vllm_architecture  # noqa: E402
+from dflash_fast.extract.regenerate import regenerate  # noqa: E402
+from dflash_fast.serve.engines import architecture, config_from_export, served_architectures  # noqa: E402
+from dflash_fast.serve.export import export_drafter, read_export_config  # noqa: E402
+from dflash_fast.target.prompts import load_model, read_prompts  # noqa: E402
+from dflash_fast.target.vllm import engine_args  # noqa: E402
 
 LAYER_IDS = [1, 3, 5]
 B = 4
@@ -66,7 +59,7 @@ def training_rows() -> tuple:
     """The target's greedy replies to the eval prompts as training rows, every response position an anchor."""
     from transformers import AutoTokenizer
 
-    from dflash_fast.regenerate import encode_prompt
+    from dflash_fast.target.prompts import encode_prompt
 
     tokenizer = AutoTokenizer.from_pretrained(TARGET)
     runner = TargetRunner(load_model(TARGET, "cpu", "fp32"), LAYER_IDS)

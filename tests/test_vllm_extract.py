@@ -17,12 +17,13 @@ from tiny_targets import make_tiny_target, sample_records, write_jsonl
 
 from dflash_fast import cli
 from dflash_fast.errors import UserError
-from dflash_fast.extract import extract
-from dflash_fast.fp8 import dequantize_fp8
-from dflash_fast.quickstart import TARGET
-from dflash_fast.store import HiddenStateStore
-from dflash_fast.target import final_norm_module, load_head, load_target
-from dflash_fast.vllm_extract import aux_layer_ids
+from dflash_fast.evaluate.quickstart import TARGET
+from dflash_fast.extract.extract import extract
+from dflash_fast.extract.vllm_runner import aux_layer_ids
+from dflash_fast.store.fp8 import dequantize_fp8
+from dflash_fast.store.reader import HiddenStateStore
+from dflash_fast.target.load import load_head, load_target
+from dflash_fast.target.norm import final_norm_module
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAS_VLLM and os.environ.get("DFLASH_REQUIRE_VLLM") != "1",
@@ -77,8 +78,8 @@ def test_engine_vllm_under_several_ranks_is_refused_before_loading(tmp_path):
 
 
 def test_data_source_vllm_under_several_ranks_is_refused_before_any_engine(monkeypatch):
-    from dflash_fast.config import load_config
-    from dflash_fast.data import open_source
+    from dflash_fast.train.config import load_config
+    from dflash_fast.train.data import open_source
 
     cfg = load_config(os.path.join(REPO, "configs", "tiny.yaml"),
                       ["data.source=vllm", f"model.target={TARGET}", "data.jsonl=never-read.jsonl"])

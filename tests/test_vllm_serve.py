@@ -18,9 +18,9 @@ if os.environ.get("DFLASH_REQUIRE_VLLM") != "1":
 from test_vllm_extract import LAYER_IDS, OPTIONS, REPO, train_in_a_process  # noqa: E402
 from tiny_targets import sample_records, write_jsonl  # noqa: E402
 
-from dflash_fast.checkpoint import checkpoint_tags  # noqa: E402
-from dflash_fast.extract import extract  # noqa: E402
-from dflash_fast.quickstart import TARGET  # noqa: E402
+from dflash_fast.evaluate.quickstart import TARGET  # noqa: E402
+from dflash_fast.extract.extract import extract  # noqa: E402
+from dflash_fast.train.checkpoint import checkpoint_tags  # noqa: E402
 
 # 8 steps of 2 micro-batches, a checkpoint every 2 steps (the newest kept): a run killed after step 4's checkpoint
 # resumes from it.

@@ -32,7 +32,7 @@ def name_a_triton_cpu_backend() -> None:
 
 def main(out: str, target: str, prompts: str, num_prompts: str, new_tokens: str) -> None:
     name_a_triton_cpu_backend()
-    from dflash_fast.vllm_engine import evaluate_vllm, v2_runner_available
+    from dflash_fast.evaluate.vllm import evaluate_vllm, v2_runner_available
 
     assert v2_runner_available(), "vLLM found no Triton backend: vllm.triton_utils was imported before this script"
     exports = sys.stdin.read().split()

@@ -1,0 +1,197 @@
+"""The drafter's architecture (SPEC §3-5, §8): `DrafterConfig`, built from the target's config, and the value rules
+every drafter config read from a file goes through (`value_problems`: a config built from a target, a checkpoint
+marker's, an export's architecture)."""
+import dataclasses
+import math
+from typing import Dict, List, Mapping, Optional, Union
+
+from dflash_fast.drafter.dspark import MARKOV_HEAD_TYPES
+from dflash_fast.drafter.eager import WINDOW_RULES, check_window
+from dflash_fast.errors import is_int
+
+LAYER_KINDS = ("full", "sliding")
+# Sizes and counts of a DrafterConfig and the least value each may take: 1 for the sizes, 2 for the block (the given
+# token and one to draft), 0 for the mask token (a token id).
+SIZE_FIELDS = {
+    **dict.fromkeys(("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                     "vocab_size", "target_hidden_size", "target_num_layers", "max_position_embeddings",
+                     "num_layers"), 1),
+    "block_size": 2,
+    "mask_token_id": 0,
+}
+# The block is the one size no weight backs (every slot of every anchor is a query row): published DFlash drafters use
+# 16 and no verifier step accepts hundreds of drafted tokens, so a larger block is a typo or a forged file.
+MAX_BLOCK_SIZE = 256
+
+
+@dataclasses.dataclass
+class DrafterConfig:
+    """Architecture of the drafter; built from the target's config by `from_target`."""
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    layer_ids: List[int]  # target layer ids tapped (SPEC §1 convention: HF hidden_states[id + 1])
+    target_num_layers: int
+    target_hidden_size: int
+    mask_token_id: int
+    rms_norm_eps: float = 1e-6
+    rope_parameters: Dict = dataclasses.field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    max_position_embeddings: int = 32768
+    num_layers: int = 5
+    block_size: int = 16
+    layer_types: Optional[List[str]] = None  # per layer "full" | "sliding"; None = all full
+    sliding_window: Optional[int] = None
+    window_from: str = "anchor"  # a sliding window's keys end at the anchor (SPEC §4) or at each query (the engines)
+    causal_in_block: Union[bool, List[bool]] = False  # one flag for every layer, or one per layer (kept as a list)
+    target_model_type: str = ""
+    # DSpark (SPEC §8); the defaults are DFlash.
+    sample_from_anchor: bool = False  # slot j predicts the token at a + j + 1 (slot 0 included)
+    markov_rank: int = 0  # r of the Markov bias W2 W1[prev]; 0 = no Markov head
+    markov_head_type: str = "vanilla"  # vanilla | gated | rnn
+    confidence_head: bool = False
+    confidence_head_with_markov: bool = True  # the confidence head reads [hidden, W1[prev]], not hidden alone
+
+    def __post_init__(self):
+        problems = value_problems(dataclasses.asdict(self))
+        if problems:
+            raise ValueError("; ".join(problems))
+        if self.layer_types is None:
+            self.layer_types = ["full"] * self.num_layers
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} drafter layers")
+        for kind in self.layer_types:
+            if kind not in LAYER_KINDS:
+                raise ValueError(f"drafter layer kind {kind!r} is not one of {LAYER_KINDS}")
+        if "sliding" in self.layer_types and not self.sliding_window:
+            raise ValueError("a 'sliding' drafter layer needs sliding_window > 0")
+        if "sliding" in self.layer_types:
+            check_window(self.sliding_window, self.window_from, self.block_size)
+        if isinstance(self.causal_in_block, bool):
+            self.causal_in_block = [self.causal_in_block] * self.num_layers
+        self.causal_in_block = list(self.causal_in_block)
+        if len(self.causal_in_block) != self.num_layers or not all(isinstance(c, bool) for c in self.causal_in_block):
+            raise ValueError(
+                f"causal_in_block={self.causal_in_block!r}: give true/false, or one true/false per drafter layer "
+                f"({self.num_layers})"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"{self.num_attention_heads} query heads are not a multiple of {self.num_key_value_heads} kv heads"
+            )
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask token id {self.mask_token_id} is outside the embedding (0..{self.vocab_size - 1})")
+        if self.markov_rank < 0 or self.markov_head_type not in MARKOV_HEAD_TYPES:
+            raise ValueError(
+                f"markov_rank={self.markov_rank} must be >= 0 and markov_head_type={self.markov_head_type!r} one of "
+                f"{MARKOV_HEAD_TYPES}"
+            )
+        if self.confidence_head and self.confidence_head_with_markov and not self.markov_rank:
+            raise ValueError("confidence_head_with_markov needs the Markov head: set markov_rank > 0 or the flag false")
+
+    @property
+    def first_slot(self) -> int:
+        """The first slot that predicts a token: 0 with sample_from_anchor, else 1 (slot 0 is given)."""
+        return 0 if self.sample_from_anchor else 1
+
+    @property
+    def drafted_tokens(self) -> int:
+        """The tokens a block drafts, the engines' num_speculative_tokens: B - 1, or B with sample_from_anchor; a
+        verification block is these and the anchor."""
+        return self.block_size - self.first_slot
+
+    @property
+    def num_tapped(self) -> int:
+        return len(self.layer_ids)
+
+    @classmethod
+    def from_target(cls, target_config, layer_ids: List[int], mask_token_id: int, **options) -> "DrafterConfig":
+        """Copy sizes, RoPE and eps from an HF target config (text sub-config of multimodal ones)."""
+        tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+        head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+        rope = dict(
+            getattr(tc, "rope_parameters", None)
+            or {"rope_type": "default", "rope_theta": getattr(tc, "rope_theta", 10000.0)}
+        )
+        if getattr(tc, "partial_rotary_factor", None) is not None:
+            rope.setdefault("partial_rotary_factor", tc.partial_rotary_factor)
+        intermediate = getattr(tc, "intermediate_size", None) or 4 * tc.hidden_size
+        return cls(
+            hidden_size=tc.hidden_size,
+            num_attention_heads=tc.num_attention_heads,
+            num_key_value_heads=getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads,
+            head_dim=head_dim,
+            intermediate_size=intermediate,
+            vocab_size=tc.vocab_size,
+            layer_ids=list(layer_ids),
+            target_num_layers=tc.num_hidden_layers,
+            target_hidden_size=tc.hidden_size,
+            mask_token_id=mask_token_id,
+            rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
+            rope_parameters=rope,
+            max_position_embeddings=getattr(tc, "max_position_embeddings", 32768),
+            target_model_type=getattr(tc, "model_type", ""),
+            **options,
+        )
+
+    def to_dict(self) -> Dict:
+        return dataclasses.asdict(self)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def value_problems(values: Mapping) -> List[str]:
+    """What is wrong with the drafter fields in `values` (a DrafterConfig's, or an export's architecture with the
+    same names), one `field=value is not ...` line each: the one home of the drafter's value rules, for configs
+    built from a target, read from a checkpoint marker or from an export."""
+    problems = [
+        f"{field}={values[field]!r} is not an integer >= {least}"
+        for field, least in SIZE_FIELDS.items()
+        if field in values and (not is_int(values[field]) or values[field] < least)
+    ]
+    block = values.get("block_size")
+    if is_int(block) and block > MAX_BLOCK_SIZE:
+        problems.append(f"block_size={block} is beyond {MAX_BLOCK_SIZE} (MAX_BLOCK_SIZE: no weight bounds the block)")
+    eps = values.get("rms_norm_eps", 1e-6)
+    if not _is_number(eps) or not 0 < eps < 1:
+        problems.append(f"rms_norm_eps={eps!r} is not a number in (0, 1)")
+    window = values.get("sliding_window")
+    if window is not None and (not is_int(window) or window < 1):
+        problems.append(f"sliding_window={window!r} is not an integer >= 1")
+    window_from = values.get("window_from", "anchor")
+    if window_from not in WINDOW_RULES:
+        problems.append(f"window_from={window_from!r} is not one of {WINDOW_RULES}")
+    rank, head = values.get("markov_rank", 0), values.get("markov_head_type", "vanilla")
+    if not is_int(rank) or rank < 0:
+        problems.append(f"markov_rank={rank!r} is not an integer >= 0")
+    if not isinstance(head, str):
+        problems.append(f"markov_head_type={head!r} is not a string")
+    rope = values.get("rope_parameters", {})
+    if not isinstance(rope, dict):
+        problems.append(f"rope_parameters={rope!r} is not an object")
+    else:
+        problems += rope_problems(rope)
+    return problems
+
+
+def rope_problems(rope: Mapping) -> List[str]:
+    """RoPE parameters that would give NaN, infinite or meaningless rotations: every number finite, rope_theta and
+    the scaling factors > 0, partial_rotary_factor in (0, 1]."""
+    problems = [f"rope_parameters.{k}={v!r} is not a finite number"
+                for k, v in rope.items() if isinstance(v, float) and not math.isfinite(v)]
+    theta = rope.get("rope_theta", 10000.0)
+    if not _is_number(theta) or theta <= 0:
+        problems.append(f"rope_parameters.rope_theta={theta!r} is not a number > 0")
+    for key in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "low_freq_factor",
+                "high_freq_factor", "attention_factor"):
+        if key in rope and rope[key] is not None and (not _is_number(rope[key]) or rope[key] <= 0):
+            problems.append(f"rope_parameters.{key}={rope[key]!r} is not a number > 0")
+    partial = rope.get("partial_rotary_factor", 1.0)
+    if not _is_number(partial) or not 0 < partial <= 1:
+        problems.append(f"rope_parameters.partial_rotary_factor={partial!r} is not a number in (0, 1]")
+    return problems

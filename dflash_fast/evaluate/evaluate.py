@@ -1,0 +1,270 @@
+"""`dflash-fast eval`: real block speculative decoding with an HF target and a drafter (SPEC §6).
+
+    prompt ──target prefill──▶ x_T (the first bonus token), taps of 0..T-1
+    loop:
+      propose(hidden[0..T-1], x_T) ──▶ g_1..g_{B-1}                one drafter forward
+      target([x_T, g_1..g_{B-1}], cache) ──▶ y_0..y_{B-1}          one verification forward
+      n = leading j with g_j == y_{j-1};  emit g_1..g_n and the bonus y_n
+      keep the taps of T..T+n; roll the cache back to T+n+1;  x_{T+n+1} = y_n
+
+Every emitted token is a target argmax given the tokens before it, so greedy
+speculative output is the target's own greedy output. Cache rollback: full
+attention layers are cropped; layers that cannot be cropped (recurrent state
+of Qwen3-Next / Qwen3.5 linear attention, sliding windows) are copied before
+the verification and restored after a rejection, then the accepted tokens are
+re-run through the target (one extra forward, counted as `recompute_forwards`).
+
+`tau` is the mean acceptance length per verification forward, n + 1 counted
+before the output is cut at eos / max_new_tokens; `acceptance_histogram[n]`
+counts the blocks that accepted exactly n drafted tokens. `tau_offline` runs
+the drafter's training forward over the target's own greedy output (an anchor
+at every eligible response position) and averages SPEC §6's per-block value.
+
+DSpark drafters (SPEC §8) draft their block as the engines do, slot k's Markov bias from the token drafted
+at slot k-1 (DFlashDrafter.propose); with sample_from_anchor they draft B tokens, so a verification block
+is B + 1 tokens. With a confidence head, `confidence_calibration` compares per drafted position j the
+head's mean predicted acceptance with the measured one, both over the blocks that reached j (accepted
+drafts 1..j-1).
+"""
+
+import json
+import os
+import sys
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+
+import torch
+
+from dflash_fast.cli import call_with_flags
+from dflash_fast.drafter.model import DFlashDrafter, slot_metrics
+from dflash_fast.drafter.weights import load_frozen_tensors
+from dflash_fast.evaluate.decode import Proposer, Step, TargetRunner, greedy_generate, speculative_generate
+from dflash_fast.evaluate.report import Tally, mean_acceptance, report, summary
+from dflash_fast.serve.export import load_exported
+from dflash_fast.store.layer_ids import default_layer_ids
+from dflash_fast.target.load import check_target
+from dflash_fast.target.prompts import add_model_arguments, encode_prompt, eos_token_ids, load_model, read_prompts
+
+
+def response_row(step: Step, ids: Sequence[int], prompt_len: int) -> Dict[str, torch.Tensor]:
+    """One sequence as a training row (dflash_fast.data.batches keys, no anchors yet): the target's
+    forward `step` over `ids` [t]; the loss mask covers the response, positions prompt_len..t-1."""
+    t, dev = len(ids), step.logits.device
+    return dict(
+        input_ids=torch.tensor([list(ids)], device=dev),
+        loss_mask=(torch.arange(t, device=dev) >= prompt_len)[None],
+        document_ids=torch.zeros(1, t, dtype=torch.long, device=dev),
+        position_ids=torch.arange(t, device=dev)[None],
+        hidden=step.hidden[None],
+        last=step.last[None],
+    )
+
+
+@torch.inference_mode()
+def offline_tau(
+    runner: TargetRunner,
+    drafter: DFlashDrafter,
+    prompt_ids: Sequence[int],
+    response_ids: Sequence[int],
+    anchors: Optional[Sequence[int]] = None,
+    anchors_per_forward: int = 32,
+) -> Tuple[float, int]:
+    """SPEC §6 tau_offline sums over one sequence -> (tau_sum, blocks).
+
+    One target forward over prompt + response gives `hidden` and `last`; the drafter's training
+    forward then scores blocks at `anchors` (default: every response position a with a + 1 in the
+    response), `anchors_per_forward` at a time to bound its [A*B] queries.
+    """
+    ids = list(prompt_ids) + list(response_ids)
+    row = response_row(runner.forward(ids), ids, len(prompt_ids))
+    anchors = list(range(len(prompt_ids), len(ids) - 1)) if anchors is None else sorted(anchors)
+    tau_sum, blocks = 0.0, 0
+    for a in range(0, len(anchors), anchors_per_forward):
+        chunk = torch.tensor([anchors[a : a + anchors_per_forward]], device=runner.device)
+        # kl: the full teacher of `last` (its argmax is ce's label; a DSpark confidence head needs the full teacher)
+        out = drafter(dict(row, anchors=chunk, anchor_valid=torch.ones_like(chunk, dtype=torch.bool)), loss_kind="kl")
+        m = slot_metrics(out)
+        tau_sum += float(m["tau_sum"])
+        blocks += int(m["blocks"])
+    return tau_sum, blocks
+
+
+def load_drafter(path: str, target: str) -> DFlashDrafter:
+    """An export directory (speculators or z-lab layout), or a trainer checkpoint; frozen tensors from `target`."""
+
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"drafter {path} does not exist: pass a `dflash-fast export` directory or a trainer checkpoint"
+        )
+    if os.path.isdir(path) and os.path.exists(os.path.join(path, "config.json")):
+        # checkpoints hold no config.json: this is an export (load_exported names what is wrong with it)
+        return load_exported(path, target)
+    from dflash_fast.train.checkpoint import load_drafter_for_export
+
+    drafter, _ = load_drafter_for_export(path)
+    drafter.set_frozen(**load_frozen_tensors(target))
+    return drafter
+
+
+def _check_drafter(drafter: DFlashDrafter, model) -> None:
+    hidden_size, vocab = model.config.get_text_config().hidden_size, model.get_output_embeddings().weight.shape[0]
+    cfg = drafter.config
+    if (cfg.target_hidden_size, cfg.vocab_size) != (hidden_size, vocab):
+        raise ValueError(
+            f"the drafter was built for a target with hidden size {cfg.target_hidden_size} and vocabulary "
+            f"{cfg.vocab_size}; this target has {hidden_size} and {vocab}: pass the drafter's own target"
+        )
+
+
+class Proposal(NamedTuple):
+    module: Optional[DFlashDrafter]  # None for a proposer callable (no tau_offline)
+    propose: Proposer
+    block_size: int
+    layer_ids: List[int]
+
+
+def _proposal(drafter, model, target: str, block_size: Optional[int], layer_ids) -> Proposal:
+    """What `evaluate` drafts with, from a DFlashDrafter, a path or a Proposer callable."""
+    if isinstance(drafter, str):
+        drafter = load_drafter(drafter, target)
+    if isinstance(drafter, DFlashDrafter):
+        _check_drafter(drafter, model)
+        module = drafter.to(device=model.device, dtype=model.dtype).eval()
+        cfg, with_confidence = module.config, module.confidence_head is not None
+        # verification block: the anchor and the drafted tokens (B of them with sample_from_anchor)
+        return Proposal(module, lambda hidden, anchor, _ids: module.propose(hidden, anchor, with_confidence),
+                        cfg.drafted_tokens + 1, list(cfg.layer_ids))
+    if callable(drafter):
+        if block_size is None:
+            raise ValueError("a proposer callable needs block_size (B: the anchor plus B-1 drafted tokens)")
+        if layer_ids is None:
+            layer_ids = default_layer_ids(model.config.get_text_config().num_hidden_layers)
+        return Proposal(None, drafter, block_size, list(layer_ids))
+    raise TypeError(f"drafter must be a DFlashDrafter, a path or a proposer callable, not {type(drafter).__name__}")
+
+
+def _decode_all(runner: TargetRunner, encoded: List[List[int]], proposal: Proposal, max_new_tokens: int,
+                eos: Sequence[int], offline: bool, baseline: bool, progress: bool) -> Tally:
+    """Speculative decoding of every prompt; with `baseline` the target's own greedy loop too, with `offline`
+    tau_offline over the greedy output (the speculative output without `baseline`)."""
+    from tqdm import tqdm
+
+    tally = Tally(proposal.block_size)
+    bar = tqdm(encoded, unit="prompt", desc="eval", disable=not progress)
+    for ids in bar:
+        spec = speculative_generate(runner, ids, proposal.propose, proposal.block_size, max_new_tokens, eos)
+        tally.add_speculative(spec)
+        if sum(tally.histogram):
+            bar.set_postfix(tau=f"{mean_acceptance(tally.histogram):.2f}")
+        reference = spec.tokens
+        if baseline:
+            reference, seconds = greedy_generate(runner, ids, max_new_tokens, eos)
+            tally.add_greedy(reference, seconds, spec)
+        if offline and proposal.module is not None and len(reference) > 1:
+            tau_sum, blocks = offline_tau(runner, proposal.module, ids, reference)
+            tally.tau_sum += tau_sum
+            tally.blocks += blocks
+    return tally
+
+
+def evaluate(
+    target: str,
+    data: Union[str, Sequence[Dict]],
+    drafter: Union[DFlashDrafter, str, Proposer],
+    block_size: Optional[int] = None,
+    layer_ids: Optional[Sequence[int]] = None,
+    max_new_tokens: int = 128,
+    num_prompts: Optional[int] = None,
+    offline: bool = True,
+    baseline: bool = True,
+    device=None,
+    dtype: Optional[str] = None,
+    trust_remote_code: bool = False,
+    progress: bool = True,
+) -> Dict:
+    """Speculative decoding of every prompt in `data` (regenerate's JSONL formats, or records) -> report dict.
+
+    `drafter`: a DFlashDrafter, a path (an export of either layout or a trainer checkpoint), or a Proposer
+    callable (then `block_size` is required and `layer_ids` defaults to 5 spread ids).
+    `baseline` times the target's plain greedy loop and counts prompts where the speculative
+    output differs from it; `offline` adds tau_offline over that greedy output (drafters only).
+    """
+    from transformers import AutoTokenizer
+
+    check_target(target)
+    prompts = read_prompts(data, num_prompts)
+    tokenizer = AutoTokenizer.from_pretrained(target, trust_remote_code=trust_remote_code)
+    model = load_model(target, device, dtype, trust_remote_code)
+    name = drafter if isinstance(drafter, str) else getattr(drafter, "__name__", type(drafter).__name__)
+    proposal = _proposal(drafter, model, target, block_size, layer_ids)
+    runner = TargetRunner(model, proposal.layer_ids)
+    eos = eos_token_ids(model.generation_config, tokenizer)
+    encoded = [encode_prompt(tokenizer, p) for p in prompts]
+    if runner.device.type == "cuda":  # first-call kernel selection and allocation stay out of the timings
+        warm = min(max_new_tokens, 2 * proposal.block_size)
+        speculative_generate(runner, encoded[0], proposal.propose, proposal.block_size, warm, eos)
+        greedy_generate(runner, encoded[0], warm, eos)
+    tally = _decode_all(runner, encoded, proposal, max_new_tokens, eos, offline, baseline, progress)
+    return report(
+        tally,
+        baseline,
+        engine="hf",
+        target=target,
+        drafter=name,
+        device=str(runner.device),
+        dtype=str(model.dtype).replace("torch.", ""),
+        prompts=len(prompts),
+        block_size=proposal.block_size,
+        layer_ids=proposal.layer_ids,
+        max_new_tokens=max_new_tokens,
+    )
+
+
+def add_arguments(parser) -> None:
+    p = parser
+    p.add_argument("--target", required=True, help="Hugging Face causal LM: local directory or hub id")
+    p.add_argument(
+        "--drafter",
+        required=True,
+        help="export directory (dflash-fast export, speculators or zlab layout) or trainer checkpoint",
+    )
+    p.add_argument(
+        "--data", required=True, help="prompts JSONL, as for regenerate: {conversations: [...]} or {text: ...}"
+    )
+    p.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt (default 128)")
+    p.add_argument(
+        "--no-baseline", action="store_true", help="skip the target-only greedy loop (no speedup, no identity check)"
+    )
+    p.add_argument("--no-offline", action="store_true", help="skip tau_offline")
+    p.add_argument(
+        "--engine", choices=["hf", "vllm", "both"], default="hf",
+        help="hf: this loop (default); vllm: vLLM serving the export (docs/vllm.md); both: the two side by side",
+    )
+    add_model_arguments(p)
+    p.add_argument("--out", default=None, help="write the JSON report here instead of stdout")
+
+
+def run(args) -> int:
+    if args.engine != "hf" and args.device is not None:
+        raise ValueError(f"--device {args.device}: vLLM picks its own device; leave --device out with --engine "
+                         f"{args.engine}")
+    if args.engine == "hf":
+        report = call_with_flags(evaluate, args, offline=not args.no_offline, baseline=not args.no_baseline)
+        text = summary(report)
+    else:
+        from dflash_fast.evaluate import vllm as vllm_engine  # vLLM is imported only here (it is an optional install)
+
+        report = call_with_flags(vllm_engine.evaluate_vllm, args, baseline=not args.no_baseline)
+        text = summary(report)
+        if args.engine == "both":
+            ours = call_with_flags(evaluate, args, offline=not args.no_offline, baseline=not args.no_baseline)
+            report = {"side_by_side": vllm_engine.side_by_side(ours, report), "hf": ours, "vllm": report}
+            text = vllm_engine.summary(report)
+    out = json.dumps(report, indent=2)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(out + "\n")
+    else:
+        print(out)
+    print(text + (f"\nreport in {args.out}" if args.out else ""), file=sys.stderr)
+    return 0

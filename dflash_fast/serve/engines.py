@@ -1,0 +1,545 @@
+"""How each serving engine reads an export, modelled on the CPU: `served_architectures` builds transformers'
+Qwen3Config from a config.json of either layout (`dflash_fast.serve.layouts`), then applies that engine's own rules (which
+window, which in-block mask, which RoPE, which layer ids; each rule cites the engine's file and function) and
+returns the drafter it would build in the terms of `ARCHITECTURE`. `check_servable` refuses a drafter its format's
+engines would serve differently from how it trained, `config_from_export` rebuilds the DrafterConfig of an export
+the engines agree on, `check_made_for` refuses one made for another target.
+
+    speculators layout   speculators (`_speculators_view`), vLLM (`_vllm_speculators_view`)
+    zlab layout          SGLang (`_sglang_view`), vLLM (`_vllm_zlab_view`)
+"""
+from typing import Dict, List
+
+from dflash_fast.drafter.config import DrafterConfig, value_problems
+from dflash_fast.drafter.eager import WINDOW_RULES
+from dflash_fast.errors import check_schema, is_int
+from dflash_fast.serve.layouts import (
+    CONFIG_SCHEMAS,
+    DFLASH_ONLY,
+    FORMATS,
+    HF_LAYER_TYPES,
+    ExportError,
+    export_format,
+    format_config,
+)
+from dflash_fast.store.layer_ids import check_layer_ids, default_layer_ids
+
+ENGINES = {"speculators": ("speculators", "vllm"), "zlab": ("sglang", "vllm")}
+# What a serving engine builds, per drafter layer where it is per layer; `architecture` and every engine view
+# return these keys.
+ARCHITECTURE = (
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
+    "target_hidden_size",
+    "layer_ids",
+    "mask_token_id",
+    "block_size",
+    "rms_norm_eps",
+    "rope_parameters",
+    "max_position_embeddings",
+    "num_layers",
+    "layer_windows",
+    "layer_causal",
+    "window_from",  # where a sliding window ends (eager.WINDOW_RULES); None without a sliding layer
+    # DSpark (SPEC §8); DFlash drafters: false, 0, "vanilla", false, true
+    "sample_from_anchor",
+    "markov_rank",
+    "markov_head_type",
+    "confidence_head",
+    "confidence_head_with_markov",
+)
+# Why an engine reads a field differently, and the fix, for the mismatches that have a known cause.
+# Fields where an engine that serves another rule than the drafter trained with still runs it, at a lower acceptance:
+# export warns of them (naming the field) instead of refusing, and reads them back from our own metadata.
+SERVING_RULES = ("window_from",)
+HINTS = {
+    "window_from": "vLLM, SGLang and z-lab end each query's sliding window at its own position, speculators 0.9.0 "
+    "trains SPEC §4's window at the anchor: the drafter runs, but accepts fewer tokens than it would with the rule "
+    "it trained with; train with model.window_from=query to serve in vLLM or SGLang (docs/vllm.md)",
+    "layer_causal": "speculators serves full-attention layers bidirectional in the block and all sliding layers "
+    "one rule, vLLM gives every layer of a speculators export one rule (sliding_window_non_causal), SGLang and vLLM "
+    "serve a zlab export's full layers bidirectional and sliding layers causal (set model.causal_in_block to match, "
+    "or export the other format)",
+    "rope_parameters": "SGLang's DFlash rotates all head_dim channels (get_rope(rotary_dim=head_dim)): export "
+    "a drafter with partial_rotary_factor 1 to the zlab format, or use the speculators format (vLLM applies it)",
+    "markov_head_type": "vLLM's DSpark (qwen3_dspark.py, DSparkMarkovHead) serves the vanilla Markov head only: "
+    "train model.markov_head_type=vanilla to serve with vLLM",
+    "markov_rank": "the z-lab layout (SGLang's and vLLM's dflash method) has no DSpark heads: export a DSpark drafter "
+    "in the speculators format",
+    "target_hidden_size": "speculators and SGLang size fc from the drafter's hidden_size: the drafter's hidden size "
+    "must equal the target's",
+}
+
+
+def architecture(cfg: DrafterConfig) -> Dict:
+    """The trained drafter in the terms of `ARCHITECTURE`."""
+    return {
+        "hidden_size": cfg.hidden_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.intermediate_size,
+        "vocab_size": cfg.vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "layer_ids": list(cfg.layer_ids),
+        "mask_token_id": cfg.mask_token_id,
+        "block_size": cfg.block_size,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_parameters": normal_rope(cfg.rope_parameters),
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "num_layers": cfg.num_layers,
+        "layer_windows": [cfg.sliding_window if k == "sliding" else None for k in cfg.layer_types],
+        "layer_causal": list(cfg.causal_in_block),
+        "window_from": cfg.window_from if "sliding" in cfg.layer_types else None,
+        **_dspark_fields(*(getattr(cfg, key) for key in DFLASH_ONLY)),
+    }
+
+
+def _dspark_fields(sample_from_anchor, markov_rank, markov_head_type, confidence_head, with_markov) -> Dict:
+    """The DSpark fields of `ARCHITECTURE`; without a confidence head its input is moot and reads as true."""
+    return dict(sample_from_anchor=sample_from_anchor, markov_rank=markov_rank, markov_head_type=markov_head_type,
+                confidence_head=confidence_head, confidence_head_with_markov=with_markov or not confidence_head)
+
+
+def normal_rope(params: Dict) -> Dict:
+    """RoPE parameters as the drafter's Rope reads them: rope_type (not the legacy `type`), no factor-1 partial."""
+    rope = dict(params)
+    legacy = rope.pop("type", None)
+    rope.setdefault("rope_type", legacy or "default")
+    if rope.get("partial_rotary_factor", 1.0) == 1.0:
+        rope.pop("partial_rotary_factor", None)
+    return rope
+
+
+def _need(config: Dict, key: str, where: str):
+    if key not in config or config[key] is None:
+        raise ExportError(f"config.json has no {key!r} ({where} needs it)")
+    return config[key]
+
+
+def _hf_config(layer: Dict, where: str):
+    """transformers' config class for the layer config's model_type, built from it (Qwen3Config for ours)."""
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import AutoConfig
+
+    try:
+        # speculators: DFlashSpeculatorConfig.validate_transformer_config (config.py) does exactly this.
+        return AutoConfig.for_model(layer.get("model_type", "qwen3")).__class__(**layer)
+    except (TypeError, ValueError, StrictDataclassError) as e:
+        raise ExportError(f"{where}: transformers cannot build the drafter's config from it: {e}") from None
+
+
+def _common(hf, where: str, head_dim) -> Dict:
+    """Sizes every engine takes straight from the (transformers) layer config, checked for what we cannot build."""
+    if getattr(hf, "hidden_act", "silu") != "silu":
+        raise ExportError(f"{where}: hidden_act={hf.hidden_act!r}; dflash-fast drafters use silu (SwiGLU) MLPs")
+    if getattr(hf, "attention_bias", False):
+        raise ExportError(f"{where}: attention_bias=true; dflash-fast drafters have no attention biases")
+    return {
+        "hidden_size": hf.hidden_size,
+        "num_attention_heads": hf.num_attention_heads,
+        "num_key_value_heads": getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+        "head_dim": head_dim,
+        "intermediate_size": hf.intermediate_size,
+        "rms_norm_eps": hf.rms_norm_eps,
+        "max_position_embeddings": hf.max_position_embeddings,
+        "num_layers": hf.num_hidden_layers,
+    }
+
+
+def _check_vocab(draft_vocab: int, vocab: int, where: str) -> None:
+    if draft_vocab != vocab:
+        raise ExportError(
+            f"{where}: draft_vocab_size {draft_vocab} of a {vocab}-token vocabulary needs a draft-to-target token "
+            f"mapping; dflash-fast drafters draft the target's whole vocabulary"
+        )
+
+
+def _layer_types(hf, where: str) -> List[str]:
+    types = list(getattr(hf, "layer_types", None) or ["full_attention"] * hf.num_hidden_layers)
+    if len(types) != hf.num_hidden_layers or set(types) - set(HF_LAYER_TYPES.values()):
+        raise ExportError(f"{where}: layer_types={types} is not one of {sorted(HF_LAYER_TYPES.values())} per layer")
+    return types
+
+
+def _speculators_view(config: Dict) -> Dict:
+    """vllm-project/speculators, src/speculators/models/dflash/: DFlashSpeculatorConfig builds Qwen3Config from
+    transformer_layer_config; DFlashDraftModel.__init__ takes sliding_window and layer_types from it, sizes fc as
+    len(aux_hidden_state_layer_ids) * hidden_size and reads hidden_states[id] for each aux id; attention.py
+    (create_anchor_block_mask_mod) keeps full layers bidirectional and makes sliding layers causal in the block
+    unless sliding_window_non_causal; rotary from Qwen3RotaryEmbedding of that config (utils.flatten_rope_parameters
+    picks the sliding variant of per-layer-type parameters, which our drafter cannot express)."""
+    where = "speculators (DFlashSpeculatorConfig / DFlashDraftModel)"
+    hf = _hf_config(_need(config, "transformer_layer_config", where), where)
+    aux = _need(config, "aux_hidden_state_layer_ids", where)
+    dspark = config.get("speculators_model_type") == "dspark"
+    if config.get("sample_from_anchor", False) and not dspark:
+        raise ExportError(f"{where}: a DFlash drafter with sample_from_anchor=true: dflash-fast trains that as DSpark")
+    rope = hf.rope_parameters
+    if "rope_type" not in rope and "sliding_attention" in rope:
+        raise ExportError(f"{where}: per-layer-type rope_parameters; dflash-fast drafters use one RoPE")
+    types = _layer_types(hf, where)
+    non_causal = bool(config.get("sliding_window_non_causal", False))
+    _check_vocab(config.get("draft_vocab_size", 32000), hf.vocab_size, where)  # DFlashSpeculatorConfig's default
+    return {
+        **_common(hf, where, hf.head_dim),
+        "vocab_size": hf.vocab_size,
+        "target_hidden_size": hf.hidden_size,
+        "layer_ids": [i - 1 for i in aux],
+        "mask_token_id": config.get("mask_token_id"),
+        "block_size": config.get("block_size", 8),  # DFlashSpeculatorConfig's default
+        "rope_parameters": normal_rope(rope),
+        "layer_windows": [hf.sliding_window if t == "sliding_attention" else None for t in types],
+        "layer_causal": [t == "sliding_attention" and not non_causal for t in types],
+        "window_from": "anchor" if "sliding_attention" in types else None,  # kv_base_pos >= q_anchor - sliding_window
+        **(_speculators_dspark(config) if dspark else DFLASH_ONLY),
+    }
+
+
+def _speculators_dspark(config: Dict) -> Dict:
+    """speculators' DSparkSpeculatorConfig (models/dspark/config.py) defaults: sample_from_anchor true, markov_rank
+    256, vanilla, enable_confidence_head true, confidence_head_with_markov true; DSparkDraftModel builds no Markov
+    head at markov_rank 0."""
+    return _dspark_fields(
+        bool(config.get("sample_from_anchor", True)),
+        config.get("markov_rank", 256),
+        config.get("markov_head_type", "vanilla"),
+        bool(config.get("enable_confidence_head", True)),
+        bool(config.get("confidence_head_with_markov", True)),
+    )
+
+
+def _vllm_dspark(config: Dict, where: str) -> Dict:
+    """vLLM's dspark method: algos.py update_dspark surfaces markov_rank, markov_head_type, enable_confidence_head,
+    confidence_head_with_markov and dspark_bonus_anchor = not sample_from_anchor (default true); qwen3_dspark.py
+    always builds a vanilla DSparkMarkovHead of markov_rank (W1[prev] -> W2, no gate or recurrence), the confidence
+    head only with enable_confidence_head (default false), reading [hidden, W1[prev]] only with
+    confidence_head_with_markov (default false)."""
+    rank = config.get("markov_rank")
+    if not is_int(rank) or rank < 1:
+        raise ExportError(f"{where}: markov_rank={rank!r}; vLLM's DSpark builds a Markov head of that rank (>= 1)")
+    return _dspark_fields(
+        bool(config.get("sample_from_anchor", True)),
+        rank,
+        "vanilla",
+        bool(config.get("enable_confidence_head", False)),
+        bool(config.get("confidence_head_with_markov", False)),
+    )
+
+
+def _vllm_layers(hf, where: str):
+    """vLLM, vllm/model_executor/models/qwen3_dflash.py: _resolve_layer_attention (sliding per layer_types, or
+    every layer with dflash_config.use_swa and no sliding layer; the window from dflash_config.swa_window_size or
+    sliding_window, an error when neither) and _dflash_layer_causal (is_causal, else dflash_config.causal, else
+    causal exactly on the layer_types' sliding layers). The window is Attention's per_layer_sliding_window, a
+    window of each query's own position (window_from "query")."""
+    dflash = getattr(hf, "dflash_config", None) or {}
+    types = getattr(hf, "layer_types", None)
+    _layer_types(hf, where)
+    use_swa = dflash.get("use_swa", False)
+    if types is None or (use_swa and "sliding_attention" not in types):
+        sliding = [use_swa] * hf.num_hidden_layers
+    else:
+        sliding = [t == "sliding_attention" for t in types]
+    window = dflash.get("swa_window_size", getattr(hf, "sliding_window", None))
+    if any(sliding) and window is None:
+        raise ExportError(f"{where}: a sliding layer has no window (vLLM raises: set sliding_window)")
+    override = getattr(hf, "is_causal", None)
+    if override is None:
+        override = dflash.get("causal")
+    default = [bool(types) and t == "sliding_attention" for t in types or [None] * hf.num_hidden_layers]
+    causal = [bool(override)] * hf.num_hidden_layers if override is not None else default
+    return [window if s else None for s in sliding], causal
+
+
+def _vllm_rope(hf) -> Dict:
+    """vLLM's DFlash layer calls get_rope(head_dim, rope_parameters=config.rope_parameters), which applies
+    partial_rotary_factor; set_default_rope_theta fills a missing rope_theta with 1e6."""
+    rope = dict(getattr(hf, "rope_parameters", None) or {})
+    if "rope_type" not in rope and getattr(hf, "rope_scaling", None):
+        rope.update(hf.rope_scaling)
+    rope.setdefault("rope_theta", getattr(hf, "rope_theta", None) or 1_000_000.0)
+    return normal_rope(rope)
+
+
+# Attributes vLLM's DFlash model reads from the draft config without a default (qwen3_dflash.py).
+VLLM_READS = (
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "num_hidden_layers",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "vocab_size",
+)
+
+
+def _vllm_speculators_view(config: Dict) -> Dict:
+    """vLLM reading the speculators layout: vllm/transformers_utils/configs/speculators/base.py
+    (extract_transformers_pre_trained_config: the attributes are transformer_layer_config's keys as written, no
+    Qwen3Config) and algos.py (update_dflash: dflash_config = {mask_token_id, target_layer_ids = aux ids - 1,
+    causal = not sliding_window_non_causal (default true)}, draft_vocab_size, target_hidden_size); causal is a
+    global override in qwen3_dflash.py (_dflash_layer_causal), so every layer gets one in-block rule. The block is
+    the proposal method's speculative_tokens + 1."""
+    from types import SimpleNamespace
+
+    where = "vLLM (speculators config adapter, qwen3_dflash.py)"
+    layer = dict(_need(config, "transformer_layer_config", where))
+    for key in VLLM_READS:
+        _need(layer, key, where + ": transformer_layer_config")
+    aux = _need(config, "aux_hidden_state_layer_ids", where)
+    layer["dflash_config"] = {
+        "mask_token_id": _need(config, "mask_token_id", where),
+        "target_layer_ids": [i - 1 for i in aux],
+        "causal": not config.get("sliding_window_non_causal", True),
+    }
+    hf = SimpleNamespace(**layer)
+    methods = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
+    tokens = methods[0].get("speculative_tokens")
+    if tokens is None:
+        raise ExportError(f"config.json has no speculators_config.proposal_methods[0].speculative_tokens ({where})")
+    windows, causal = _vllm_layers(hf, where)
+    _check_vocab(config.get("draft_vocab_size") or hf.vocab_size, hf.vocab_size, where)
+    dspark = _vllm_dspark(config, where) if config.get("speculators_model_type") == "dspark" else DFLASH_ONLY
+    return {
+        **_common(hf, where, getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads),
+        "vocab_size": hf.vocab_size,
+        "target_hidden_size": config.get("target_hidden_size") or hf.hidden_size,
+        "layer_ids": layer["dflash_config"]["target_layer_ids"],
+        "mask_token_id": config["mask_token_id"],
+        # the anchor is a bonus token (one more slot than drafted tokens) unless it samples from the anchor
+        "block_size": tokens + 1 - int(dspark["sample_from_anchor"]),
+        "rope_parameters": _vllm_rope(hf),
+        "layer_windows": windows,
+        "layer_causal": causal,
+        "window_from": "query" if any(w is not None for w in windows) else None,
+        **dspark,
+    }
+
+
+def _zlab_ids(config: Dict, hf, where: str):
+    """z-lab's layer ids, mask token and block: dflash_config first, then the top level (SGLang,
+    python/sglang/srt/speculative/dflash_utils.py, parse_dflash_draft_config); layer ids default to z-lab's
+    build_target_layer_ids(num_target_layers, num_hidden_layers) (dflash/model.py)."""
+    dflash = config["dflash_config"]
+    ids = dflash.get("target_layer_ids", config.get("target_layer_ids"))
+    if ids is None:
+        num_target = dflash.get("num_target_layers", config.get("num_target_layers"))
+        if num_target is None:
+            raise ExportError(f"config.json has neither dflash_config.target_layer_ids nor num_target_layers ({where})")
+        try:
+            ids = default_layer_ids(num_target, hf.num_hidden_layers)
+        except ValueError as e:
+            raise ExportError(f"config.json has no dflash_config.target_layer_ids, and z-lab's default: {e}") from None
+    mask = dflash.get("mask_token_id", config.get("mask_token_id"))
+    if mask is None:
+        raise ExportError(f"config.json has no dflash_config.mask_token_id ({where} would look up a <|MASK|> token)")
+    return list(ids), mask, dflash.get("block_size", config.get("block_size"))
+
+
+def _sglang_view(config: Dict) -> Dict:
+    """SGLang, python/sglang/srt/models/dflash.py: AutoConfig (Qwen3Config) of config.json;
+    _get_dflash_layer_attention_params serves full layers ENCODER_ONLY (bidirectional) and sliding layers DECODER
+    (causal) with the window of get_dflash_attention_sliding_window_size (an error when sliding_window is None);
+    fc = len(target_layer_ids) * hidden_size; get_rope(head_dim, rotary_dim=head_dim, rope_parameters): no partial
+    rotary; block_size defaults to 16."""
+    where = "SGLang (DFlashDraftModel, parse_dflash_draft_config)"
+    hf = _hf_config(config, where)
+    ids, mask, block = _zlab_ids(config, hf, where)
+    types = _layer_types(hf, where)
+    if "sliding_attention" in types and hf.sliding_window is None:
+        raise ExportError(f"{where}: sliding layers and no sliding_window (SGLang raises; Qwen3Config drops the "
+                          f"window unless use_sliding_window is true)")
+    rope = normal_rope(hf.rope_parameters)
+    rope.pop("partial_rotary_factor", None)
+    return {
+        **_common(hf, where, hf.head_dim),
+        "vocab_size": hf.vocab_size,
+        "target_hidden_size": hf.hidden_size,
+        "layer_ids": ids,
+        "mask_token_id": mask,
+        "block_size": block if block is not None else 16,
+        "rope_parameters": rope,
+        "layer_windows": [hf.sliding_window if t == "sliding_attention" else None for t in types],
+        "layer_causal": [t == "sliding_attention" for t in types],
+        "window_from": "query" if "sliding_attention" in types else None,  # RadixAttention window_left = W - 1
+        **DFLASH_ONLY,
+    }
+
+
+def _vllm_zlab_view(config: Dict) -> Dict:
+    """vLLM reading the z-lab layout (`--speculative-config '{"method": "dflash", "model": DIR}'`): AutoConfig
+    (Qwen3Config) of config.json and qwen3_dflash.py's rules (see _vllm_layers, _vllm_rope); the block is the
+    command line's num_speculative_tokens + 1, which docs/export.md tells you to set to block_size - 1."""
+    where = "vLLM (qwen3_dflash.py)"
+    hf = _hf_config(config, where)
+    ids, mask, block = _zlab_ids(config, hf, where)
+    windows, causal = _vllm_layers(hf, where)
+    return {
+        **_common(hf, where, getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads),
+        "vocab_size": hf.vocab_size,
+        "target_hidden_size": getattr(hf, "target_hidden_size", None) or hf.hidden_size,
+        "layer_ids": ids,
+        "mask_token_id": mask,
+        "block_size": block,
+        "rope_parameters": _vllm_rope(hf),
+        "layer_windows": windows,
+        "layer_causal": causal,
+        "window_from": "query" if any(w is not None for w in windows) else None,
+        **DFLASH_ONLY,
+    }
+
+
+VIEWS = {
+    ("speculators", "speculators"): _speculators_view,
+    ("speculators", "vllm"): _vllm_speculators_view,
+    ("zlab", "sglang"): _sglang_view,
+    ("zlab", "vllm"): _vllm_zlab_view,
+}
+
+
+def served_architectures(config: Dict) -> Dict[str, Dict]:
+    """{engine: architecture as that engine builds it} for a config.json of either layout, judged first by its
+    layout's declared schema (layouts.CONFIG_SCHEMAS: the JSON kind of every key the views read)."""
+    fmt = export_format(config)
+    if fmt is None:
+        raise ExportError(
+            "config.json is not a DFlash drafter: it has neither speculators_model_type 'dflash' or 'dspark' "
+            "(speculators layout) "
+            "nor architectures ['DFlashDraftModel'] with a dflash_config (z-lab layout)"
+        )
+    check_schema(config, CONFIG_SCHEMAS[fmt], "config.json", ExportError)  # every view trusts the JSON kinds
+    served = {}
+    for engine in ENGINES[fmt]:
+        try:
+            served[engine] = VIEWS[fmt, engine](config)
+        except (TypeError, AttributeError) as e:  # a hand-edited key of the wrong JSON type (a list for an object)
+            raise ExportError(f"config.json cannot be read as {engine} reads it, a key holds the wrong kind of "
+                              f"value: {e}") from None
+    return served
+
+
+def _check_values(arch: Dict) -> None:
+    """Refuse an architecture read from a file whose fields hold the wrong kind of value or a meaningless one (a
+    hand-edited `"block_size": "16"` or `"rope_theta": -1` would otherwise build a drafter that fails far from the
+    cause): the drafter's own value rules (value_problems), each sliding window included."""
+    windows = dict.fromkeys(w for w in arch["layer_windows"] if w is not None)
+    read = {k: v for k, v in arch.items() if k not in SERVING_RULES}  # the engines' rules, not read from the file
+    problems = value_problems(read) + [p for w in windows for p in value_problems({"sliding_window": w})]
+    if problems:
+        raise ExportError("config.json:\n  - " + "\n  - ".join(problems))
+
+
+def mismatches(expected: Dict, served: Dict[str, Dict], serving_rules: bool = False) -> List[str]:
+    """One line per field where an engine's architecture differs from `expected`, with the known cause: the fields
+    an engine must build as trained, or with serving_rules the SERVING_RULES."""
+    lines = []
+    for engine, arch in served.items():
+        for field in ARCHITECTURE:
+            if (field in SERVING_RULES) != serving_rules:
+                continue
+            if arch[field] != expected[field]:
+                hint = f" ({HINTS[field]})" if field in HINTS else ""
+                lines.append(f"{field}: trained {expected[field]!r}, {engine} serves {arch[field]!r}{hint}")
+    return lines
+
+
+def check_servable(cfg: DrafterConfig, fmt: str) -> None:
+    """Refuse, before anything is written, a drafter that the engines of `fmt` would serve differently."""
+    problems = mismatches(architecture(cfg), served_architectures(format_config(cfg, fmt, verifier="")))
+    if problems:
+        raise ExportError(f"the {fmt} format cannot serve this drafter as it trained:\n  - " + "\n  - ".join(problems))
+
+
+def servable_format(cfg: DrafterConfig) -> str:
+    """The first of FORMATS whose engines serve `cfg` as it trained (speculators, then zlab: z-lab's pattern of
+    causal sliding and bidirectional full layers only serves from the zlab layout); refused naming each format's
+    problems when neither does."""
+    problems = []
+    for fmt in FORMATS:
+        try:
+            check_servable(cfg, fmt)
+            return fmt
+        except ExportError as e:
+            problems.append(str(e))
+    raise ExportError("\n".join(problems))
+
+
+def config_from_architecture(arch: Dict, target_num_layers: int, target_model_type: str = "",
+                             window_from: str = "anchor") -> DrafterConfig:
+    windows = {w for w in arch["layer_windows"] if w is not None}
+    if len(windows) > 1:
+        raise ExportError(f"the layers use different sliding windows {sorted(windows)}; dflash-fast drafters use one")
+    kept = {k: arch[k] for k in ARCHITECTURE if k not in ("layer_windows", "layer_causal", *SERVING_RULES)}
+    return DrafterConfig(
+        **kept,
+        layer_types=["sliding" if w is not None else "full" for w in arch["layer_windows"]],
+        sliding_window=windows.pop() if windows else None,
+        window_from=window_from,
+        causal_in_block=arch["layer_causal"],
+        target_num_layers=target_num_layers,
+        target_model_type=target_model_type,
+    )
+
+
+def config_from_export(config: Dict, target_config=None) -> DrafterConfig:
+    """The DrafterConfig of an export of either layout (ours or another tool's), as its engines serve it; refused
+    when they would serve it differently. The window rule is the one it trained with (our metadata's
+    window_from; SPEC §4's "anchor" for an export without it), whichever rule an engine serves."""
+    served = served_architectures(config)
+    engines = list(served)
+    first = served[engines[0]]
+    for arch in served.values():  # before comparing: NaN differs from itself
+        _check_values(arch)
+    problems = [line for line in mismatches(first, {e: served[e] for e in engines[1:]})]
+    if problems:
+        raise ExportError(
+            f"{engines[0]} and {' / '.join(engines[1:])} would serve this export differently (the values before "
+            f"'serves' are {engines[0]}'s):\n  - " + "\n  - ".join(problems)
+        )
+    ours = config.get("dflash_fast") or {}
+    if not isinstance(ours, dict):
+        raise ExportError(f"config.json: dflash_fast={ours!r} is not an object")
+    target_layers = ours.get("target_num_layers") or config.get("num_target_layers")
+    if target_layers is not None and (not is_int(target_layers) or target_layers < 1):
+        raise ExportError(f"config.json: the target's layer count {target_layers!r} is not an integer >= 1")
+    model_type = ours.get("target_model_type", "")
+    window_from = ours.get("window_from", "anchor")
+    if value_problems({"window_from": window_from}):
+        raise ExportError(f"config.json: dflash_fast.window_from={window_from!r} is not one of {WINDOW_RULES}")
+    if target_config is not None:
+        tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+        target_layers, model_type = target_layers or tc.num_hidden_layers, model_type or tc.model_type
+    ids = first["layer_ids"]
+    target_layers = target_layers or 1 + max((i for i in ids if isinstance(i, int)), default=0)
+    try:
+        check_layer_ids(ids, target_layers)
+    except ValueError as e:
+        raise ExportError(f"the export's target layer ids {ids} (our convention): {e}") from None
+    try:
+        return config_from_architecture(first, target_layers, model_type, window_from)
+    except (TypeError, ValueError) as e:
+        raise ExportError(f"the export's drafter is not one dflash-fast can build: {e}") from None
+
+
+def check_made_for(cfg: DrafterConfig, target_config, where: str) -> None:
+    """Refuse a drafter made for another target than `target_config`'s, naming both values (before any tensor
+    is read: a mismatch would otherwise surface deep in a matmul or as a wrong hidden state)."""
+    tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    problems = [
+        f"{what}: the drafter was made for {theirs}, the target has {ours}"
+        for what, theirs, ours in (
+            ("vocabulary size", cfg.vocab_size, tc.vocab_size),
+            ("hidden size", cfg.target_hidden_size, tc.hidden_size),
+            ("decoder layers", cfg.target_num_layers, tc.num_hidden_layers),
+        )
+        if theirs != ours
+    ]
+    if problems:
+        raise ExportError(f"{where} does not fit this target (give the target it was trained on):\n  - "
+                          + "\n  - ".join(problems))

@@ -1,0 +1,133 @@
+"""target.prompts (split out; docstring to write)."""
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Union
+
+import torch
+
+from dflash_fast.store.format import torch_dtype
+from dflash_fast.target.load import load_target
+from dflash_fast.target.text import KNOWN_ROLES, ROLE_ALIASES, TextError, on_text, text_problem
+
+
+@dataclass
+class Prompt:
+    """One input record: `messages` (chat) or `text` (plain continuation), never both."""
+
+    index: int
+    record: Dict
+    messages: Optional[List[Dict[str, str]]] = None
+    text: Optional[str] = None
+    where: str = ""  # FILE:LINE (or "record i"), for errors
+
+
+def _messages(turns, where: str) -> List[Dict[str, str]]:
+    """Normalised chat turns up to and including the last user turn."""
+    if not isinstance(turns, list) or not turns:
+        raise ValueError(f"{where}: 'conversations' must be a non-empty list of {{role, content}} objects")
+    messages = []
+    for i, t in enumerate(turns):
+        role = t.get("role", t.get("from")) if isinstance(t, dict) else None
+        role = ROLE_ALIASES.get(role, role)
+        content = t.get("content", t.get("value")) if isinstance(t, dict) else None
+        if role not in KNOWN_ROLES or not isinstance(content, str):
+            raise ValueError(f"{where}: each turn needs a role in {KNOWN_ROLES} and text content, got {t!r}")
+        problem = text_problem(content)
+        if problem:
+            raise ValueError(f"{where}: the content of turn {i} {problem}")
+        messages.append({"role": role, "content": content})
+    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    if not users:
+        raise ValueError(f"{where}: the conversation has no user turn to respond to")
+    return messages[: users[-1] + 1]
+
+
+def read_prompts(data: Union[str, Sequence[Dict]], num_prompts: Optional[int] = None) -> List[Prompt]:
+    """Prompts from a JSONL path or a list of records; blank lines are not records.
+
+    Every record is checked before any model loads; a bad one raises with its line number.
+    """
+    if isinstance(data, (str, os.PathLike)):
+        records = []
+        with open(data) as f:
+            for line_no, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        records.append((f"{data}:{line_no}", json.loads(line)))
+                    except (json.JSONDecodeError, RecursionError) as e:
+                        raise ValueError(f"{data}:{line_no}: not valid JSON ({e}); fix or delete the line") from None
+    else:
+        records = [(f"record {i}", r) for i, r in enumerate(data)]
+    if num_prompts is not None:
+        records = records[:num_prompts]
+    if not records:
+        raise ValueError(f"no prompts in {data if isinstance(data, (str, os.PathLike)) else 'the given records'}")
+    prompts = []
+    for index, (where, r) in enumerate(records):
+        if isinstance(r, dict) and "conversations" in r:
+            prompts.append(Prompt(index, r, messages=_messages(r["conversations"], where), where=where))
+        elif isinstance(r, dict) and isinstance(r.get("text"), str):
+            problem = text_problem(r["text"])
+            if problem:
+                raise ValueError(f"{where}: 'text' {problem}")
+            prompts.append(Prompt(index, r, text=r["text"], where=where))
+        else:
+            raise ValueError(f"{where}: expected an object with 'conversations' (chat) or 'text' (string)")
+    return prompts
+
+
+def encode_prompt(tokenizer, prompt: Prompt) -> List[int]:
+    """Token ids the target continues: the chat template with the generation prompt, or the text
+    with the tokenizer's special tokens (the conventions of `dflash-fast extract`)."""
+    where = prompt.where or f"prompt {prompt.index}"
+    try:
+        if prompt.messages is not None:
+            if not getattr(tokenizer, "chat_template", None):
+                raise ValueError(
+                    "the target's tokenizer has no chat template; give {'text': ...} prompts instead of conversations"
+                )
+            text = on_text("the chat template", tokenizer.apply_chat_template, prompt.messages, tokenize=False,
+                           add_generation_prompt=True)
+            ids = on_text("the tokenizer", tokenizer, text, add_special_tokens=False)["input_ids"]
+        else:
+            ids = on_text("the tokenizer", tokenizer, prompt.text, add_special_tokens=True)["input_ids"]
+    except TextError as e:
+        raise ValueError(f"{where}: {e}") from None
+    if not ids:
+        raise ValueError(f"{where} is empty after tokenization; give it some text")
+    return ids
+
+
+def load_model(target: str, device=None, dtype: Optional[str] = None, trust_remote_code: bool = False):
+    """The target in eval mode: cuda when present (bf16 by default), else cpu (fp32 by default)."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    compute = torch_dtype(dtype) if dtype else torch.bfloat16 if device.type == "cuda" else torch.float32
+    return load_target(target, device, compute, trust_remote_code)
+
+
+ENGINES = ("hf", "vllm")
+
+
+def add_model_arguments(p) -> None:
+    """The flags of `load_model`'s options, for the commands that load the target with it (regenerate, eval)."""
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="default: bf16 on cuda, fp32 on cpu")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modelling code to run")
+
+
+def eos_token_ids(generation_config, tokenizer) -> List[int]:
+    """Every token that ends a response: the (target's) generation config's eos ids and the tokenizer's."""
+    ids = getattr(generation_config, "eos_token_id", None)
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids
+
+
+def cut_response(tokens: Sequence[int], max_new_tokens: int, eos: Sequence[int]) -> List[int]:
+    """New tokens as every engine reports them: at most max_new_tokens, ending after the first eos."""
+    tokens = list(tokens)[:max_new_tokens]
+    end = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
+    return tokens[:end]

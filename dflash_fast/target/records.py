@@ -1,0 +1,270 @@
+"""JSONL records -> tokenized documents: what `dflash-fast extract` (and the online mode) feeds the target.
+
+Three record formats, mixed freely: `{"conversations": [{role, content}, ...]}` rendered with the target's chat
+template, with `loss_mask` 1 exactly on what the assistant generates; `{"text": ...}`, every token trained; and
+`{"input_ids": [...], "loss_mask": [...]}` taken as is. A malformed line stops the run naming `FILE:LINE` (or is
+counted with --skip-bad); over-long documents are truncated and counted; records without a trainable token are
+skipped and counted by reason (InputStats).
+"""
+import hashlib
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dflash_fast.target.text import KNOWN_ROLES, ROLE_ALIASES, TextError, on_text, text_problem
+
+
+class BadLine(ValueError):
+    """A JSONL line that is not a record this extractor understands."""
+
+
+class Skip(Exception):
+    """A well-formed record that yields no trainable sequence; the message is the counted reason."""
+
+
+@dataclass
+class Example:
+    """One document: input_ids [n] int32, loss_mask [n] bool."""
+
+    input_ids: np.ndarray
+    loss_mask: np.ndarray
+
+
+@dataclass
+class InputStats:
+    lines: int = 0
+    sequences: int = 0
+    bad_lines: int = 0
+    truncated: int = 0
+    skipped: Counter = field(default_factory=Counter)
+
+    def to_dict(self) -> dict:
+        return {
+            "lines": self.lines,
+            "sequences": self.sequences,
+            "bad_lines": self.bad_lines,
+            "truncated": self.truncated,
+            "skipped": dict(sorted(self.skipped.items())),
+        }
+
+
+REASONING_KEYS = ("thinking", "reasoning_content")
+MEDIA_KEYS = ("images", "image", "videos", "video", "pixel_values")
+IMAGES_UNSUPPORTED = ("image and video inputs are not supported yet: extraction feeds the target text only "
+                      "(multimodal checkpoints included), so remove them from the data")
+
+
+def has_image(content) -> bool:
+    """A turn's content in the multimodal message format with an image or video part."""
+    return isinstance(content, list) and any(
+        isinstance(part, dict) and (part.get("type") in ("image", "image_url", "input_image", "video")
+                                    or "image" in part or "image_url" in part)
+        for part in content)
+
+
+class ChatTokenizer:
+    """Tokenizes the three JSONL formats; builds the assistant-only loss mask of conversations.
+
+    The mask of assistant turn `i` covers the text between the rendered prefix
+    `messages[:i]` + generation prompt and the rendered prefix `messages[:i+1]`:
+    everything the target generates after the generation prompt (its reasoning
+    when the turn carries `thinking` / `reasoning_content`, channel headers such
+    as harmony's, the reply and the end-of-turn marker), never the role header.
+    Templates that re-render earlier turns differently (e.g. dropping reasoning
+    from old turns) break that prefix property; then the reply's content (or,
+    when the template dropped it, the part after `</think>`) is located in the
+    full rendering, reaches back to the end of the generation prompt before it,
+    and is extended by the template's end-of-turn text or the special token
+    that closes it (harmony's `<|end|>`, where the last turn has `<|return|>`).
+    """
+
+    def __init__(self, tokenizer, vocab_size: int):
+        self.tok = tokenizer
+        self.vocab_size = vocab_size
+        self._turn_suffix = None
+        self._generation_prompt = None
+        self._special = sorted((t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
+                                if t.special), key=len, reverse=True)
+
+    def _render(self, messages, generation_prompt=False) -> str:
+        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+    def generation_prompt(self) -> str:
+        """The text add_generation_prompt appends, e.g. '<|im_start|>assistant\n' or harmony's '<|start|>assistant'."""
+        if self._generation_prompt is None:
+            chat = [{"role": "user", "content": "hi"}]
+            try:
+                bare, prompted = self._render(chat), self._render(chat, generation_prompt=True)
+            except Exception:  # a template that refuses this chat: no generation prompt to reach back to
+                bare, prompted = "", ""
+            self._generation_prompt = prompted[len(bare):] if prompted.startswith(bare) else ""
+        return self._generation_prompt
+
+    def turn_suffix(self) -> str:
+        """The text a template emits after an assistant reply's content, e.g. '<|im_end|>\\n'."""
+        if self._turn_suffix is None:
+            marker = "\u2063dflash-reply\u2063"
+            text = self._render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}])
+            self._turn_suffix = text[text.index(marker) + len(marker):] if marker in text else ""
+        return self._turn_suffix
+
+    def _assistant_spans(self, messages, text):
+        spans, cursor = [], 0
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                # Advance past other turns, so a user turn quoting a later reply is not taken for it.
+                found = text.find(m["content"], cursor) if m["content"] else -1
+                cursor = found + len(m["content"]) if found >= 0 else cursor
+                continue
+            try:
+                head = self._render(messages[:i], generation_prompt=True)
+                upto = self._render(messages[: i + 1])
+            except Exception:  # templates reject partial chats in their own ways: use the search below
+                head = upto = None
+            if head is not None and text.startswith(upto) and upto.startswith(head) and len(upto) > len(head):
+                spans.append((len(head), len(upto)))
+                cursor = len(upto)
+                continue
+            content = m["content"]
+            start = text.find(content, cursor) if content else -1
+            if start < 0 and "</think>" in content:
+                # Reasoning templates (Qwen3's) render earlier turns without their <think> part: the answer is what the
+                # target sees, and what the drafter trains on.
+                content = content.split("</think>")[-1].lstrip("\n")
+                start = text.find(content, cursor) if content else -1
+            if start < 0:
+                raise Skip("assistant turn not found in the chat template's output")
+            end = start + len(content)
+            prompt = self.generation_prompt()
+            header = text.rfind(prompt, cursor, start) if prompt else -1
+            if header >= 0:  # what the target generated before the content (harmony's channel header) trains too
+                start = header + len(prompt)
+            closing = next((t for t in self._special if text.startswith(t, end)), "")
+            end += len(self.turn_suffix()) if text.startswith(self.turn_suffix(), end) else len(closing)
+            spans.append((start, end))
+            cursor = end
+        return spans
+
+    def conversation(self, turns) -> Example:
+        if not isinstance(turns, list) or not turns:
+            raise BadLine("'conversations' must be a non-empty list of {role, content} objects")
+        messages = []
+        for i, t in enumerate(turns):
+            if not isinstance(t, dict):
+                raise BadLine("each turn must be an object with 'role' and 'content'")
+            role = t.get("role", t.get("from"))
+            content = t.get("content", t.get("value"))
+            role = ROLE_ALIASES.get(role, role)
+            if role not in KNOWN_ROLES:
+                raise Skip(f"unknown role {role!r}")
+            if has_image(content):
+                raise BadLine(f"turn {i} holds an image; {IMAGES_UNSUPPORTED}")
+            if not isinstance(content, str):
+                raise Skip("turn content is not text")
+            message = {"role": role, "content": content}
+            if role == "assistant":
+                # Reasoning as the template takes it: `thinking` (gpt-oss's analysis channel), `reasoning_content`.
+                message.update((k, t[k]) for k in REASONING_KEYS if isinstance(t.get(k), str))
+            for key, value in message.items():
+                problem = text_problem(value)
+                if problem:
+                    raise BadLine(f"the {key} of turn {i} {problem}")
+            messages.append(message)
+        if not any(m["role"] == "assistant" for m in messages):
+            raise Skip("no assistant turn")
+        if not getattr(self.tok, "is_fast", False):
+            raise ValueError("conversations need a fast (Rust) tokenizer for character offsets; the target's is slow")
+        text = on_text("the chat template", self._render, messages)
+        spans = self._assistant_spans(messages, text)
+        enc = on_text("the tokenizer", self.tok, text, add_special_tokens=False, return_offsets_mapping=True)
+        starts = np.array([s for s, _ in enc["offset_mapping"]], dtype=np.int64)
+        mask = np.zeros(len(starts), dtype=bool)
+        for a, b in spans:
+            mask |= (starts >= a) & (starts < b)
+        return Example(np.asarray(enc["input_ids"], dtype=np.int32), mask)
+
+    def text(self, text) -> Example:
+        if not isinstance(text, str):
+            raise BadLine("'text' must be a string")
+        problem = text_problem(text)
+        if problem:
+            raise BadLine(f"'text' {problem}")
+        ids = on_text("the tokenizer", self.tok, text, add_special_tokens=True)["input_ids"]
+        return Example(np.asarray(ids, dtype=np.int32), np.ones(len(ids), dtype=bool))
+
+    def pretokenized(self, ids, mask) -> Example:
+        mask = [1] * len(ids) if mask is None and isinstance(ids, list) else mask
+        if not isinstance(ids, list) or not isinstance(mask, list) or len(ids) != len(mask):
+            raise BadLine("'input_ids' and 'loss_mask' must be lists of the same length")
+        if not all(isinstance(i, int) and 0 <= i < self.vocab_size for i in ids):
+            raise BadLine(f"'input_ids' must be integers in 0..{self.vocab_size - 1} (the target's vocabulary)")
+        if not all(m in (0, 1) for m in mask):
+            raise BadLine("'loss_mask' must hold only 0 and 1")
+        return Example(np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=bool))
+
+    def record(self, record) -> Example:
+        if not isinstance(record, dict):
+            raise BadLine("a line must be a JSON object")
+        media = [k for k in MEDIA_KEYS if k in record]
+        if media:
+            raise BadLine(f"the record holds {media[0]!r}; {IMAGES_UNSUPPORTED}")
+        if "conversations" in record:
+            return self.conversation(record["conversations"])
+        if "text" in record:
+            return self.text(record["text"])
+        if "input_ids" in record:
+            return self.pretokenized(record["input_ids"], record.get("loss_mask"))
+        raise BadLine("expected a 'conversations', 'text' or 'input_ids' key")
+
+
+def read_examples(path, tokenizer: ChatTokenizer, max_seq_len, skip_bad=False, rank=0, world_size=1):
+    """Tokenize this rank's records of a JSONL file (every `world_size`-th non-blank line).
+
+    Returns (examples, InputStats, sha256 of the whole file). Over-long
+    sequences are truncated to `max_seq_len` and counted; records without any
+    trainable token are skipped and counted by reason.
+    """
+    stats, examples, digest = InputStats(), [], hashlib.sha256()
+    record_no = 0
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            digest.update(raw)
+            if not raw.strip():
+                continue
+            record_no += 1
+            if (record_no - 1) % world_size != rank:
+                continue
+            stats.lines += 1
+            try:
+                try:
+                    record = json.loads(raw)
+                except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                    raise BadLine(f"not valid JSON ({e})") from None
+                except RecursionError:
+                    raise BadLine("not valid JSON (nested too deeply to parse)") from None
+                ex = tokenizer.record(record)
+            except (BadLine, TextError) as e:
+                if not skip_bad:
+                    raise BadLine(f"{path}:{line_no}: {e}; fix the line or pass --skip-bad to skip such lines") \
+                        from None
+                stats.bad_lines += 1
+                continue
+            except Skip as e:
+                stats.skipped[str(e)] += 1
+                continue
+            if len(ex.input_ids) > max_seq_len:
+                ex = Example(ex.input_ids[:max_seq_len], ex.loss_mask[:max_seq_len])
+                stats.truncated += 1
+            if len(ex.input_ids) == 0:
+                stats.skipped["empty after tokenization"] += 1
+                continue
+            if not ex.loss_mask.any():
+                stats.skipped["no loss tokens (after truncation)"] += 1
+                continue
+            examples.append(ex)
+            stats.sequences += 1
+    if record_no == 0:
+        raise ValueError(f"{path} is empty: expected one JSON record a line")
+    return examples, stats, digest.hexdigest()

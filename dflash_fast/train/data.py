@@ -1,0 +1,139 @@
+"""The training job's data: where the hidden states come from, each rank's batches of one split, and the endless
+stream of training micro-batches a resume continues exactly.
+
+    open_source    data.source=store: the store at data.store; online (vllm): the target run over data.jsonl in
+                   this process by transformers (by vLLM), or by `dflash-fast serve-target` at
+                   data.online.address (an OnlineSource, read like a store)
+    open_batches   one epoch of one split (train / val) for this rank: a DataLoader over the store, or online an
+                   OnlineBatches (the target forward one micro-batch ahead)
+    TrainStream    the training micro-batches, epoch after epoch, from a (epoch, micro-batch) position
+    data_identity  what must not change between a checkpoint and its resume for that position to line up
+    to_device      a batch on the device, its hidden states in the compute dtype
+"""
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from dflash_fast.data.batches import COMPUTE_DTYPE_FIELDS, make_loader, row_batches, steps_per_epoch
+from dflash_fast.data.online import OnlineBatches, OnlineSource
+from dflash_fast.drafter.eager import needs_last
+from dflash_fast.errors import UserError
+from dflash_fast.extract.plan import ExtractOptions
+from dflash_fast.store.reader import HiddenStateStore
+from dflash_fast.train.config import TrainConfig
+
+
+def open_source(cfg: TrainConfig):
+    """The hidden states: the store at data.store, or with data.source=online the target run over data.jsonl
+    in this process (an OnlineSource, read like a store)."""
+    d = cfg.data
+    if d.source == "store":
+        return HiddenStateStore(d.store)
+    n = d.online
+    if (d.source == "vllm" and not n.address and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() > 1):
+        raise UserError("data.source=vllm runs one vLLM engine inside a one-rank trainer; with several ranks serve "
+                        "the target (`dflash-fast serve-target --engine vllm`, data.online.address=HOST:PORT) or "
+                        "extract a store with `dflash-fast extract --engine vllm` (data.source=store)")
+    options = ExtractOptions(
+        layer_ids=cfg.model.layer_ids,
+        max_seq_len=n.max_seq_len,
+        batch_tokens=n.batch_tokens,
+        dtype=n.dtype,
+        topk=n.topk,
+        # auto is kl when `last` exists; ce reads the top-k argmax the online source computes too
+        no_last=not (cfg.loss.kind == "auto" or needs_last(cfg.loss.kind, stored_labels=True)),
+        skip_bad=n.skip_bad,
+        parity_every=n.parity_every,
+        engine="vllm" if d.source == "vllm" else "hf",
+    )
+    try:
+        return OnlineSource(cfg.model.target, d.jsonl, options, address=n.address)
+    except (OSError, ValueError) as e:  # bad data or a missing file: exit 1, with the keys that named them
+        raise ValueError(f"data.source={d.source} over data.jsonl={d.jsonl} with model.target={cfg.model.target}: "
+                         f"{e}") from None
+
+
+def open_batches(store, cfg: TrainConfig, rank: int, world_size: int, split: str, with_last: bool, epoch: int = 0,
+                 start_step: int = 0):
+    """This rank's batch dicts of one epoch of `split` from `start_step` on: a DataLoader over the store, or
+    online an OnlineBatches (the target forward one micro-batch ahead; close() it)."""
+    d = cfg.data
+    args = (store, d.seq_len, d.num_anchors, d.batch_rows, cfg.seed, rank, world_size, epoch, split)
+    kwargs = dict(start_step=start_step, val_fraction=d.val_fraction, split_seed=d.split_seed, with_last=with_last)
+    if d.source != "store":
+        return OnlineBatches(store, row_batches(*args, **kwargs), d.online.prefetch)
+    return iter(make_loader(*args, num_workers=d.num_workers, **kwargs))
+
+
+def data_identity(manifest: Dict, cfg: TrainConfig, world_size: int) -> Dict:
+    """What a checkpoint records about its data and a resume must find unchanged: the store (its token count and
+    extraction job) and every setting that decides which micro-batch comes next."""
+    d = cfg.data
+    return {
+        "store_tokens": manifest["num_tokens"],
+        "store_job": manifest.get("extraction", {}).get("job"),
+        "seq_len": d.seq_len,
+        "num_anchors": d.num_anchors,
+        "batch_rows": d.batch_rows,
+        "grad_accum": cfg.schedule.grad_accum,
+        "world_size": world_size,
+        "seed": cfg.seed,
+        "val_fraction": d.val_fraction,
+        "split_seed": d.split_seed,
+    }
+
+
+def to_device(batch: Dict[str, torch.Tensor], device, dtype: torch.dtype) -> Dict[str, torch.Tensor]:
+    """A batch on `device`, its hidden states (COMPUTE_DTYPE_FIELDS) in the compute `dtype`."""
+    out = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    for key in COMPUTE_DTYPE_FIELDS:
+        if key in out:
+            out[key] = out[key].to(dtype)
+    return out
+
+
+class TrainStream:
+    """This rank's training micro-batches, epoch after epoch. `position` = (epoch, next micro-batch index).
+    Online, `take_target_seconds()` is the target-forward time of the micro-batches handed out since the last call
+    (None from a store)."""
+
+    def __init__(
+        self, store, cfg: TrainConfig, rank: int, world_size: int, with_last: bool, epoch: int = 0, index: int = 0
+    ):
+        self.store, self.cfg, self.rank, self.world_size, self.with_last = store, cfg, rank, world_size, with_last
+        d = cfg.data
+        self.per_epoch = steps_per_epoch(
+            store, d.seq_len, d.batch_rows, cfg.seed, world_size, "train", d.val_fraction, d.split_seed
+        )
+        self.epoch, self.index = epoch, index
+        self._it = None
+        self._target_seconds = None if cfg.data.source == "store" else 0.0
+
+    def __next__(self) -> Dict[str, torch.Tensor]:
+        if self.index >= self.per_epoch:
+            self.close()
+            self.epoch, self.index = self.epoch + 1, 0
+        if self._it is None:
+            self._it = open_batches(self.store, self.cfg, self.rank, self.world_size, "train", self.with_last,
+                                    self.epoch, self.index)
+        self.index += 1
+        batch = next(self._it)
+        if isinstance(self._it, OnlineBatches):
+            self._target_seconds += self._it.take_target_seconds()
+        return batch
+
+    def take_target_seconds(self) -> Optional[float]:
+        seconds = self._target_seconds
+        if seconds is not None:
+            self._target_seconds = 0.0
+        return seconds
+
+    @property
+    def position(self) -> Tuple[int, int]:
+        return self.epoch, self.index
+
+    def close(self):
+        if isinstance(self._it, OnlineBatches):
+            self._it.close()
+        self._it = None
