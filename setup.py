@@ -6,12 +6,14 @@ for it.
 """
 from setuptools import setup
 
+STAGES = ("store", "target", "extract", "data", "drafter", "serve", "train", "evaluate")  # docs/layout.md
+
 setup(
     name="dflash-fast",
     version="0.1.0",
     description="Fast, correct DFlash drafter training: extraction, Triton kernels, DeepSpeed trainer",
     python_requires=">=3.10",
-    packages=["dflash_fast", "dflash_fast.kernels"],
+    packages=["dflash_fast", "dflash_fast.kernels", *(f"dflash_fast.{p}" for p in STAGES)],
     package_dir={"dflash_fast": "dflash_fast", "dflash_fast.kernels": "kernels"},
     package_data={"dflash_fast": ["assets/**/*"]},
     include_package_data=True,

@@ -4,7 +4,8 @@
     python bench/bench_online.py --smoke                                        # CPU: the embedded target (CI only)
 
 One data set (random-token documents, `{"input_ids", "loss_mask"}` JSONL), one drafter config, one seed; three
-Trainers (dflash_fast.train.trainer, the real `train_step`), each timed over `--steps` optimizer steps after one untimed:
+Trainers (dflash_fast.train.trainer, the real `train_step`), each timed over `--steps` optimizer steps after one
+untimed:
 
   store               batches from a store extracted from the same JSONL beforehand (in-process loading)
   online (in line)    data.source=online, data.online.prefetch=false: each micro-batch's target forward, then the step

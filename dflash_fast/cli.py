@@ -17,8 +17,9 @@ COMMANDS = {
     "extract": ("dflash_fast.extract.extract", "run the target over JSONL data and write a hidden-state store"),
     "serve-target": ("dflash_fast.extract.serve", "serve the target's hidden states to trainers over TCP "
                      "(data.online.address)"),
-    "verify": ("dflash_fast.store.reader", "check every shard of a store against the sha256 sums recorded at extraction"),
-    "export": ("dflash_fast.serve.export", "write a trained drafter in the speculators/vLLM format"),
+    "verify": ("dflash_fast.store.reader", "check every shard of a store against the sha256 sums recorded at "
+               "extraction"),
+    "export": ("dflash_fast.train.export_checkpoint", "write a trained drafter in the speculators/vLLM format"),
     "eval": ("dflash_fast.evaluate.evaluate", "real block speculative decoding: measure acceptance length tau"),
     "regenerate": ("dflash_fast.extract.regenerate", "let the target write the responses to a prompt set"),
     "quickstart": ("dflash_fast.evaluate.quickstart", "the whole pipeline on the embedded target, on CPU"),

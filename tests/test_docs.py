@@ -129,7 +129,8 @@ def command_problems(line: str) -> list:
             for token in rest:
                 o = OVERRIDE.match(token.strip("[]'\""))
                 if o and not o.group(1).isupper() and not config_key_exists(o.group(1)):
-                    found.append(f"override `{token}`: `{o.group(1)}` is not a config key (dflash_fast/train/config.py)")
+                    found.append(f"override `{token}`: `{o.group(1)}` is not a config key "
+                                 "(dflash_fast/train/config.py)")
     return found
 
 

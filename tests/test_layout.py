@@ -1,55 +1,160 @@
-"""docs/layout.md tells where each stage lives and in which order the modules may import each other; the code
-cannot drift from it: every module of dflash_fast/ is listed, and no module imports one the pipeline line puts
-after it (module-level and function-level imports alike)."""
+"""docs/layout.md tells where each stage lives and in which order the stage packages may import each other; the code
+cannot drift from it: every module of dflash_fast/ is listed, every package stands on the pipeline line, no module
+imports one in a package the line puts after its own, and no import circle exists between modules — module-level and
+function-level (lazy) imports alike, inside a package too (two modules of one floor once imported each other:
+plan <-> vllm_extract, evaluate <-> vllm_engine <-> regenerate, both lazy on one side)."""
 import ast
-import glob
 import os
 import re
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE_DIRS = {"dflash_fast": os.path.join(REPO, "dflash_fast"), "dflash_fast.kernels": os.path.join(REPO, "kernels")}
 LAYOUT = open(os.path.join(REPO, "docs", "layout.md")).read()
-MODULES = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(REPO, "dflash_fast", "*.py"))
-                 if not p.endswith("__init__.py"))
+
+
+def modules() -> dict:
+    """dotted module name -> file, for every module installed under dflash_fast (kernels/ is dflash_fast.kernels)."""
+    found = {}
+    for package, root in PACKAGE_DIRS.items():
+        for folder, dirs, files in os.walk(root):
+            dirs[:] = [d for d in dirs if d not in ("assets", "__pycache__")]
+            if root == PACKAGE_DIRS["dflash_fast"] and os.path.abspath(folder) == root:
+                dirs[:] = [d for d in dirs if os.path.join(root, d) != PACKAGE_DIRS["dflash_fast.kernels"]]
+            rel = os.path.relpath(folder, root)
+            prefix = package if rel == "." else package + "." + rel.replace(os.sep, ".")
+            for f in files:
+                if f.endswith(".py"):
+                    found[prefix if f == "__init__.py" else f"{prefix}.{f[:-3]}"] = os.path.join(folder, f)
+    return found
+
+
+MODULES = modules()
+
+
+def imports_of(source: str, importer: str) -> set:
+    """The dflash_fast modules `source` (the text of module `importer`) imports, wherever the statement sits."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("dflash_fast"):
+            for a in node.names:  # `from dflash_fast.store import format` names a module; `import X` a name
+                found.add(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES else node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("dflash_fast"))
+    return {m for m in found if m in MODULES} - {importer}
+
+
+def import_graph() -> dict:
+    return {m: imports_of(open(path).read(), m) for m, path in MODULES.items()}
+
+
+def floor_of(module: str, floors: dict):
+    """A module's floor: its stage package's (dflash_fast.store.format -> store), a top-level module's own name."""
+    parts = module.split(".")
+    return floors.get(parts[1] if len(parts) > 1 else "__init__")
 
 
 def pipeline_floors(text: str) -> dict:
-    """module -> its floor in the 'Imports follow the pipeline: a / b -> c -> ...;' sentence."""
+    """package -> its floor in the 'Imports follow the pipeline: a / b -> c -> ...;' sentence."""
     line = " ".join(re.search(r"Imports follow the pipeline:(.*?);", text, re.S).group(1).split())
     return {name.strip(): floor for floor, names in enumerate(line.split("->")) for name in names.split("/")}
 
 
-def imported_modules(module: str) -> set:
-    """The dflash_fast modules `module` imports, wherever the import statement sits."""
-    tree = ast.parse(open(os.path.join(REPO, "dflash_fast", module + ".py")).read())
-    found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module == "dflash_fast":
-            found.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dflash_fast."):
-            found.add(node.module.split(".")[1])
-        elif isinstance(node, ast.Import):
-            found.update(a.name.split(".")[1] for a in node.names if a.name.startswith("dflash_fast."))
-    return found - {module}
+def upward_imports(graph: dict, floors: dict) -> list:
+    """'a imports b' for each module a that imports a module b on a later floor."""
+    return [f"{m} imports {d}" for m in sorted(graph) for d in sorted(graph[m])
+            if floor_of(d, floors) > floor_of(m, floors)]
 
 
-def upward_imports(floors: dict, imports_of) -> list:
-    """'a imports b' for each module a of the pipeline that imports a module b on a later floor."""
-    return [f"{m} imports {d}" for m in floors for d in sorted(imports_of(m)) if d in floors and floors[d] > floors[m]]
+def circles(graph: dict) -> list:
+    """Each import circle once, as [a, b, ..., a] (the strongly connected components of more than one module)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component) + [sorted(component)[0]])
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def listed_modules(text: str) -> set:
+    """The modules docs/layout.md's tree lists: `  name.py` at the top of dflash_fast/, `    name.py` under
+    `  package/`, and the kernels/ files named on its line."""
+    found, package = set(), None
+    for line in text.splitlines():
+        if m := re.match(r"^  ([a-z_]+)/\s", line):
+            package = m.group(1)
+        elif m := re.match(r"^    ([a-z_0-9]+)\.py\b", line):
+            found.add(f"dflash_fast.{package}.{m.group(1)}")
+        elif m := re.match(r"^  ([a-z_0-9]+)\.py\b", line):
+            found.add(f"dflash_fast.{m.group(1)}")
+        elif line.startswith("kernels/") or (line.startswith(" " * 20) and package == "kernels"):
+            package = "kernels"
+            found.update(f"dflash_fast.kernels.{n}" for n in re.findall(r"\b([a-z_0-9]+)\.py\b", line))
+        elif re.match(r"^[a-z]", line):
+            package = None
+    return found
 
 
 def test_layout_md_lists_every_module():
-    listed = set(re.findall(r"\b([a-z_0-9]+)\.py\b", LAYOUT))
-    assert [m for m in MODULES if m not in listed] == [], "add these modules to docs/layout.md's list"
+    listed = listed_modules(LAYOUT)
+    assert sorted(m for m, path in MODULES.items() if m not in listed and not path.endswith("__init__.py")) == [], \
+        "add these modules to docs/layout.md's tree, under their package"
+
+
+def test_every_stage_package_is_on_the_pipeline_line_and_documents_what_it_holds():
+    floors = pipeline_floors(LAYOUT)
+    packages = {m.split(".")[1] for m in MODULES if "." in m}  # the stage packages and the top-level modules
+    assert sorted(p for p in packages if p not in floors) == [], "put these on docs/layout.md's pipeline line"
+    for m, path in MODULES.items():
+        if path.endswith("__init__.py") and m != "dflash_fast":
+            assert ast.get_docstring(ast.parse(open(path).read())), f"{m}: say in a docstring what the package holds"
 
 
 def test_imports_follow_the_pipeline_order_layout_md_states():
     floors = pipeline_floors(LAYOUT)
-    assert set(floors) <= set(MODULES), f"the pipeline line names no such modules: {set(floors) - set(MODULES)}"
-    assert upward_imports(floors, imported_modules) == [], "imports that point back up the pipeline (docs/layout.md)"
+    assert upward_imports(import_graph(), floors) == [], "imports that point back up the pipeline (docs/layout.md)"
+
+
+def test_no_import_circle_lazy_imports_included():
+    assert circles(import_graph()) == []
 
 
 def test_an_import_back_up_the_pipeline_is_reported():
-    floors = pipeline_floors("Imports follow the pipeline: store -> target / extract ->\n trainer; no module ...")
-    assert floors == {"store": 0, "target": 1, "extract": 1, "trainer": 2}
-    imports = {"store": {"errors"}, "target": {"store", "extract"}, "extract": {"trainer"}, "trainer": {"store"}}
-    assert upward_imports(floors, imports.get) == ["extract imports trainer"]
+    floors = pipeline_floors("Imports follow the pipeline: store -> target / extract ->\n train; no module ...")
+    assert floors == {"store": 0, "target": 1, "extract": 1, "train": 2}
+    graph = import_graph()
+    lazy = "def f():\n    from dflash_fast.train.trainer import Trainer\n"
+    graph["dflash_fast.store.reader"] = imports_of(open(MODULES["dflash_fast.store.reader"]).read() + lazy,
+                                                   "dflash_fast.store.reader")
+    assert "dflash_fast.store.reader imports dflash_fast.train.trainer" in upward_imports(
+        graph, pipeline_floors(LAYOUT))
+
+
+def test_a_circle_through_a_lazy_import_is_reported():
+    graph = import_graph()
+    # plan's old lazy import of the vLLM runner, which imports plan back: a circle inside one package
+    lazy = "def make():\n    from dflash_fast.extract.vllm_runner import VllmRunner\n"
+    graph["dflash_fast.extract.plan"] = imports_of(open(MODULES["dflash_fast.extract.plan"]).read() + lazy,
+                                                   "dflash_fast.extract.plan")
+    assert ["dflash_fast.extract.plan", "dflash_fast.extract.vllm_runner", "dflash_fast.extract.plan"] in circles(graph)
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]

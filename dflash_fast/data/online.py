@@ -28,7 +28,6 @@ import torch
 
 from dflash_fast.data.batches import RowBatches
 from dflash_fast.extract.plan import ExtractOptions, job_manifest, plan_batches, plan_job
-from dflash_fast.extract.remote import RemoteRunner
 from dflash_fast.extract.runners import make_runner
 
 
@@ -44,7 +43,7 @@ class OnlineSource:
         # Every record, as a one-rank extraction reads them: training ranks split rows, not records.
         self.job = plan_job(target, jsonl, None, options, device, rank=0, world_size=1)
         # A served target (`dflash-fast serve-target` at `address`) runs the forwards, else this process does.
-        self.runner = RemoteRunner(address, self.job) if address else make_runner(self.job)
+        self.runner = make_runner(self.job, address)
         self.layout = self.job.layout
         self.lengths = np.asarray([len(e.input_ids) for e in self.job.examples], dtype=np.int64)
         if not len(self.lengths):

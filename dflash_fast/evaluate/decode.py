@@ -1,4 +1,23 @@
-"""evaluate.decode (split out; docstring to write)."""
+"""Real block speculative decoding with an HF target and a drafter (SPEC §6), and plain greedy decoding.
+
+    prompt ──target prefill──▶ x_T (the first bonus token), taps of 0..T-1
+    loop:
+      propose(hidden[0..T-1], x_T) ──▶ g_1..g_{B-1}                one drafter forward
+      target([x_T, g_1..g_{B-1}], cache) ──▶ y_0..y_{B-1}          one verification forward
+      n = leading j with g_j == y_{j-1};  emit g_1..g_n and the bonus y_n
+      keep the taps of T..T+n; roll the cache back to T+n+1;  x_{T+n+1} = y_n
+
+Every emitted token is a target argmax given the tokens before it, so greedy
+speculative output is the target's own greedy output. Cache rollback: full
+attention layers are cropped; layers that cannot be cropped (recurrent state
+of Qwen3-Next / Qwen3.5 linear attention, sliding windows) are copied before
+the verification and restored after a rejection, then the accepted tokens are
+re-run through the target (one extra forward, counted as `recompute_forwards`).
+
+DSpark drafters (SPEC §8) draft their block as the engines do, slot k's Markov bias from the token drafted
+at slot k-1 (DFlashDrafter.propose); with sample_from_anchor they draft B tokens, so a verification block
+is B + 1 tokens; with a confidence head a proposal also returns each drafted token's predicted acceptance.
+"""
 
 import contextlib
 import copy

@@ -1,30 +1,11 @@
-"""`dflash-fast eval`: real block speculative decoding with an HF target and a drafter (SPEC §6).
+"""`dflash-fast eval`: real acceptance of a drafter (an export or a checkpoint) on a prompt set.
 
-    prompt ──target prefill──▶ x_T (the first bonus token), taps of 0..T-1
-    loop:
-      propose(hidden[0..T-1], x_T) ──▶ g_1..g_{B-1}                one drafter forward
-      target([x_T, g_1..g_{B-1}], cache) ──▶ y_0..y_{B-1}          one verification forward
-      n = leading j with g_j == y_{j-1};  emit g_1..g_n and the bonus y_n
-      keep the taps of T..T+n; roll the cache back to T+n+1;  x_{T+n+1} = y_n
+    prompts ──encode──▶ decode.speculative_generate (the drafter proposes, the HF target verifies) per prompt
+            ──report.Tally──▶ tau, acceptance by position and context, greedy identity, tau_offline ──▶ JSON
+    --engine vllm | both: vLLM itself serves the target and the export (evaluate/vllm.py), alone or side by side
 
-Every emitted token is a target argmax given the tokens before it, so greedy
-speculative output is the target's own greedy output. Cache rollback: full
-attention layers are cropped; layers that cannot be cropped (recurrent state
-of Qwen3-Next / Qwen3.5 linear attention, sliding windows) are copied before
-the verification and restored after a rejection, then the accepted tokens are
-re-run through the target (one extra forward, counted as `recompute_forwards`).
-
-`tau` is the mean acceptance length per verification forward, n + 1 counted
-before the output is cut at eos / max_new_tokens; `acceptance_histogram[n]`
-counts the blocks that accepted exactly n drafted tokens. `tau_offline` runs
-the drafter's training forward over the target's own greedy output (an anchor
-at every eligible response position) and averages SPEC §6's per-block value.
-
-DSpark drafters (SPEC §8) draft their block as the engines do, slot k's Markov bias from the token drafted
-at slot k-1 (DFlashDrafter.propose); with sample_from_anchor they draft B tokens, so a verification block
-is B + 1 tokens. With a confidence head, `confidence_calibration` compares per drafted position j the
-head's mean predicted acceptance with the measured one, both over the blocks that reached j (accepted
-drafts 1..j-1).
+`tau_offline` runs the drafter's training forward over the target's own greedy output (an anchor at every eligible
+response position) and averages SPEC §6's per-block value.
 """
 
 import json

@@ -24,7 +24,7 @@ from dflash_fast.target.prompts import encode_prompt, read_prompts
 from dflash_fast.train.checkpoint import checkpoint_tags
 from dflash_fast.train.distributed import free_port
 
-PACKAGE = os.path.dirname(os.path.abspath(__file__))
+PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPO = os.path.dirname(PACKAGE)
 ASSETS = os.path.join(PACKAGE, "assets")
 TARGET = os.path.join(ASSETS, "target")

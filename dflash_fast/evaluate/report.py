@@ -1,4 +1,9 @@
-"""evaluate.report (split out; docstring to write)."""
+"""What an evaluation reports, whichever engine decoded: the per-block tally, acceptance by drafted position and by
+context length, the confidence head's calibration, per-prompt rows, the JSON report and its one-paragraph summary.
+
+`tau` is the mean acceptance length per verification forward (n + 1, counted before the output is cut at eos /
+max_new_tokens); `acceptance_histogram[n]` counts the blocks that accepted exactly n drafted tokens.
+"""
 
 from typing import Dict, List, Optional, Sequence, Tuple
 

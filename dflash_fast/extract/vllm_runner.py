@@ -3,8 +3,9 @@
     examples ──prompt (max_tokens 1)──▶ vLLM, method extract_hidden_states ──KV connector──▶ files ──▶ TargetRunner
 
 vLLM's `extract_hidden_states` speculative method captures "aux" hidden states of every prompt token; our
-connector (`dflash_fast.extract.vllm_connector`, loaded by vLLM through kv_connector_module_path) writes them synchronously
-to a scratch directory, one safetensors file per request, which this module reads (no unpickling) and removes.
+connector (`dflash_fast.extract.vllm_connector`, loaded by vLLM through kv_connector_module_path) writes them
+synchronously to a scratch directory, one safetensors file per request, which this module reads (no unpickling) and
+removes.
 vLLM numbers its aux layers as HF's hidden_states: aux id k is hidden_states[k] (embeddings at 0), and aux id L is
 the residual entering the final norm. `aux_layer_ids` is the one place our ids become vLLM's (SPEC §1):
 

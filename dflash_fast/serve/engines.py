@@ -1,6 +1,6 @@
 """How each serving engine reads an export, modelled on the CPU: `served_architectures` builds transformers'
-Qwen3Config from a config.json of either layout (`dflash_fast.serve.layouts`), then applies that engine's own rules (which
-window, which in-block mask, which RoPE, which layer ids; each rule cites the engine's file and function) and
+Qwen3Config from a config.json of either layout (`dflash_fast.serve.layouts`), then applies that engine's own rules
+(which window, which in-block mask, which RoPE, which layer ids; each rule cites the engine's file and function) and
 returns the drafter it would build in the terms of `ARCHITECTURE`. `check_servable` refuses a drafter its format's
 engines would serve differently from how it trained, `config_from_export` rebuilds the DrafterConfig of an export
 the engines agree on, `check_made_for` refuses one made for another target.

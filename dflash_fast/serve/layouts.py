@@ -1,6 +1,6 @@
 """The two export layouts a trained drafter is written in: config.json of each, and the JSON shape their readers
-take (`CONFIG_SCHEMAS`). `dflash_fast.serve.export` writes them (gated), `dflash_fast.serve.engines` reads them as each serving
-engine does.
+take (`CONFIG_SCHEMAS`). `dflash_fast.serve.export` writes them (gated), `dflash_fast.serve.engines` reads them as
+each serving engine does.
 
     OUT/config.json         one of the two layouts below (written atomically)
     OUT/model.safetensors   trainable weights only, under the names both layouts use: fc, hidden_norm,

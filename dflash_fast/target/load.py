@@ -1,12 +1,7 @@
-"""The frozen Hugging Face target, as every stage sees it: loading, the tap rule, the final norm, its fingerprint.
-
-Extraction, the online trainer, regeneration and evaluation all load and tap the target through this module,
-so there is one definition of what "layer id l" and "`last`" mean (SPEC §1-2):
-
-    layer id l (0 <= l < L)  ->  HF hidden_states[l + 1], the output of decoder layer l, kept by a forward hook
-                                 (LayerTaps), except id L-1  ->  `last` (the final norm's input)
-    `last`                   ->  the residual entering the final norm, captured by a hook (never hidden_states[L],
-                                 which most models return AFTER the norm)
+"""The frozen Hugging Face target loaded, as every stage loads it: the target named (a directory or a hub id,
+checked), its model class and attention implementation, its size against the device, its weights materialised,
+its lm_head and final norm alone (load_head), and its fingerprint (config_sha256). The tap rule is taps.py's, the
+final norm norm.py's.
 """
 
 import importlib.util

@@ -1,4 +1,12 @@
-"""target.norm (split out; docstring to write)."""
+"""The target's final norm and the RMSNorm every stage computes (SPEC §1-2): `last` is the final norm's INPUT, and
+`teacher_logits = lm_head(final_norm(last))`, so the norm's kind and eps travel with every store and export.
+
+    rms_norm            Qwen3/Llama RMSNorm (fp32 statistics): the target's final norm, and every drafter norm's twin
+    NORM_KINDS          y = rms(x) * w, or zero-centred y = rms(x) * (1 + w) (Qwen3-Next, Qwen3.5)
+    final_norm_weight   the effective scale of a norm of one kind
+    final_norm_module   the model's final norm module, found by name
+    detect_norm_kind    which kind a norm module computes, probed on random inputs
+"""
 
 import copy
 from typing import Tuple

@@ -1,4 +1,12 @@
-"""target.prompts (split out; docstring to write)."""
+"""Prompts for generation, shared by regeneration and evaluation (HF and vLLM alike): a prompt file's records read as
+chat messages or plain text, encoded through the target's chat template, the target loaded for generation, its EOS
+ids, and a response cut where the target stops.
+
+    read_prompts    JSONL {conversations: [...]} / {text: ...} (or records in memory) -> [Prompt]
+    encode_prompt   a Prompt -> token ids (the chat template with the generation prompt, or the text)
+    load_model      the target for generation (eval, regenerate --engine hf)
+    eos_token_ids   the ids that end a response; cut_response: a generated response cut there or at the budget
+"""
 
 import json
 import os

@@ -1,4 +1,12 @@
-"""target.taps (split out; docstring to write)."""
+"""The tap rule (SPEC §1-2) in one place: which tensors of the target's forward a layer id and `last` name.
+
+    layer id l (0 <= l < L)  ->  HF hidden_states[l + 1], the output of decoder layer l, kept by a forward hook
+                                 (LayerTaps), except id L-1  ->  `last` (the final norm's input)
+    `last`                   ->  the residual entering the final norm, captured by a hook (never hidden_states[L],
+                                 which most models return AFTER the norm)
+
+Extraction, the online trainer and evaluation all tap the target through LayerTaps.
+"""
 
 from typing import Sequence, Tuple
 

@@ -1,4 +1,7 @@
-"""target.text (split out; docstring to write)."""
+"""Conversation text as every stage takes it: the roles accepted (ShareGPT's names are aliases) and the check that a
+record's text can reach the target's tokenizer, with the failure of the target's own chat template or tokenizer on
+one record's text turned into a TextError naming the record.
+"""
 
 from typing import Optional
 

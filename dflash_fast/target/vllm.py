@@ -1,4 +1,9 @@
-"""target.vllm (split out; docstring to write)."""
+"""vLLM as the engine that runs the target: imported with its CPU settings where there is no GPU, its engine arguments,
+an engine loaded (with a drafter's speculative_config, or none) and greedy or sampled generation cut at EOS.
+
+Used by `regenerate --engine vllm`, `eval --engine vllm` (evaluate/vllm.py) and `extract --engine vllm`
+(extract/vllm_runner.py). Only functions import vLLM (`import_vllm`), so this module loads without it.
+"""
 
 import os
 from typing import Dict, List, Optional, Sequence, Tuple

@@ -1,4 +1,7 @@
-"""train.export_checkpoint (split out; docstring to write)."""
+"""`dflash-fast export`: a training run's newest verified checkpoint (or one named) written as an export, through the
+gate of serve/export.py. It reads a trainer checkpoint (train/checkpoint.py), so it sits with the trainer, above the
+export formats it writes.
+"""
 
 import argparse
 
