@@ -332,7 +332,7 @@ MUTATIONS: List[Mutation] = [
     # ---- SPEC §1-2: layer ids, taps, `last`
     Mutation(
         "tap-hidden-states-l-not-l-plus-1",
-        "dflash_fast/target/load.py",
+        "dflash_fast/target/taps.py",
         "layers[layer].register_forward_hook(lambda _m, _args, out, layer=layer: self._keep(layer, out))",
         "layers[layer].register_forward_pre_hook(lambda _m, args, layer=layer: self._keep(layer, args[0]))",
         [T_EXTRACT_TAPS, T_EVAL_TAPS],
@@ -340,7 +340,7 @@ MUTATIONS: List[Mutation] = [
     ),
     Mutation(
         "tap-last-layer-after-the-final-norm",
-        "dflash_fast/target/load.py",
+        "dflash_fast/target/taps.py",
         "self._keep(self.num_layers - 1, args[0])",
         "self._keep(self.num_layers - 1, self.norm.forward(args[0]))",
         [T_EXTRACT_TAPS, T_EVAL_TAPS],
@@ -356,7 +356,7 @@ MUTATIONS: List[Mutation] = [
     ),
     Mutation(
         "eval-last-from-an-intermediate-layer",
-        "dflash_fast/evaluate/evaluate.py",
+        "dflash_fast/evaluate/decode.py",
         "return Step(out.logits[0], hidden[0], last[0], cache)",
         "return Step(out.logits[0], hidden[0], hidden[0, :, 0], cache)",
         [T_EVAL_TAPS],
@@ -364,7 +364,7 @@ MUTATIONS: List[Mutation] = [
     ),
     Mutation(
         "stored-last-after-the-final-norm",
-        "dflash_fast/target/load.py",
+        "dflash_fast/target/taps.py",
         "self._last.append(args[0])",
         "self._last.append(self.norm.forward(args[0]))",
         [T_EXTRACT_LAST],

@@ -21,7 +21,7 @@ from dflash_fast.data.batches import make_loader
 from dflash_fast.errors import UserError
 from dflash_fast.extract import capture as capture_module
 from dflash_fast.extract import extract as extract_module
-from dflash_fast.extract import plan as plan_module
+from dflash_fast.extract import runners as runners_module
 from dflash_fast.extract.extract import extract
 from dflash_fast.store.format import MANIFEST, Layout
 from dflash_fast.store.fp8 import dequantize_fp8
@@ -585,7 +585,7 @@ def test_extraction_refuses_to_start_without_the_free_space_naming_both_numbers(
     out = tmp_path / "store"
     needed = extract_module.estimate(targets["qwen3"], data, out, layer_ids=LAYER_IDS, dtype="fp32")["needed"]
     monkeypatch.setattr(extract_module, "free_bytes", lambda _path: needed - 1)
-    monkeypatch.setattr(plan_module, "load_target", lambda *_a, **_k: pytest.fail("the model must not load"))
+    monkeypatch.setattr(runners_module, "load_target", lambda *_a, **_k: pytest.fail("the model must not load"))
     with pytest.raises(extract_module.NotEnoughDisk,
                        match=rf"store needs {needed:,} bytes .* has {needed - 1:,} bytes .* free"):
         run_extract(targets["qwen3"], data, out)

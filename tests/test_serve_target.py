@@ -49,10 +49,10 @@ def trainer_job(tiny, **options):  # noqa: F811
 
 
 def no_target_in_the_trainer(monkeypatch):
-    def refuse(_job):
+    def refuse(*_args, **_kwargs):
         raise AssertionError("a trainer with data.online.address loaded the target itself")
 
-    monkeypatch.setattr("dflash_fast.data.online.make_runner", refuse)
+    monkeypatch.setattr("dflash_fast.extract.runners.load_target", refuse)
 
 
 @pytest.fixture(scope="module")
