@@ -134,6 +134,11 @@ class TrainStream:
         return self.epoch, self.index
 
     def close(self):
-        if isinstance(self._it, OnlineBatches):
-            self._it.close()
+        close_batches(self._it)
         self._it = None
+
+
+def close_batches(batches) -> None:
+    """End what open_batches returned: online, the forward computed ahead is dropped (a DataLoader needs nothing)."""
+    if isinstance(batches, OnlineBatches):
+        batches.close()

@@ -10,11 +10,13 @@ anchors_per_s, mean milliseconds per phase and per step, lr, grad_norm and peak_
 (val_record) the validation's metrics and batch count. On rank 0 a tqdm bar shows each step's loss, tau_offline
 and tokens per second (progress_bar, show_step).
 """
+import contextlib
 import json
 import os
 import resource
 import sys
-from typing import Dict, List, Optional
+import time
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -82,6 +84,15 @@ class Sums:
             out[f"alpha_{j}"] = alphas[j] / counts[j] if counts[j] else None
         out["tau_offline"] = self["tau_sum"] / self["blocks"] if self["blocks"] else None
         return out
+
+
+@contextlib.contextmanager
+def timed(times: Dict[str, float], phase: str, sync: Callable[[], None] = lambda: None):
+    """times[phase] += the seconds the block takes, `sync()` (the device's) included so its queued work counts."""
+    start = time.perf_counter()
+    yield
+    sync()
+    times[phase] += time.perf_counter() - start
 
 
 class Window:

@@ -48,7 +48,6 @@ import torch.distributed as dist
 import yaml
 
 from dflash_fast.data.batches import derive_seed
-from dflash_fast.data.online import OnlineBatches
 from dflash_fast.drafter import ops
 from dflash_fast.drafter.eager import has_kl, needs_last
 from dflash_fast.drafter.model import DrafterOutput, slot_targets
@@ -66,10 +65,19 @@ from dflash_fast.train.checkpoint import (
     set_aside_newer,
 )
 from dflash_fast.train.config import TrainConfig, load_config
-from dflash_fast.train.data import TrainStream, data_identity, open_batches, open_source, to_device
+from dflash_fast.train.data import TrainStream, close_batches, data_identity, open_batches, open_source, to_device
 from dflash_fast.train.distributed import gathered_state, init_distributed, quiet_deepspeed, resolve_precision, sharing
 from dflash_fast.train.memory import check_fits, device_bytes, gib, largest_fitting, run_plan, step_of
-from dflash_fast.train.metrics import MetricsLog, Sums, Window, progress_bar, show_step, train_record, val_record
+from dflash_fast.train.metrics import (
+    MetricsLog,
+    Sums,
+    Window,
+    progress_bar,
+    show_step,
+    timed,
+    train_record,
+    val_record,
+)
 from dflash_fast.train.model import build_run_drafter, export_format, planned_drafter_config, resolve_loss_kind
 from dflash_fast.train.optim import build_engine, check_muon_stepped, deepspeed_config, total_steps
 
@@ -201,30 +209,23 @@ class Trainer:
         sync = get_accelerator().synchronize
         gas = self.cfg.schedule.grad_accum
         times = dict.fromkeys(("fetch", "forward", "backward", "optimizer"), 0.0)
-        t = time.perf_counter()
-        micro, counts, total = self._fetch()
-        times["fetch"] += time.perf_counter() - t
+        with timed(times, "fetch"):
+            micro, counts, total = self._fetch()
         target_seconds = self.stream.take_target_seconds()
         if target_seconds is not None:
             times["target_forward"] = target_seconds  # online; on the side thread, hidden by the steps before
         sums = Sums(self.block_size, self.device)
         for i, (batch, count) in enumerate(zip(micro, counts)):
-            t = time.perf_counter()
-            batch = to_device(batch, self.device, self.dtype)
-            seed = derive_seed(self.cfg.seed, _NOISE_STREAM, self.step, self.rank, i) % 2**31
-            out = self._forward(batch, self.cfg.data.noise_std, seed)
-            sync()
-            times["forward"] += time.perf_counter() - t
-            t = time.perf_counter()
-            # DeepSpeed divides by grad_accum and averages over ranks; this makes the step's gradient that of
-            # sum(l * w * mask) / (global slot count).
-            self.engine.backward(out.loss * (max(count, 1) * self.world_size * gas / total))
-            sync()
-            times["backward"] += time.perf_counter() - t
-            t = time.perf_counter()
-            self.engine.step()
-            sync()
-            times["optimizer"] += time.perf_counter() - t
+            with timed(times, "forward", sync):
+                batch = to_device(batch, self.device, self.dtype)
+                seed = derive_seed(self.cfg.seed, _NOISE_STREAM, self.step, self.rank, i) % 2**31
+                out = self._forward(batch, self.cfg.data.noise_std, seed)
+            with timed(times, "backward", sync):
+                # DeepSpeed divides by grad_accum and averages over ranks; this makes the step's gradient that of
+                # sum(l * w * mask) / (global slot count).
+                self.engine.backward(out.loss * (max(count, 1) * self.world_size * gas / total))
+            with timed(times, "optimizer", sync):
+                self.engine.step()
             sums.add_output(out, batch)
         if self.muon_unchecked:
             check_muon_stepped(self.engine)
@@ -250,8 +251,7 @@ class Trainer:
                 sums.add_output(self._forward(batch, 0.0, 0), batch)
                 batches += 1
         finally:
-            if isinstance(loader, OnlineBatches):
-                loader.close()
+            close_batches(loader)
         entry = val_record(self.step, sums.all_reduce(), has_kl(self.loss_kind), batches * self.world_size)
         self.metrics.record(entry)
         self.log(f"validation at step {self.step}: loss {entry['loss']:.4f}, "
