@@ -195,7 +195,7 @@ def read_json(path: str, what: str, schema: Optional[Obj] = None) -> dict:
                         missing=FileNotFoundError, schema=schema)
 
 
-def _read_index(shard: str) -> dict:
+def read_index(shard: str) -> dict:
     return read_json(os.path.join(shard, INDEX), "a shard index", INDEX_SCHEMA)
 
 
@@ -234,10 +234,10 @@ def write_json_atomic(path: str, obj: dict) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path))
+    fsync_dir(os.path.dirname(path))
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
     fd = os.open(path or ".", os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -290,7 +290,7 @@ def read_manifest(path: str) -> Optional[dict]:
 # ---------------------------------------------------------------- shard checks
 
 
-def _check_shard(shard: str, layout: Layout, index: dict, expect: Optional[dict]) -> Dict[str, tuple]:
+def check_shard(shard: str, layout: Layout, index: dict, expect: Optional[dict]) -> Dict[str, tuple]:
     """Check a shard's index and file sizes against `layout` (and the manifest's `expect`).
 
     Returns field -> (path, numpy dtype, shape) for mapping. Only stats the

@@ -17,8 +17,8 @@ from dflash_fast.store.format import (
     MANIFEST,
     SHARDS_DIR,
     Layout,
-    _check_shard,
-    _read_index,
+    check_shard,
+    read_index,
     read_manifest,
     sha256_file,
     shard_dirs,
@@ -59,9 +59,9 @@ class HiddenStateStore:
         for shard, entry in zip(self.shard_dirs, m["shards"]):
             if not os.path.isdir(shard):
                 raise FileNotFoundError(f"{shard}: shard listed in the manifest is missing")
-            index = _read_index(shard)
+            index = read_index(shard)
             expect = {"num_sequences": entry["num_sequences"], "num_tokens": entry["num_tokens"]}
-            self._specs.append(_check_shard(shard, self.layout, index, expect))
+            self._specs.append(check_shard(shard, self.layout, index, expect))
             lengths.append(np.asarray(index["lengths"], dtype=np.int64))
         self.lengths = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
         if len(self.lengths) != m["num_sequences"] or int(self.lengths.sum()) != m["num_tokens"]:
@@ -132,7 +132,7 @@ def verify_store(path: str) -> List[str]:
         if sha256_file(index_path) != entry["index_sha256"]:
             problems.append(f"{index_path}: its sha256 differs from the one the manifest records")
             continue
-        files = _read_index(shard)["files"]
+        files = read_index(shard)["files"]
         for field in store.layout.fields():
             file = os.path.join(shard, field + ".bin")
             digest, recorded = sha256_file(file), str(files[field].get("sha256"))

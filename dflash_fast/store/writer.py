@@ -15,9 +15,9 @@ from dflash_fast.store.format import (
     SHARDS_DIR,
     TMP_SUFFIX,
     Layout,
-    _check_shard,
-    _fsync_dir,
-    _read_index,
+    check_shard,
+    fsync_dir,
+    read_index,
     sha256_file,
     shard_dirs,
     write_json_atomic,
@@ -94,7 +94,7 @@ class ShardWriter:
         }
         write_json_atomic(os.path.join(self.tmp, INDEX), index)
         os.replace(self.tmp, self.final)
-        _fsync_dir(os.path.dirname(self.final))
+        fsync_dir(os.path.dirname(self.final))
 
     def close(self) -> None:
         """Release file handles without committing (the `.tmp` directory stays, torn)."""
@@ -135,7 +135,7 @@ class StoreWriter:
         if not os.path.isdir(shard):
             return False
         try:
-            index = _read_index(shard)
+            index = read_index(shard)
         except (FileNotFoundError, ValueError) as e:
             return self._discard(shard, e)
         theirs = {k: index.get(k) for k in meta}
@@ -146,7 +146,7 @@ class StoreWriter:
                 f"use a new --out directory or delete {self.path}"
             )
         try:
-            _check_shard(shard, self.layout, index, expect=None)
+            check_shard(shard, self.layout, index, expect=None)
         except (FileNotFoundError, ValueError) as e:
             return self._discard(shard, e)
         return True
@@ -169,8 +169,8 @@ class StoreWriter:
         shards = []
         for shard, entry in zip(shard_dirs(self.path, manifest["shards"], "the shards of this extraction"),
                                 manifest["shards"]):
-            index = _read_index(shard)
-            _check_shard(shard, self.layout, index, {k: entry[k] for k in ("num_sequences", "num_tokens")})
+            index = read_index(shard)
+            check_shard(shard, self.layout, index, {k: entry[k] for k in ("num_sequences", "num_tokens")})
             # The index holds its files' sha256: the manifest's sum of the index closes the chain `verify` checks.
             shards.append({**entry, "index_sha256": sha256_file(os.path.join(shard, INDEX))})
         write_json_atomic(
