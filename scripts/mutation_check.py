@@ -387,6 +387,63 @@ MUTATIONS: List[Mutation] = [
         [T_EXPORT],
         "speculators ids = ours + 1",
     ),
+    # ---- issue #43: bugs the suite did not notice before, and the fixes it asked for
+    Mutation(
+        "nullable-reads-a-falsy-value-as-null",
+        "dflash_fast/errors.py",
+        "return None if value is None else _problem(value, schema.schema, path, root)",
+        "return None if not value else _problem(value, schema.schema, path, root)",
+        ["tests/test_json_trust.py::test_a_falsy_value_of_the_wrong_type_in_a_nullable_key_is_refused_not_read_as_null"],
+        "a nullable key holds null or its type: \"\", 0, false, [] are wrong types",
+    ),
+    Mutation(
+        "serve-target-accepts-a-long-payload",
+        "dflash_fast/extract/serve.py",
+        "if len(payload) != 4 * sum(lengths):",
+        "if len(payload) < 4 * sum(lengths):",
+        ["tests/test_serve_target.py::test_the_server_answers_a_bad_request_with_an_error_not_a_crash"],
+        "a request's ids fill exactly its lengths (extra ids must not join the last document)",
+    ),
+    Mutation(
+        "lock-takeover-keeps-the-stale-tail",
+        "dflash_fast/lock.py",
+        "os.ftruncate(fd, 0)",
+        None,
+        ["tests/test_lock.py::test_a_taken_over_lock_holds_only_the_new_record_not_the_stale_tail"],
+        "a taken-over lock holds only the new record (readable JSON)",
+    ),
+    Mutation(
+        "failed-run-leaves-its-output-dir",
+        "dflash_fast/lock.py",
+        "if failed:",
+        "if False:",
+        ["tests/test_lock.py::test_a_training_run_that_cannot_start_creates_no_output_dir"],
+        "a run that cannot start creates nothing",
+    ),
+    Mutation(
+        "zlab-export-taps-the-last-layer",
+        "dflash_fast/serve/engines.py",
+        "problems += zlab_tap_problems(cfg.layer_ids, cfg.target_num_layers)",
+        "pass",
+        ["tests/test_zlab_layout.py::test_a_zlab_export_of_a_drafter_tapping_the_last_layer_is_refused_naming_the_layer"],
+        "z-lab reads layer id L-1 after the final norm (SPEC §1: HF hidden_states[L] is post-norm)",
+    ),
+    Mutation(
+        "zlab-scalings-read-unchecked",
+        "dflash_fast/serve/engines.py",
+        "_check_zlab_neutral(config)",
+        "pass",
+        ["tests/test_zlab_layout.py::test_a_zlab_config_scaling_what_we_do_not_is_refused_naming_the_key"],
+        "an export is served as it trains and evaluates",
+    ),
+    Mutation(
+        "vllm-asked-for-more-positions-than-the-target-has",
+        "dflash_fast/extract/vllm_runner.py",
+        "if positions is not None and longest + 1 > positions:",
+        "if False:",
+        ["tests/test_vllm_extract.py::test_vllm_is_never_asked_for_more_positions_than_the_target_has"],
+        "--engine vllm asks for at most the target's positions, or one error naming --max-seq-len",
+    ),
 ]
 
 

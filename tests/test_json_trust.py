@@ -102,6 +102,28 @@ def test_an_export_config_key_of_the_wrong_type_is_one_error_naming_its_path(tmp
         load_exported(out)
 
 
+@pytest.mark.parametrize("fmt, edit, message", [
+    ("speculators", lambda c: c.update(mask_token_id=""), 'mask_token_id must be an integer, got ""'),
+    ("speculators", lambda c: c.update(sample_from_anchor=0), "sample_from_anchor must be true or false, got 0"),
+    ("speculators", lambda c: c.update(block_size=False), "block_size must be an integer, got false"),
+    ("speculators", lambda c: c.update(speculators_config=[]), "speculators_config must be an object, got a list"),
+    ("zlab", lambda c: c["dflash_config"].update(mask_token_id=[]), "dflash_config.mask_token_id must be an integer"),
+    ("zlab", lambda c: c.update(layer_types=""), 'layer_types must be a list of strings, got ""'),
+    ("zlab", lambda c: c.update(dflash_fast=0), "dflash_fast must be an object, got 0"),
+])
+def test_a_falsy_value_of_the_wrong_type_in_a_nullable_key_is_refused_not_read_as_null(tmp_path, fmt, edit, message):
+    import torch
+    from test_export import edit_config, make_drafter
+
+    from dflash_fast.serve.export import export_drafter, load_exported
+    from dflash_fast.serve.layouts import ExportError
+
+    out = export_drafter(make_drafter(), str(tmp_path / "export"), "tiny-target", torch.float32, fmt=fmt)
+    edit_config(out, edit)
+    with pytest.raises(ExportError, match=f"{os.path.join(out, 'config.json')}: {message}"):
+        load_exported(out)
+
+
 @pytest.mark.parametrize("line, message", [
     ("[0, 1]", "the line must be an object, got a list: not a response of regenerate"),
     ('{"index": "0", "text": "hi"}', 'index must be a non-negative integer, got "0"'),

@@ -1,5 +1,6 @@
 """One writer an output directory: a second extraction or training run into it refuses at once, naming the holder;
 a lock left by a killed run is taken over with a message."""
+import json
 import os
 import signal
 import socket
@@ -81,3 +82,42 @@ def test_a_training_run_into_a_locked_output_dir_is_refused(tmp_path, holder, mo
     monkeypatch.setattr(trainer, "init_distributed", lambda: (0, 1))  # a world of one, without DeepSpeed's start-up
     with pytest.raises(UserError, match=f"in use by another dflash-fast run \\(pid {holder.pid}"):
         trainer.train(load_config(None, [f"output_dir={tmp_path / 'out'}", "data.store=/nonexistent"]))
+
+
+def test_a_taken_over_lock_holds_only_the_new_record_not_the_stale_tail(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    stale = {"pid": 1, "host": "elsewhere", "command": "train.py " + "x" * 2000, "started": "long ago"}
+    with open(lock_path(str(out)), "w") as f:  # no process holds its flock: stale, and longer than our record
+        json.dump(stale, f)
+    said = []
+    with output_lock(str(out), log=said.append) as path:
+        with open(path) as f:
+            record = json.load(f)  # the old tail left after the new record would make this unreadable JSON
+    assert record["pid"] == os.getpid() and record["host"] == socket.gethostname()
+    assert "taking over the lock of pid 1 on elsewhere" in said[0]
+
+
+def test_a_training_run_that_cannot_start_creates_no_output_dir(tmp_path, monkeypatch):
+    from dflash_fast.train import trainer
+    from dflash_fast.train.config import load_config
+
+    monkeypatch.setattr(trainer, "init_distributed", lambda: (0, 1))  # a world of one, without DeepSpeed's start-up
+    out = tmp_path / "runs" / "new" / "out"
+    with pytest.raises(OSError, match="/nonexistent"):  # main() prints it as one `error:` line, exit 1
+        trainer.train(load_config(None, [f"output_dir={out}", "data.store=/nonexistent"]))
+    assert os.listdir(tmp_path) == []  # not out, nor the parents the lock made for it
+
+
+def test_a_failed_run_keeps_an_output_dir_that_existed_or_was_written(tmp_path):
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    with pytest.raises(RuntimeError):
+        with output_lock(str(existing)):
+            raise RuntimeError("the run failed")
+    written = tmp_path / "written"
+    with pytest.raises(RuntimeError):
+        with output_lock(str(written)):
+            (written / "metrics.jsonl").write_text("{}\n")
+            raise RuntimeError("the run failed")
+    assert os.listdir(existing) == [] and os.listdir(written) == ["metrics.jsonl"]

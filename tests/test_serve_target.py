@@ -116,6 +116,7 @@ def raw_request(address, header, payload=b""):
     ([3], [1, 2, 10**6], "outside the target's vocabulary"),
     ([MAX_SEQ_LEN + 1], [1] * (MAX_SEQ_LEN + 1), "document lengths in 1..64"),
     ([4], [1, 2, 3], "12 bytes of token ids for 4 tokens"),
+    ([3], [1, 2, 3, 4], "16 bytes of token ids for 3 tokens"),  # longer: the extra ids must not join the last document
     ("x", [], "lengths must be a list"),
 ])
 def test_the_server_answers_a_bad_request_with_an_error_not_a_crash(served, lengths, ids, match):

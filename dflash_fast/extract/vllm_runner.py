@@ -97,6 +97,23 @@ def load_engine(target: str, aux_ids: Sequence[int], scratch: str, dtype: torch.
     return vllm.LLM(**kwargs)
 
 
+def engine_max_model_len(examples: Sequence[Example], max_seq_len: int, text_config) -> int:
+    """The max_model_len vLLM is asked for: the longest document (a served target: any up to `max_seq_len`) plus
+    the one token each request generates -> that length. UserError naming --max-seq-len when it exceeds the
+    target's positions (`max_position_embeddings`): vLLM would stop with a multi-line error of its own instead of
+    the store --engine hf writes from the same documents."""
+    longest = max((len(e.input_ids) for e in examples), default=max_seq_len)
+    positions = getattr(text_config, "max_position_embeddings", None)
+    if positions is not None and longest + 1 > positions:
+        raise UserError(
+            f"--max-seq-len {max_seq_len} is too long for --engine vllm on this target: a document of {longest} "
+            f"tokens plus the one token vLLM generates needs {longest + 1} positions and the target has {positions} "
+            f"(max_position_embeddings); pass --max-seq-len {positions - 1} or less (data.online.max_seq_len when "
+            f"training online), or extract with --engine hf"
+        )
+    return longest + 1
+
+
 class VllmRunner(TargetRunner):
     """TargetRunner whose forward is vLLM's: hidden and `last` from the engine's capture, logits from
     lm_head(final_norm(last)); the parity check compares those logits with vLLM's prompt logprobs."""
@@ -105,6 +122,7 @@ class VllmRunner(TargetRunner):
         if job.world_size > 1:
             raise UserError("--engine vllm runs one engine for the whole job: launch it without torchrun / deepspeed "
                             "and spread a large target with --tensor-parallel-size")
+        max_model_len = engine_max_model_len(job.examples, job.options.max_seq_len, job.config.get_text_config())
         model, self.norm, self.norm_name, self.lm_head = load_head(
             job.target, job.device, job.compute_dtype, job.options.trust_remote_code)
         self.model = model
@@ -120,8 +138,7 @@ class VllmRunner(TargetRunner):
         self.aux_ids, self.tapped, self.last = aux_layer_ids(self.layer_ids, self.num_layers)
         self.scratch = tempfile.mkdtemp(prefix="dflash-vllm-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         weakref.finalize(self, shutil.rmtree, self.scratch, ignore_errors=True)
-        longest = max((len(e.input_ids) for e in job.examples), default=job.options.max_seq_len)  # served: any
-        self.llm = load_engine(job.target, self.aux_ids, self.scratch, job.compute_dtype, longest + 1,
+        self.llm = load_engine(job.target, self.aux_ids, self.scratch, job.compute_dtype, max_model_len,
                                job.options.tensor_parallel_size, job.options.trust_remote_code)
         self._logprobs = None
 

@@ -8,6 +8,7 @@ the engines agree on, `check_made_for` refuses one made for another target.
     speculators layout   speculators (`_speculators_view`), vLLM (`_vllm_speculators_view`)
     zlab layout          SGLang (`_sglang_view`), vLLM (`_vllm_zlab_view`)
 """
+import json
 from typing import Dict, List
 
 from dflash_fast.drafter.config import DrafterConfig, value_problems
@@ -342,6 +343,39 @@ def _zlab_ids(config: Dict, hf, where: str):
     return list(ids), mask, dflash.get("block_size", config.get("block_size"))
 
 
+# z-lab's DFlashDraftModel scales the block's embeddings (input_embedding_scale), the logits (output_multiplier)
+# and soft-caps them (final_logit_softcapping) by these keys of a z-lab config, dflash_config first, then the top
+# level. dflash-fast neither writes nor trains with them, so only their neutral values are read.
+ZLAB_NEUTRAL = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": None}
+
+
+def _check_zlab_neutral(config: Dict) -> None:
+    """Refuse a z-lab config.json that sets one of ZLAB_NEUTRAL to another value, naming the key."""
+    for key, neutral in ZLAB_NEUTRAL.items():
+        for prefix, holder in (("dflash_config.", config["dflash_config"]), ("", config)):
+            if key in holder and holder[key] != neutral:
+                raise ExportError(
+                    f"config.json: {prefix}{key}={holder[key]!r}: z-lab's DFlashDraftModel would apply it, while "
+                    f"training and eval here do not (the drafter would be served differently from how it is "
+                    f"evaluated); remove the key or set it to {json.dumps(neutral)}"
+                )
+
+
+def zlab_tap_problems(layer_ids: List[int], target_num_layers: int) -> List[str]:
+    """One line when `layer_ids` holds the target's last layer L-1, which the z-lab layout's readers do not tap as
+    trained: z-lab's DFlashDraftModel (dflash 0.1.0, model.py extract_context_feature) reads layer id l as HF's
+    hidden_states[l + 1], for l = L-1 the final norm's OUTPUT, while the store holds its input (SPEC §1, §2); and
+    SGLang (models/qwen3.py set_dflash_layers_to_capture) captures id + 1 "before layer i" inside its loop over the
+    L layers, which never reaches i = L."""
+    last = target_num_layers - 1
+    if last not in layer_ids:
+        return []
+    return [f"layer id {last} (the target's last layer, L = {target_num_layers}): z-lab's DFlashDraftModel reads it "
+            f"as hidden_states[{last + 1}], AFTER the final norm, and SGLang captures it before a layer {last + 1} "
+            f"that does not exist; the drafter trained on the norm's input. Export --format speculators (vLLM "
+            f"taps it before the norm, docs/engine-target.md) or train without layer id {last}"]
+
+
 def _sglang_view(config: Dict) -> Dict:
     """SGLang, python/sglang/srt/models/dflash.py: AutoConfig (Qwen3Config) of config.json;
     _get_dflash_layer_attention_params serves full layers ENCODER_ONLY (bidirectional) and sliding layers DECODER
@@ -414,6 +448,8 @@ def served_architectures(config: Dict) -> Dict[str, Dict]:
             "nor architectures ['DFlashDraftModel'] with a dflash_config (z-lab layout)"
         )
     check_schema(config, CONFIG_SCHEMAS[fmt], "config.json", ExportError)  # every view trusts the JSON kinds
+    if fmt == "zlab":
+        _check_zlab_neutral(config)
     served = {}
     for engine in ENGINES[fmt]:
         try:
@@ -452,6 +488,8 @@ def mismatches(expected: Dict, served: Dict[str, Dict], serving_rules: bool = Fa
 def check_servable(cfg: DrafterConfig, fmt: str) -> None:
     """Refuse, before anything is written, a drafter that the engines of `fmt` would serve differently."""
     problems = mismatches(architecture(cfg), served_architectures(format_config(cfg, fmt, verifier="")))
+    if fmt == "zlab":
+        problems += zlab_tap_problems(cfg.layer_ids, cfg.target_num_layers)
     if problems:
         raise ExportError(f"the {fmt} format cannot serve this drafter as it trained:\n  - " + "\n  - ".join(problems))
 

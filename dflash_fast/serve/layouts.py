@@ -22,7 +22,7 @@ the same tensors one higher.
 from typing import Dict, Optional
 
 from dflash_fast.drafter.config import DrafterConfig
-from dflash_fast.errors import BOOL, INT, OBJECT, STR, ListOf, Nullable, Obj
+from dflash_fast.errors import BOOL, INT, NUMBER, OBJECT, STR, ListOf, Nullable, Obj
 
 FORMATS = ("speculators", "zlab")
 HF_LAYER_TYPES = {"full": "full_attention", "sliding": "sliding_attention"}
@@ -163,7 +163,10 @@ _OPT_INT, _OPT_BOOL = Nullable(INT), Nullable(BOOL)
 
 
 _DFLASH_KEYS = {"target_layer_ids": ListOf(INT), "num_target_layers": _OPT_INT, "mask_token_id": _OPT_INT,
-                "block_size": _OPT_INT}
+                "block_size": _OPT_INT,
+                # z-lab's scalings (engines.ZLAB_NEUTRAL: only their neutral values are read)
+                "input_embedding_scale": NUMBER, "output_multiplier": NUMBER,
+                "final_logit_softcapping": Nullable(NUMBER)}
 
 
 CONFIG_SCHEMAS = {
