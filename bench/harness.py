@@ -5,8 +5,10 @@ GPU: `triton.testing.do_bench` (CUDA events, L2 flushed between reps) for kernel
 `torch.cuda.max_memory_allocated` after `reset_peak_memory_stats`. CPU: a
 wall-clock fallback for `--smoke` runs only; CPU times are never a performance claim.
 
-    python bench/harness.py DIR      # one Markdown table over every result JSON in DIR
+    python bench/harness.py DIR            # one Markdown table over every result JSON in DIR
+    python bench/harness.py --strict DIR   # and exit 1 when a report is unfit (gpu_suite.sh --dry-run)
 """
+import argparse
 import datetime
 import glob
 import importlib.metadata
@@ -181,6 +183,31 @@ def summary_table(results_dir: str) -> str:
     return markdown_table(rows) if rows else f"no results in {results_dir}"
 
 
+def report_problems(results_dir: str) -> List[str]:
+    """Why the reports in results_dir are unfit for a dry run: none at all, a JSON unreadable or without rows,
+    a row whose note says it failed (a bench records a peer's failure as a result and exits 0; on the CPU
+    that failure is our glue code's). [] when every report is fit."""
+    paths = sorted(glob.glob(os.path.join(results_dir, "*.json")))
+    if not paths:
+        return [f"no result JSON in {results_dir}"]
+    problems = []
+    for path in paths:
+        name = os.path.basename(path)
+        try:
+            with open(path) as f:
+                rows = json.load(f).get("rows")
+        except (OSError, ValueError, AttributeError) as err:
+            problems.append(f"{name}: unreadable: {err}")
+            continue
+        if not rows:
+            problems.append(f"{name}: no rows")
+        for r in rows or []:
+            if str(r.get("note") or "").startswith("failed"):
+                label = r.get("impl", r.get("path", r.get("kind", "?")))
+                problems.append(f"{name}: row {label!r} {r['note'].splitlines()[0]}")
+    return problems
+
+
 def _plot(rows, spec, path, title):
     try:
         import matplotlib
@@ -215,9 +242,19 @@ def _plot(rows, spec, path, title):
     plt.close(fig)
 
 
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="one Markdown table over every result JSON in a folder")
+    here = os.path.dirname(os.path.abspath(__file__))
+    parser.add_argument("results_dir", nargs="?", default=os.path.join(here, "results"))
+    parser.add_argument("--strict", action="store_true",
+                        help="exit 1 when there is no report, one is unreadable or empty, or a row failed")
+    args = parser.parse_args(argv)
+    print(summary_table(args.results_dir))
+    problems = report_problems(args.results_dir) if args.strict else []
+    for problem in problems:
+        print(f"error: {problem}")
+    return 1 if problems else 0
+
+
 if __name__ == "__main__":
-    print(
-        summary_table(
-            sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-        )
-    )
+    sys.exit(main())
