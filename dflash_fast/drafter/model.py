@@ -353,13 +353,14 @@ class DFlashDrafter(nn.Module):
         return logits.float(), None if confidence is None else confidence.float().view(x.shape[:2])
 
     @torch.no_grad()
-    def propose(self, hidden: torch.Tensor, anchor_token: int, with_confidence: bool = False):
+    def propose(self, hidden: torch.Tensor, anchor_token: int, with_confidence: bool = False, draw=None):
         """Inference for one sequence: hidden [T, K, H_t] of positions 0..T-1 (all the target has
         processed), anchor token at position T -> greedy guesses for positions T+1..T+B-1 [B-1]
         (T+1..T+B [B] with sample_from_anchor). With a Markov head the block is drafted slot by slot,
         each slot's bias from the token drafted for the position before its own (the anchor's token first).
         with_confidence (a drafter with a confidence head): (guesses, the head's acceptance probability of
-        each guess [same length])."""
+        each guess [same length]). draw: logits [n, V] -> tokens [n] (default argmax), every drafted slot's
+        token picked through it, slot by slot with a Markov head (sampling.DraftSampler samples them)."""
         t = hidden.shape[0]
         dev = hidden.device
         ctx = self.context(hidden[None].to(self.fc.weight.dtype))
@@ -378,8 +379,9 @@ class DFlashDrafter(nn.Module):
         logits = F.linear(hidden_normed, self.lm_head.to(x.dtype))
         first = self.config.first_slot
         features = hidden_normed[first:]
+        draw = draw or (lambda slot_logits: slot_logits.argmax(-1))
         if self.markov_head is None:
-            guesses = logits[first:].argmax(-1)
+            guesses = draw(logits[first:])
         else:
             head, shift = self.markov_head, int(self.config.sample_from_anchor)
             tokens = [torch.tensor(anchor_token, device=dev)]  # tokens[m]: the token at position T + m
@@ -388,7 +390,7 @@ class DFlashDrafter(nn.Module):
                 e_prev = head.markov_w1(tokens[max(k + shift - 1, 0)]).to(x.dtype)
                 e, state = head.step(e_prev, hidden_normed[k], state)
                 if k >= first:
-                    tokens.append((logits[k] + head.markov_w2(e)).argmax())
+                    tokens.append(draw((logits[k] + head.markov_w2(e))[None])[0])
                     e_prevs.append(e_prev)
             guesses = torch.stack(tokens[1:])
             if self.config.confidence_head_with_markov:

@@ -17,6 +17,10 @@ re-run through the target (one extra forward, counted as `recompute_forwards`).
 DSpark drafters (SPEC §8) draft their block as the engines do, slot k's Markov bias from the token drafted
 at slot k-1 (DFlashDrafter.propose); with sample_from_anchor they draft B tokens, so a verification block
 is B + 1 tokens; with a confidence head a proposal also returns each drafted token's predicted acceptance.
+
+At temperature T > 0 (SPEC §10) the first token and every accepted / replacement / bonus token come from
+evaluate/sampling.py's lossless rule instead of the argmax, the drafter sampling its drafts (q) through the same
+seeded generator. T = 0 is the greedy loop above, unchanged.
 """
 
 import contextlib
@@ -28,6 +32,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, 
 import torch
 
 from dflash_fast.errors import UserError
+from dflash_fast.evaluate.sampling import Sampler
 from dflash_fast.store.layer_ids import check_layer_ids
 from dflash_fast.target.prompts import (
     cut_response,
@@ -140,14 +145,16 @@ def speculative_generate(
     block_size: int,
     max_new_tokens: int,
     eos: Sequence[int] = (),
+    sampler: Optional[Sampler] = None,
 ) -> SpecResult:
-    """Block speculative greedy decoding of one prompt; the loop in this module's docstring."""
+    """Block speculative decoding of one prompt, greedy (the loop in this module's docstring) or, with `sampler`,
+    by its lossless rule (the proposer draws its drafts through sampler.draw, or its q is one-hot)."""
     if block_size < 2:
         raise ValueError(f"block_size must be >= 2 (an anchor and at least one drafted token), got {block_size}")
     t0 = time.perf_counter()
     step = runner.forward(prompt_ids)
     cache, hidden = step.cache, step.hidden
-    seq = list(prompt_ids) + [int(step.logits[-1].argmax())]
+    seq = list(prompt_ids) + [int(step.logits[-1].argmax()) if sampler is None else sampler.next_token(step.logits[-1])]
     accepted, anchors, recomputes, confidence = [], [], 0, []
     while not _finished(seq[len(prompt_ids) :], max_new_tokens, eos):
         anchor = seq[-1]
@@ -164,11 +171,15 @@ def speculative_generate(
         block = [anchor] + drafts
         saved = snapshot(cache)
         step = runner.forward(block, cache)
-        target = step.logits.argmax(-1).tolist()  # target[j] is the target's token for position T + j + 1
-        n = next((j for j in range(block_size - 1) if drafts[j] != target[j]), block_size - 1)
+        if sampler is None:
+            target = step.logits.argmax(-1).tolist()  # target[j] is the target's token for position T + j + 1
+            n = next((j for j in range(block_size - 1) if drafts[j] != target[j]), block_size - 1)
+            after = target[n]
+        else:
+            n, after = sampler.verify_block(drafts, step.logits)
         anchors.append(len(seq) - 1)
         accepted.append(n)
-        seq += drafts[:n] + [target[n]]
+        seq += drafts[:n] + [after]
         hidden = torch.cat([hidden, step.hidden[: n + 1]])
         if not _finished(seq[len(prompt_ids) :], max_new_tokens, eos):
             recomputes += rollback(runner, cache, saved, block, n + 1)
@@ -179,14 +190,17 @@ def speculative_generate(
 
 @torch.inference_mode()
 def greedy_generate(
-    runner: TargetRunner, prompt_ids: Sequence[int], max_new_tokens: int, eos: Sequence[int] = ()
+    runner: TargetRunner, prompt_ids: Sequence[int], max_new_tokens: int, eos: Sequence[int] = (),
+    sampler: Optional[Sampler] = None,
 ) -> Tuple[List[int], float]:
-    """The target alone, one token per forward with its cache -> (new tokens, seconds)."""
+    """The target alone, one token per forward with its cache -> (new tokens, seconds); argmax, or drawn by
+    `sampler` (plain sampling from the target)."""
+    pick = (lambda logits: int(logits.argmax())) if sampler is None else sampler.next_token
     t0 = time.perf_counter()
     step = runner.forward(prompt_ids, taps=False)
-    out = [int(step.logits[-1].argmax())]
+    out = [pick(step.logits[-1])]
     while not _finished(out, max_new_tokens, eos):
         step = runner.forward(out[-1:], step.cache, taps=False)
-        out.append(int(step.logits[-1].argmax()))
+        out.append(pick(step.logits[-1]))
     _sync(runner.device)
     return cut_response(out, max_new_tokens, eos), time.perf_counter() - t0

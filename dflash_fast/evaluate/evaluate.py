@@ -20,6 +20,7 @@ from dflash_fast.drafter.model import DFlashDrafter, slot_metrics
 from dflash_fast.drafter.weights import load_frozen_tensors
 from dflash_fast.evaluate.decode import Proposer, Step, TargetRunner, greedy_generate, speculative_generate
 from dflash_fast.evaluate.report import Tally, mean_acceptance, report, summary
+from dflash_fast.evaluate.sampling import Sampler, add_sampling_arguments, check_sampling, make_sampler
 from dflash_fast.serve.export import load_exported
 from dflash_fast.store.layer_ids import default_layer_ids
 from dflash_fast.target.load import check_target
@@ -103,16 +104,19 @@ class Proposal(NamedTuple):
     layer_ids: List[int]
 
 
-def _proposal(drafter, model, target: str, block_size: Optional[int], layer_ids) -> Proposal:
-    """What `evaluate` drafts with, from a DFlashDrafter, a path or a Proposer callable."""
+def _proposal(drafter, model, target: str, block_size: Optional[int], layer_ids,
+              sampler: Optional[Sampler] = None) -> Proposal:
+    """What `evaluate` drafts with, from a DFlashDrafter (sampling its drafts through `sampler` when given), a path
+    or a Proposer callable."""
     if isinstance(drafter, str):
         drafter = load_drafter(drafter, target)
     if isinstance(drafter, DFlashDrafter):
         _check_drafter(drafter, model)
         module = drafter.to(device=model.device, dtype=model.dtype).eval()
         cfg, with_confidence = module.config, module.confidence_head is not None
+        draw = None if sampler is None else sampler.draw
         # verification block: the anchor and the drafted tokens (B of them with sample_from_anchor)
-        return Proposal(module, lambda hidden, anchor, _ids: module.propose(hidden, anchor, with_confidence),
+        return Proposal(module, lambda hidden, anchor, _ids: module.propose(hidden, anchor, with_confidence, draw),
                         cfg.drafted_tokens + 1, list(cfg.layer_ids))
     if callable(drafter):
         if block_size is None:
@@ -124,22 +128,23 @@ def _proposal(drafter, model, target: str, block_size: Optional[int], layer_ids)
 
 
 def _decode_all(runner: TargetRunner, encoded: List[List[int]], proposal: Proposal, max_new_tokens: int,
-                eos: Sequence[int], offline: bool, baseline: bool, progress: bool) -> Tally:
-    """Speculative decoding of every prompt; with `baseline` the target's own greedy loop too, with `offline`
-    tau_offline over the greedy output (the speculative output without `baseline`)."""
+                eos: Sequence[int], offline: bool, baseline: bool, progress: bool,
+                sampler: Optional[Sampler] = None) -> Tally:
+    """Speculative decoding of every prompt; with `baseline` the target's own loop too (greedy, or sampled by
+    `sampler`), with `offline` tau_offline over its output (the speculative output without `baseline`)."""
     from tqdm import tqdm
 
     tally = Tally(proposal.block_size)
     bar = tqdm(encoded, unit="prompt", desc="eval", disable=not progress)
     for ids in bar:
-        spec = speculative_generate(runner, ids, proposal.propose, proposal.block_size, max_new_tokens, eos)
+        spec = speculative_generate(runner, ids, proposal.propose, proposal.block_size, max_new_tokens, eos, sampler)
         tally.add_speculative(spec)
         if sum(tally.histogram):
             bar.set_postfix(tau=f"{mean_acceptance(tally.histogram):.2f}")
         reference = spec.tokens
         if baseline:
-            reference, seconds = greedy_generate(runner, ids, max_new_tokens, eos)
-            tally.add_greedy(reference, seconds, spec)
+            reference, seconds = greedy_generate(runner, ids, max_new_tokens, eos, sampler)
+            tally.add_greedy(reference, seconds, spec, compare=sampler is None)
         if offline and proposal.module is not None and len(reference) > 1:
             tau_sum, blocks = offline_tau(runner, proposal.module, ids, reference)
             tally.tau_sum += tau_sum
@@ -161,6 +166,9 @@ def evaluate(
     dtype: Optional[str] = None,
     trust_remote_code: bool = False,
     progress: bool = True,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
 ) -> Dict:
     """Speculative decoding of every prompt in `data` (regenerate's JSONL formats, or records) -> report dict.
 
@@ -168,23 +176,29 @@ def evaluate(
     callable (then `block_size` is required and `layer_ids` defaults to 5 spread ids).
     `baseline` times the target's plain greedy loop and counts prompts where the speculative
     output differs from it; `offline` adds tau_offline over that greedy output (drafters only).
+    `temperature` > 0 samples (SPEC §10, evaluate/sampling.py) with `top_p`, seeded by `seed`: the baseline is then
+    the target's plain sampling loop (timed, not compared: greedy_mismatches is None).
     """
     from transformers import AutoTokenizer
 
+    sampling = check_sampling(temperature, top_p, seed)
     check_target(target)
     prompts = read_prompts(data, num_prompts)
     tokenizer = AutoTokenizer.from_pretrained(target, trust_remote_code=trust_remote_code)
     model = load_model(target, device, dtype, trust_remote_code)
     name = drafter if isinstance(drafter, str) else getattr(drafter, "__name__", type(drafter).__name__)
-    proposal = _proposal(drafter, model, target, block_size, layer_ids)
+    sampler = make_sampler(sampling, model.device)
+    proposal = _proposal(drafter, model, target, block_size, layer_ids, sampler)
     runner = TargetRunner(model, proposal.layer_ids)
     eos = eos_token_ids(model.generation_config, tokenizer)
     encoded = [encode_prompt(tokenizer, p) for p in prompts]
     if runner.device.type == "cuda":  # first-call kernel selection and allocation stay out of the timings
         warm = min(max_new_tokens, 2 * proposal.block_size)
-        speculative_generate(runner, encoded[0], proposal.propose, proposal.block_size, warm, eos)
-        greedy_generate(runner, encoded[0], warm, eos)
-    tally = _decode_all(runner, encoded, proposal, max_new_tokens, eos, offline, baseline, progress)
+        speculative_generate(runner, encoded[0], proposal.propose, proposal.block_size, warm, eos, sampler)
+        greedy_generate(runner, encoded[0], warm, eos, sampler)
+        if sampler is not None:  # the report of a seed does not depend on the warm-up's draws
+            sampler.generator.manual_seed(seed)
+    tally = _decode_all(runner, encoded, proposal, max_new_tokens, eos, offline, baseline, progress, sampler)
     return report(
         tally,
         baseline,
@@ -197,6 +211,7 @@ def evaluate(
         block_size=proposal.block_size,
         layer_ids=proposal.layer_ids,
         max_new_tokens=max_new_tokens,
+        **sampling._asdict(),
     )
 
 
@@ -217,6 +232,7 @@ def add_arguments(parser) -> None:
         "--no-baseline", action="store_true", help="skip the target-only greedy loop (no speedup, no identity check)"
     )
     p.add_argument("--no-offline", action="store_true", help="skip tau_offline")
+    add_sampling_arguments(p)
     p.add_argument(
         "--engine", choices=["hf", "vllm", "both"], default="hf",
         help="hf: this loop (default); vllm: vLLM serving the export (docs/vllm.md); both: the two side by side",

@@ -82,11 +82,14 @@ class Tally:
         self.spec_s += spec.seconds
         self.recompute += spec.recompute_forwards
 
-    def add_greedy(self, tokens: List[int], seconds: float, spec: SpecResult) -> None:
+    def add_greedy(self, tokens: List[int], seconds: float, spec: SpecResult, compare: bool = True) -> None:
+        """The target's own run of the prompt of `spec`; `compare` (greedy only: sampled runs differ by chance)
+        counts whether the speculative output equals it."""
         self.greedy_tokens += len(tokens)
         self.greedy_s += seconds
-        self.mismatches += tokens != spec.tokens
-        self.matches.append(tokens == spec.tokens)
+        if compare:
+            self.mismatches += tokens != spec.tokens
+            self.matches.append(tokens == spec.tokens)
 
 
 def confidence_calibration(tally: Tally) -> Optional[List[Dict]]:
@@ -133,7 +136,7 @@ def report(tally: Tally, baseline: bool, **header) -> Dict:
         report.update(
             target_tokens_per_s=target_tps,
             speedup=report["tokens_per_s"] / target_tps if target_tps and report["tokens_per_s"] else None,
-            greedy_mismatches=tally.mismatches,
+            greedy_mismatches=tally.mismatches if tally.matches else None,  # None: sampled, nothing to compare
         )
     return report
 

