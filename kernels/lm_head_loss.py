@@ -830,14 +830,16 @@ def row_losses(kind: str, target: Target, s_label: torch.Tensor, s_ids: torch.Te
 
 
 def lm_head_loss_forward(h, norm_weight, lm_head_weight, weights, kind, normalizer, eps, teacher, dpace=None,
-                         markov=None, need_grads=(False, False, False, False, False)):
+                         markov=None, need_grads=(False, False, False, False, False), topk=0):
     """Loss, metrics and, for the inputs flagged in need_grads (h, norm_weight, lm_head_weight, markov.e,
     markov.w2), d loss.
 
     Arguments (types, shapes) as in `lm_head_loss`. Returns (loss [], kl [] or None, draft_argmax [N],
-    teacher_argmax [N], alpha [N] fp32, grads): alpha is each row's acceptance estimate (`LossOutput`, the
-    DSpark confidence target); grads the gradients of h [N, H], norm_weight [H], lm_head_weight [V, H],
-    markov.e [N, r], markov.w2 [V, r], each None when not flagged.
+    teacher_argmax [N], alpha [N] fp32, topk_ids [N, topk] or None, grads): alpha is each row's acceptance
+    estimate (`LossOutput`, the DSpark confidence target); topk_ids each row's `topk` best logits' ids, taken from
+    the chunk's logits buffer (DFlash2's unary candidates: [C, V] at a time, never [N, V]); grads the gradients
+    of h [N, H], norm_weight [H], lm_head_weight [V, H], markov.e [N, r], markov.w2 [V, r], each None when not
+    flagged.
     """
     check_loss_inputs(h, norm_weight, lm_head_weight, weights, kind, teacher, dpace, markov)
     check_device("lm_head_loss", h, lm_head_weight)
@@ -862,6 +864,7 @@ def lm_head_loss_forward(h, norm_weight, lm_head_weight, weights, kind, normaliz
     row_weight = weights.float().clone()
     draft_argmax = torch.empty(n, dtype=torch.int64, device=device)
     teacher_argmax = torch.empty(n, dtype=torch.int64, device=device)
+    topk_ids = torch.empty(n, topk, dtype=torch.int64, device=device) if topk else None
     grad_h = torch.empty_like(h) if need_grads[0] else None
     grad_norm = torch.zeros(hid, dtype=torch.float32, device=device) if need_grads[1] else None
     grad_head = torch.zeros(v, hid, dtype=torch.float32, device=device) if need_grads[2] else None
@@ -883,6 +886,8 @@ def lm_head_loss_forward(h, norm_weight, lm_head_weight, weights, kind, normaliz
         logits = logits_buf[:n_store]
         chunk_markov = None if markov is None else Markov(markov.e[lo:hi], markov.w2)
         lse, argmax = logits_forward(acts, weight, logits, n_store, chunk_markov)
+        if topk_ids is not None:
+            topk_ids[lo:hi] = logits[:c].topk(topk, dim=-1).indices
         target = chunk_target(kind, teacher, chunk, lse, argmax, v)
         dlogits = dlogits_buf[:c] if need_any else None
         sums = None
@@ -934,7 +939,7 @@ def lm_head_loss_forward(h, norm_weight, lm_head_weight, weights, kind, normaliz
         grad_e,
         None if grad_w2 is None else grad_w2.to(markov.w2.dtype),
     )
-    return loss, kl, draft_argmax, teacher_argmax, alpha, grads
+    return loss, kl, draft_argmax, teacher_argmax, alpha, topk_ids, grads
 
 
 def lm_head_loss_backward(grad_loss: torch.Tensor, grads):
@@ -944,19 +949,22 @@ def lm_head_loss_backward(grad_loss: torch.Tensor, grads):
 
 class LmHeadLossFunction(torch.autograd.Function):
     """The gradients come out of the forward (the loss is the final scalar); backward scales them.
-    Arguments: h, norm_weight, lm_head_weight, markov.e, markov.w2 (None without DSpark's Markov bias), then the
-    rest of `lm_head_loss`'s."""
+    Arguments: h, norm_weight, lm_head_weight, markov.e, markov.w2 (None without DSpark's Markov bias), topk, then
+    the rest of `lm_head_loss`'s. Outputs: loss, kl, draft_argmax, teacher_argmax, alpha, topk_ids ([N, 0] without
+    topk)."""
 
     @staticmethod
-    def forward(ctx, h, norm_weight, lm_head_weight, e, w2, *rest):
+    def forward(ctx, h, norm_weight, lm_head_weight, e, w2, topk, *rest):
         markov = None if e is None else Markov(e, w2)
-        loss, kl, draft_argmax, teacher_argmax, alpha, grads = lm_head_loss_forward(
-            h, norm_weight, lm_head_weight, *rest, markov=markov, need_grads=tuple(ctx.needs_input_grad[:5])
+        loss, kl, draft_argmax, teacher_argmax, alpha, topk_ids, grads = lm_head_loss_forward(
+            h, norm_weight, lm_head_weight, *rest, markov=markov, need_grads=tuple(ctx.needs_input_grad[:5]),
+            topk=topk,
         )
         ctx.grads = grads
         kl = kl if kl is not None else loss.new_zeros(())
-        ctx.mark_non_differentiable(kl, draft_argmax, teacher_argmax, alpha)
-        return loss, kl, draft_argmax, teacher_argmax, alpha
+        topk_ids = topk_ids if topk_ids is not None else draft_argmax.new_empty(draft_argmax.shape[0], 0)
+        ctx.mark_non_differentiable(kl, draft_argmax, teacher_argmax, alpha, topk_ids)
+        return loss, kl, draft_argmax, teacher_argmax, alpha, topk_ids
 
     @staticmethod
     def backward(ctx, grad_loss, *_):
@@ -974,6 +982,7 @@ def lm_head_loss(
     teacher: Teacher,
     dpace: Optional[DPace] = None,
     markov: Optional[Markov] = None,
+    topk: int = 0,
 ) -> LossOutput:
     """Drafter norm + lm_head + loss against the teacher (SPEC §5) without [N, V] logits.
 
@@ -981,17 +990,19 @@ def lm_head_loss(
     only if it requires grad); weights: [N]; teacher: `dflash_fast.drafter.eager.Teacher`; dpace: D-PACE
     weights or None; markov: DSpark's Markov bias (`dflash_fast.drafter.eager.Markov`: e [N, r], w2 [V, r]), folded
     into the lm_head GEMM as r more columns, with gradients for e and w2. Semantics and kinds exactly as
-    `dflash_fast.drafter.eager.lm_head_loss`; logits are accumulated in fp32.
+    `dflash_fast.drafter.eager.lm_head_loss`; logits are accumulated in fp32. topk > 0 (DFlash2's unary candidates, SPEC
+    §9): each row's top-`topk` ids, from each chunk's logits as the pass computes them.
     """
     e, w2 = (markov.e, markov.w2) if markov is not None else (None, None)
     grad_inputs = [t for t in (h, norm_weight, lm_head_weight, e, w2) if t is not None]
     rest = (weights, kind, normalizer, eps, teacher, dpace)
     if torch.is_grad_enabled() and any(t.requires_grad for t in grad_inputs):
-        loss, kl, draft_argmax, teacher_argmax, alpha = LmHeadLossFunction.apply(
-            h, norm_weight, lm_head_weight, e, w2, *rest
+        loss, kl, draft_argmax, teacher_argmax, alpha, topk_ids = LmHeadLossFunction.apply(
+            h, norm_weight, lm_head_weight, e, w2, topk, *rest
         )
     else:  # the autograd Function would still see requires_grad under no_grad and compute gradients
-        loss, kl, draft_argmax, teacher_argmax, alpha, _ = lm_head_loss_forward(
-            h, norm_weight, lm_head_weight, *rest, markov=markov
+        loss, kl, draft_argmax, teacher_argmax, alpha, topk_ids, _ = lm_head_loss_forward(
+            h, norm_weight, lm_head_weight, *rest, markov=markov, topk=topk
         )
-    return LossOutput(loss, kl if has_kl(kind) else None, draft_argmax, teacher_argmax, alpha)
+    return LossOutput(loss, kl if has_kl(kind) else None, draft_argmax, teacher_argmax, alpha,
+                      topk_ids if topk else None)

@@ -325,6 +325,117 @@ def dspark_batch_loss(batch, hidden: torch.Tensor, heads, block_size: int, gamma
     return loss / count + alpha * bce / count, bce / count, seen
 
 
+# ---------------------------------------------------------------- SPEC §9: DFlash2, after speculators 0.9.0
+# (models/dflash2/model_definitions.py grouped_dynamic_conv, GroupedDynamicCausalConv, Qwen3DFlash2DecoderLayer,
+# CandidateSelector; metrics.py selector_training_candidates, compute_selector_loss; core.py DFlash2DraftModel.forward),
+# one block, one slot and one tap at a time.
+
+
+def dflash2_conv(x_block: torch.Tensor, delta_block: torch.Tensor, base: torch.Tensor, group_size: int) -> torch.Tensor:
+    """One block: x [B, H], delta [B, taps, G] (output slot s's coefficients), base [taps, H] -> y [B, H] float64,
+    y_s = sum over taps t <= s of x_{s-t} * (base[t] + delta_s[t, group of the channel])."""
+    b, h = x_block.shape
+    rows = []
+    for s in range(b):
+        y = torch.zeros(h, dtype=torch.float64)
+        for t in range(base.shape[0]):
+            if t > s:
+                continue  # the tap would reach into the block before: it does not exist
+            per_channel = torch.stack([delta_block[s, t, c // group_size] for c in range(h)]).double()
+            y = y + x_block[s - t].double() * (base[t].double() + per_channel)
+        rows.append(y)
+    return torch.stack(rows)
+
+
+def dflash2_sublayer(y: torch.Tensor, fn, projection: torch.Tensor, base: torch.Tensor, block_size: int,
+                     group_size: int) -> torch.Tensor:
+    """One sublayer of one row: its normed input y [A*B, H] -> conv_out(fn(conv_in(y))). delta = y @ projection.T
+    read as [2, taps, G] per slot: [0] drives conv_in (base[0]), [1] conv_out (base[1]), both from the input."""
+    taps, h = base.shape[1], y.shape[-1]
+    delta = (y.double() @ projection.double().T).view(-1, 2, taps, h // group_size)
+    blocks = range(0, y.shape[0], block_size)
+    conv_in = torch.cat([dflash2_conv(y[i : i + block_size], delta[i : i + block_size, 0], base[0], group_size)
+                         for i in blocks])
+    z = fn(conv_in)
+    return torch.cat([dflash2_conv(z[i : i + block_size], delta[i : i + block_size, 1], base[1], group_size)
+                      for i in blocks])
+
+
+def unary_top_k(unary: torch.Tensor, top_k: int) -> List[int]:
+    """The K ids of the largest unary logits [V], best first."""
+    return sorted(range(len(unary)), key=lambda v: -float(unary[v].detach()))[:top_k]
+
+
+def dflash2_candidates(unary: torch.Tensor, label: int, top_k: int) -> Tuple[List[int], int, bool]:
+    """The selector's training candidates of one slot from its unary logits [V]: the K best ids in order; if the
+    label is not among them it takes the K-th place -> (ids, the label's index, whether it was among them)."""
+    ranked = unary_top_k(unary, top_k)
+    if label in ranked:
+        return ranked, ranked.index(label), True
+    return ranked[:-1] + [label], top_k - 1, False
+
+
+def dflash2_scores(unary: torch.Tensor, hidden: torch.Tensor, prev: int, ids: Sequence[int], selector) -> torch.Tensor:
+    """score(c) = unary[c] + sum_r P[prev, r] (W_h hidden)_r S[c, r] for each candidate c -> [K] float64.
+    selector: dict of P, S [V, r] and W_h [r, H]."""
+    projected = selector["W_h"].double() @ hidden.double()
+    out = []
+    for c in ids:
+        transition = sum(selector["P"][prev, k].double() * projected[k] * selector["S"][c, k].double()
+                         for k in range(len(projected)))
+        out.append(unary[c].double() + transition)
+    return torch.stack(out)
+
+
+def dflash2_batch_loss(kind: str, batch, hidden: torch.Tensor, selector, lm_head, block_size: int, top_k: int,
+                       sample_from_anchor: bool, final_norm_weight, eps: float, selector_alpha: float,
+                       gamma: float = 7.0, dpace_alpha: Optional[float] = None):
+    """SPEC §9 loss of a batch -> (loss, selector loss, {(r, i, j): (unary logits [V], candidate ids, scores [K],
+    label index, contains, the selector's serving pick)}). hidden: [R, A*B, H] normed drafter states.
+
+    Unary loss: `divergence` against the teacher at p - 1 for the dense kinds, the hard CE against the stored
+    argmax for `ce`. Label: the teacher's argmax (stored for `ce`). Weights: the decay, or D-PACE per block
+    (`dpace_weight_loops`) from exp(-CE) against the label for the unary loss and from exp(-selector CE) for the
+    selector (speculators' compute_selector_loss). Both sums / the trained slot count."""
+    r_count, a_count = batch["anchors"].shape
+    slots = list(trained_slots(batch, block_size, sample_from_anchor))
+    unary_l, sel_l, unary_c, sel_c, seen = {}, {}, {}, {}, {}
+    for r, i, j, p in slots:
+        a = int(batch["anchors"][r, i])
+        prev = dspark_prev_tokens(batch["input_ids"][r, a : a + block_size], sample_from_anchor)[j]
+        h = hidden[r, i * block_size + j]
+        unary = lm_head.double() @ h.double()
+        teacher = teacher_logits(batch["last"][r, p - 1], final_norm_weight, lm_head, eps)
+        if kind == "ce":
+            label = int(batch["teacher_topk_ids"][r, p - 1, 0])
+            unary_l[r, i, j] = hard_cross_entropy(label, unary)
+        else:
+            label = int(teacher.argmax())
+            unary_l[r, i, j] = divergence(kind, teacher, unary)
+        unary_c[r, i, j] = float(torch.exp(-hard_cross_entropy(label, unary.detach())))
+        ids, index, contains = dflash2_candidates(unary, label, top_k)
+        scores = dflash2_scores(unary, h, prev, ids, selector)
+        sel_l[r, i, j] = -torch.log_softmax(scores, 0)[index]
+        sel_c[r, i, j] = float(torch.exp(-sel_l[r, i, j].detach()))
+        serving_ids = unary_top_k(unary, top_k)  # what inference re-ranks: no label injected
+        serving = dflash2_scores(unary, h, prev, serving_ids, selector)
+        seen[r, i, j] = (unary, ids, scores, index, contains, serving_ids[int(serving.argmax())])
+
+    def weights(confidence):
+        if dpace_alpha is None:
+            return {key: position_weight(key[2], gamma, sample_from_anchor) for key in confidence}
+        keys = [(r, i, j) for r in range(r_count) for i in range(a_count) for j in range(block_size)]
+        w = dpace_weight_loops([confidence.get(k, 0.0) for k in keys], [k in confidence for k in keys],
+                               dpace_alpha, block_size)
+        return dict(zip(keys, w))
+
+    count = max(len(slots), 1)
+    w_unary, w_sel = weights(unary_c), weights(sel_c)
+    unary_loss = sum(w_unary[k] * unary_l[k] for k in unary_l) / count
+    selector_loss = sum(w_sel[k] * sel_l[k] for k in sel_l) / count
+    return unary_loss + selector_alpha * selector_loss, selector_loss, seen
+
+
 # ---------------------------------------------------------------- SPEC §1: layer ids
 
 

@@ -54,6 +54,11 @@ class DrafterConfig:
     markov_head_type: str = "vanilla"  # vanilla | gated | rnn
     confidence_head: bool = False
     confidence_head_with_markov: bool = True  # the confidence head reads [hidden, W1[prev]], not hidden alone
+    # DFlash2 (SPEC §9); 0 = off (DFlash). DFlash2's own defaults: taps 2, group 16, rank 256, top-K 16.
+    conv_kernel_size: int = 0  # taps of the dynamic causal convolutions around both sublayers; <= block_size
+    conv_group_size: int = 16  # hidden channels sharing one dynamic coefficient; divides hidden_size
+    selector_rank: int = 0  # r of the candidate selector's codebooks P, S [V, r]
+    selector_top_k: int = 16  # K unary candidates the selector re-ranks; <= vocab_size
 
     def __post_init__(self):
         problems = value_problems(dataclasses.asdict(self))
@@ -91,6 +96,14 @@ class DrafterConfig:
             )
         if self.confidence_head and self.confidence_head_with_markov and not self.markov_rank:
             raise ValueError("confidence_head_with_markov needs the Markov head: set markov_rank > 0 or the flag false")
+        if (self.conv_kernel_size or self.selector_rank) and (self.markov_rank or self.confidence_head):
+            raise ValueError("DFlash2's convolutions or selector (conv_kernel_size, selector_rank) with DSpark's heads "
+                             "(markov_rank, confidence_head): choose one family")
+
+    @property
+    def is_dflash2(self) -> bool:
+        """Either DFlash2 addition is on (SPEC §9)."""
+        return bool(self.conv_kernel_size or self.selector_rank)
 
     @property
     def first_slot(self) -> int:
@@ -171,11 +184,33 @@ def value_problems(values: Mapping) -> List[str]:
         problems.append(f"markov_rank={rank!r} is not an integer >= 0")
     if not isinstance(head, str):
         problems.append(f"markov_head_type={head!r} is not a string")
+    problems += dflash2_problems(values)
     rope = values.get("rope_parameters", {})
     if not isinstance(rope, dict):
         problems.append(f"rope_parameters={rope!r} is not an object")
     else:
         problems += rope_problems(rope)
+    return problems
+
+
+def dflash2_problems(values: Mapping) -> List[str]:
+    """DFlash2's fields (SPEC §9): counts >= 0 (0 = off), a convolution whose taps fit the block and whose groups
+    divide the hidden size, a selector whose K fits the vocabulary."""
+    problems = [f"{field}={values[field]!r} is not an integer >= {least}"
+                for field, least in (("conv_kernel_size", 0), ("conv_group_size", 1), ("selector_rank", 0),
+                                     ("selector_top_k", 1))
+                if field in values and (not is_int(values[field]) or values[field] < least)]
+    if problems:
+        return problems
+    taps, group, h = values.get("conv_kernel_size", 0), values.get("conv_group_size", 16), values.get("hidden_size")
+    block = values.get("block_size")
+    if taps and is_int(block) and taps > block:
+        problems.append(f"conv_kernel_size={taps} is more taps than the block has slots (block_size={block})")
+    if taps and is_int(h) and h % group:
+        problems.append(f"conv_group_size={group} does not divide hidden_size={h}: pick a divisor (DFlash2: 16)")
+    top_k, vocab = values.get("selector_top_k", 16), values.get("vocab_size")
+    if values.get("selector_rank", 0) and is_int(vocab) and top_k > vocab:
+        problems.append(f"selector_top_k={top_k} is more candidates than the vocabulary has ({vocab})")
     return problems
 
 

@@ -239,13 +239,16 @@ class LossOutput(NamedTuple):
     alpha: [N] fp32, no gradient, every row (masked ones too): the acceptance estimate of each row, the
     overlap sum_v min(p_v, q_v) = 1 - TV(p, q) of the drafter's q = softmax(s) with the teacher p the kind
     scores against: softmax(t) for the dense kinds, the point mass at the label for ce and ce_data (alpha =
-    q_label, D-PACE's confidence), the stored top-k ids plus one "every other token" bucket for kl_topk."""
+    q_label, D-PACE's confidence), the stored top-k ids plus one "every other token" bucket for kl_topk.
+    topk_ids: [N, K] int64, no gradient: each row's K best drafter logits, best first (asked with `topk = K`: the
+    DFlash2 selector's candidates, SPEC §9), else None."""
 
     loss: torch.Tensor
     kl: Optional[torch.Tensor]
     draft_argmax: torch.Tensor
     teacher_argmax: torch.Tensor
     alpha: torch.Tensor
+    topk_ids: Optional[torch.Tensor] = None
 
 
 def dpace_weights(confidence: torch.Tensor, mask: torch.Tensor, dpace: DPace) -> torch.Tensor:
@@ -370,6 +373,7 @@ def lm_head_loss(
     teacher: Teacher,
     dpace: Optional[DPace] = None,
     markov: Optional[Markov] = None,
+    topk: int = 0,
 ) -> LossOutput:
     """Drafter norm + lm_head + loss against the teacher (SPEC §5), materialised logits.
 
@@ -387,7 +391,7 @@ def lm_head_loss(
                  over topk_ids [N, k] plus the rest mass 1 - sum p_i on "every other token".
     markov (DSpark, SPEC §8): the drafter logits are lm_head(norm(h)) + markov.w2 @ markov.e (`Markov`).
       tv, lk, lk_hybrid, rkl, jsd -- against p = softmax(t) as kl (`dense_row_losses`).
-    alpha: see `LossOutput`.
+    alpha: see `LossOutput`. topk > 0: also each row's top-`topk` drafter ids (`LossOutput.topk_ids`).
     """
     check_loss_inputs(h, norm_weight, lm_head_weight, weights, kind, teacher, dpace, markov)
     logits = F.linear(rms_norm(h, norm_weight, eps), lm_head_weight)
@@ -435,4 +439,5 @@ def lm_head_loss(
     denom = torch.as_tensor(normalizer, dtype=torch.float32, device=h.device).clamp(min=1)
     loss = (per_row * row_weight).sum() / denom
     kl = None if kl_row is None else (kl_row * row_weight).sum() / denom
-    return LossOutput(loss, kl, logits.argmax(-1), teacher_argmax, alpha)
+    topk_ids = logits.detach().topk(topk, dim=-1).indices if topk else None
+    return LossOutput(loss, kl, logits.argmax(-1), teacher_argmax, alpha, topk_ids)

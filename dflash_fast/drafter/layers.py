@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from dflash_fast.drafter import ops
 from dflash_fast.drafter.config import DrafterConfig
+from dflash_fast.drafter.dflash2 import DynamicConv
 from dflash_fast.target.norm import rms_norm
 
 
@@ -111,8 +112,22 @@ class DecoderLayer(nn.Module):
         self.window = cfg.sliding_window if cfg.layer_types[index] == "sliding" else None
         self.window_from = cfg.window_from
         self.causal_in_block = cfg.causal_in_block[index]
+        if cfg.conv_kernel_size:  # DFlash2 (SPEC §9): norm -> conv_in -> sublayer -> conv_out, around both sublayers
+            conv = (cfg.hidden_size, cfg.block_size, cfg.conv_kernel_size, cfg.conv_group_size)
+            self.attention_conv, self.mlp_conv = DynamicConv(*conv), DynamicConv(*conv)
+        else:
+            self.attention_conv = self.mlp_conv = None
 
     def forward(self, x, ctx, rope, blk_cos_sin, ctx_cos_sin, attn: Dict) -> torch.Tensor:
         attn = dict(attn, window=self.window, window_from=self.window_from, causal_in_block=self.causal_in_block)
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope, blk_cos_sin, ctx_cos_sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attention = lambda y: self.self_attn(y, ctx, rope, blk_cos_sin, ctx_cos_sin, attn)
+        x = x + self.sublayer(attention, self.attention_conv, self.input_layernorm(x))
+        return x + self.sublayer(self.mlp, self.mlp_conv, self.post_attention_layernorm(x))
+
+    @staticmethod
+    def sublayer(fn, conv, y: torch.Tensor) -> torch.Tensor:
+        """fn(y), or with DFlash2's convolution conv_out(fn(conv_in(y)))."""
+        if conv is None:
+            return fn(y)
+        y, delta = conv.prepare(y)
+        return conv.finish(fn(y), delta)

@@ -9,6 +9,10 @@ DSpark (SPEC §8, `markov_rank > 0` or `confidence_head`): the same backbone plu
 `dflash_fast.drafter.dspark`; the Markov bias rides in the lm_head loss (eager.Markov), the confidence head is
 trained against the acceptance rate the loss returns.
 
+DFlash2 (SPEC §9, `conv_kernel_size > 0` or `selector_rank > 0`): the convolutions live in each
+`layers.DecoderLayer`; the candidate selector (`dflash_fast.drafter.dflash2`) re-ranks the unary top-K the lm_head loss
+returns, and its K-way cross-entropy joins the loss.
+
 The three hot ops go through `dflash_fast.drafter.ops`; everything else is plain torch. Here: where every slot's teacher
 lives (`slot_targets`, `slot_teacher`), `DFlashDrafter`, the metrics' sums and `build_drafter`; the architecture is
 `drafter_config.DrafterConfig`, the decoder layer `layers.DecoderLayer`, the weights read from files `weights`.
@@ -22,10 +26,12 @@ from torch.utils.checkpoint import checkpoint
 
 from dflash_fast.drafter import ops
 from dflash_fast.drafter.config import DrafterConfig
+from dflash_fast.drafter.dflash2 import CandidateSelector, DynamicConv, selector_loss
 from dflash_fast.drafter.dspark import ConfidenceHead, MarkovHead
 from dflash_fast.drafter.eager import DENSE_KINDS, DPace, Markov, Teacher, needs_last
 from dflash_fast.drafter.layers import DecoderLayer, RMSNorm, Rope
 from dflash_fast.drafter.weights import check_drafter_fits_target, load_frozen_tensors
+from dflash_fast.errors import UserError
 
 
 def resolve_mask_token_id(vocab_size: int, mask_token_id: Optional[int] = None, tokenizer=None) -> int:
@@ -157,11 +163,14 @@ class DrafterOutput(NamedTuple):
     first_slot: int = 1  # the first slot that predicts (DrafterConfig.first_slot)
     confidence_loss: Optional[torch.Tensor] = None  # DSpark: the confidence BCE (before confidence_alpha)
     confidence: Optional[torch.Tensor] = None  # DSpark: [R, A, B] the confidence head's probability (no gradient)
+    selector_loss: Optional[torch.Tensor] = None  # DFlash2: the selector's CE (before selector_alpha)
+    recall: Optional[torch.Tensor] = None  # DFlash2: [R, A, B] bool, the teacher argmax is in the unary top-K
+    selector_hit: Optional[torch.Tensor] = None  # DFlash2: [R, A, B] bool, recall and the selector picks it
 
 
 class DFlashDrafter(nn.Module):
-    """Trainable: fc, hidden_norm, layers, norm (and DSpark's markov_head, confidence_head). Frozen buffers:
-    embed_tokens, lm_head, target_norm."""
+    """Trainable: fc, hidden_norm, layers, norm (and DSpark's markov_head, confidence_head; DFlash2's convolutions
+    in the layers and candidate_selector). Frozen buffers: embed_tokens, lm_head, target_norm."""
 
     def __init__(self, cfg: DrafterConfig, frozen_dtype: torch.dtype = torch.float32):
         """`frozen_dtype`: the dtype of embed_tokens and lm_head ([V, H] each); target_norm stays fp32."""
@@ -189,6 +198,9 @@ class DFlashDrafter(nn.Module):
             if cfg.confidence_head
             else None
         )
+        self.candidate_selector = (
+            CandidateSelector(cfg.vocab_size, h, cfg.selector_rank, cfg.selector_top_k) if cfg.selector_rank else None
+        )
         # Activation checkpointing of the layers (model.activation_checkpointing): a training choice, not architecture.
         self.checkpoint_layers = False
         self.reset_parameters()
@@ -203,6 +215,11 @@ class DFlashDrafter(nn.Module):
                 nn.init.ones_(m.weight)
         if self.markov_head is not None:
             self.markov_head.reset_parameters(std)
+        for m in self.modules():
+            if isinstance(m, DynamicConv):
+                m.reset_parameters()  # identity: a fresh DFlash2 is DFlash
+        if self.candidate_selector is not None:
+            self.candidate_selector.reset_parameters(std)
 
     def load_trainable(self, weights: Dict[str, torch.Tensor]) -> None:
         """Copy `weights` (name -> tensor, passed by check_tensors) into the trainable parameters."""
@@ -279,13 +296,15 @@ class DFlashDrafter(nn.Module):
         weighting: str = "decay",
         dpace_alpha: float = 0.5,
         confidence_alpha: float = 1.0,
+        selector_alpha: float = 1.0,
     ) -> DrafterOutput:
         """Training forward on a collated batch (keys as in dflash_fast.data.batches).
 
         weighting: "decay" (SPEC §5 position weights with `gamma`) or "dpace" (D-PACE with `dpace_alpha`,
         computed inside the loss from the drafter's confidence). DSpark (SPEC §8): loss = the main loss on the
         Markov-biased logits + confidence_alpha x the confidence head's BCE against the acceptance rate,
-        weighted with the decay whatever `weighting` is.
+        weighted with the decay whatever `weighting` is. DFlash2 (SPEC §9): loss = the main loss + selector_alpha x
+        the selector's K-way CE against the teacher argmax (`dflash2.selector_loss`), weighted like the main loss.
         """
         cfg = self.config
         anchors = batch["anchors"]
@@ -302,8 +321,10 @@ class DFlashDrafter(nn.Module):
                 f"the confidence head learns the acceptance rate sum_v min(q_v, p_v) against the full teacher: loss "
                 f"kind {loss_kind!r} has none; use one of {DENSE_KINDS} (a store with `last`)"
             )
-        markov, confidence_logit = self.dspark_heads(x, gather_rows(batch["input_ids"], targets.prev_position))
+        prev_ids = gather_rows(batch["input_ids"], targets.prev_position)
+        markov, confidence_logit = self.dspark_heads(x, prev_ids)
         teacher, stored_argmax = slot_teacher(batch, targets, loss_kind, self.target_norm, x.dtype)
+        selector = self.candidate_selector
         out = ops.lm_head_loss(
             x.reshape(n, -1),
             self.norm.weight,
@@ -315,14 +336,21 @@ class DFlashDrafter(nn.Module):
             teacher,
             dpace,
             markov=markov,
+            **({"topk": selector.top_k} if selector is not None else {}),
         )
         teacher_argmax = stored_argmax if stored_argmax is not None and loss_kind == "ce_data" else out.teacher_argmax
         loss, confidence_loss, confidence = out.loss, None, None
         if confidence_logit is not None:
             confidence_loss, confidence = confidence_terms(confidence_logit, out.alpha, decay, targets.slot_mask)
             loss = loss + confidence_alpha * confidence_loss
-        return DrafterOutput(loss, out.kl, out.draft_argmax.view(r, a, b), teacher_argmax.view(r, a, b),
-                             targets.slot_mask, out.alpha.view(r, a, b), cfg.first_slot, confidence_loss, confidence)
+        sel, draft = None, out.draft_argmax
+        if selector is not None:  # the draft is the selector's pick (SPEC §9): acc_j and tau_offline are the selector's
+            sel = selector_loss(selector, self.norm(x).reshape(n, -1), self.lm_head, prev_ids, out.topk_ids,
+                                teacher_argmax, weights.reshape(n), targets.slot_mask.sum(), dpace)
+            loss, draft = loss + selector_alpha * sel.loss, sel.draft
+        return DrafterOutput(loss, out.kl, draft.view(r, a, b), teacher_argmax.view(r, a, b),
+                             targets.slot_mask, out.alpha.view(r, a, b), cfg.first_slot, confidence_loss, confidence,
+                             *((sel.loss, sel.recall.view(r, a, b), sel.hit.view(r, a, b)) if sel else ()))
 
     def dspark_heads(self, x: torch.Tensor, prev_ids: torch.Tensor) -> Tuple[Optional[Markov], Optional[torch.Tensor]]:
         """DSpark's heads on pre-norm block states x [R, A*B, H] with the previous tokens prev_ids [R*A*B]
@@ -357,7 +385,8 @@ class DFlashDrafter(nn.Module):
         """Inference for one sequence: hidden [T, K, H_t] of positions 0..T-1 (all the target has
         processed), anchor token at position T -> greedy guesses for positions T+1..T+B-1 [B-1]
         (T+1..T+B [B] with sample_from_anchor). With a Markov head the block is drafted slot by slot,
-        each slot's bias from the token drafted for the position before its own (the anchor's token first).
+        each slot's bias from the token drafted for the position before its own (the anchor's token first); with
+        DFlash2's selector likewise, each slot's pick among its unary top-K (`selector_walk`).
         with_confidence (a drafter with a confidence head): (guesses, the head's acceptance probability of
         each guess [same length]). draw: logits [n, V] -> tokens [n] (default argmax), every drafted slot's
         token picked through it, slot by slot with a Markov head (sampling.DraftSampler samples them)."""
@@ -379,8 +408,13 @@ class DFlashDrafter(nn.Module):
         logits = F.linear(hidden_normed, self.lm_head.to(x.dtype))
         first = self.config.first_slot
         features = hidden_normed[first:]
+        if self.candidate_selector is not None and draw is not None:
+            raise UserError("sampled drafts (eval --temperature > 0) from a DFlash2 drafter's selector are not "
+                            "built yet: evaluate it at --temperature 0")
         draw = draw or (lambda slot_logits: slot_logits.argmax(-1))
-        if self.markov_head is None:
+        if self.candidate_selector is not None:
+            guesses = self.selector_walk(hidden_normed, logits, anchor_token)
+        elif self.markov_head is None:
             guesses = draw(logits[first:])
         else:
             head, shift = self.markov_head, int(self.config.sample_from_anchor)
@@ -398,6 +432,18 @@ class DFlashDrafter(nn.Module):
         if not with_confidence:
             return guesses
         return guesses, torch.sigmoid(self.confidence_head(features).float())
+
+    def selector_walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_token: int) -> torch.Tensor:
+        """SPEC §9 greedy inference of one block: hidden [B, H] (norm(x)), unary logits [B, V] -> the drafted tokens
+        [drafted_tokens]. Slot by slot, the best score among the slot's unary top-K, `prev` being the token drafted
+        for the position before the slot's own (the anchor's token for the first slot)."""
+        selector, shift = self.candidate_selector, int(self.config.sample_from_anchor)
+        tokens = [torch.tensor(anchor_token, device=logits.device)]  # tokens[m]: the token at position T + m
+        for k in range(self.config.first_slot, self.config.block_size):
+            ids = logits[k].topk(selector.top_k).indices[None]  # [1, K]
+            scores = selector.scores(hidden[k][None], self.lm_head, tokens[k + shift - 1][None], ids)
+            tokens.append(ids[0, scores[0].argmax()])
+        return torch.stack(tokens[1:])
 
 
 def slot_metrics(out: DrafterOutput) -> Dict[str, torch.Tensor]:

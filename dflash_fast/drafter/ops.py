@@ -7,7 +7,8 @@
               document_ids [R, T], block_size, window=None, causal_in_block=False,
               scale=None, window_from="anchor") -> out [R, A*B, Hq, D]
     lm_head_loss(h [N, H], norm_weight [H], lm_head_weight [V, H], weights [N],
-              kind, normalizer, eps, teacher: eager.Teacher, dpace: eager.DPace = None) -> LossOutput
+              kind, normalizer, eps, teacher: eager.Teacher, dpace: eager.DPace = None,
+              markov: eager.Markov = None, topk=0) -> LossOutput
 
 Full semantics in `dflash_fast/drafter/eager.py`. The backend is chosen per op:
 `set_backend("triton")`, `set_backend(lm_head_loss="eager")`, the config key

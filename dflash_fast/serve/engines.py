@@ -487,6 +487,9 @@ def mismatches(expected: Dict, served: Dict[str, Dict], serving_rules: bool = Fa
 
 def check_servable(cfg: DrafterConfig, fmt: str) -> None:
     """Refuse, before anything is written, a drafter that the engines of `fmt` would serve differently."""
+    if cfg.is_dflash2:
+        raise ExportError(f"the {fmt} format has no DFlash2 layout in dflash-fast yet (convolutions, candidate "
+                          f"selector: issue #39): train with export=false and evaluate the trainer's checkpoint")
     problems = mismatches(architecture(cfg), served_architectures(format_config(cfg, fmt, verifier="")))
     if fmt == "zlab":
         problems += zlab_tap_problems(cfg.layer_ids, cfg.target_num_layers)

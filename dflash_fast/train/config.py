@@ -54,6 +54,11 @@ class ModelConfig:
     markov_head_type: str = "vanilla"  # vanilla | gated | rnn
     confidence_head: bool = False  # predict each slot's acceptance rate (trained with loss.confidence_alpha)
     confidence_head_with_markov: bool = True  # the confidence head reads [hidden, W1[prev]] (needs markov_rank > 0)
+    # DFlash2 (SPEC §9, docs/dflash2.md): the DFlash backbone plus dynamic convolutions and a candidate selector.
+    conv_kernel_size: int = 0  # taps of the causal convolutions inside each block (DFlash2's default 2); 0 = none
+    conv_group_size: int = 16  # hidden channels sharing one dynamic coefficient; divides the hidden size
+    selector_rank: int = 0  # rank r of the candidate selector (DFlash2's default 256); 0 = none
+    selector_top_k: int = 16  # K unary candidates the selector re-ranks
     # An export directory (speculators or z-lab layout, ours or a published drafter) to continue training: it fixes
     # the architecture above (a key set to other than its default must agree with it) and the starting weights.
     init_from: Optional[str] = None
@@ -79,6 +84,10 @@ DRAFTER_OPTIONS = (
     "markov_head_type",
     "confidence_head",
     "confidence_head_with_markov",
+    "conv_kernel_size",
+    "conv_group_size",
+    "selector_rank",
+    "selector_top_k",
 )
 
 
@@ -128,6 +137,7 @@ class LossConfig:
     weighting: str = "decay"  # decay | dpace
     dpace_alpha: float = 0.5  # dpace: confidence smoothing s_j = (1 - alpha) c_j + alpha, in [0, 1]
     confidence_alpha: float = 1.0  # DSpark: weight of the confidence head's BCE in the loss (model.confidence_head)
+    selector_alpha: float = 1.0  # DFlash2: weight of the candidate selector's CE in the loss (model.selector_rank)
 
 
 @dataclasses.dataclass
@@ -466,6 +476,19 @@ def _check_heads_and_loss(m: ModelConfig, loss: LossConfig) -> None:
            f"model.confidence_head=true trains against the acceptance rate sum_v min(q_v, p_v), which needs the full "
            f"teacher: loss.kind={loss.kind!r} has none; use one of {DENSE_KINDS} (a store with `last`)")
     _check(loss.confidence_alpha >= 0, f"loss.confidence_alpha={loss.confidence_alpha} must be >= 0")
+    _check(loss.selector_alpha >= 0, f"loss.selector_alpha={loss.selector_alpha} must be >= 0")
+    _check(m.conv_kernel_size >= 0 and m.selector_rank >= 0,
+           f"model.conv_kernel_size={m.conv_kernel_size} and model.selector_rank={m.selector_rank} must be >= 0 "
+           f"(0 = without DFlash2's convolutions / selector)")
+    _check(not m.conv_kernel_size or 1 <= m.conv_group_size,
+           f"model.conv_group_size={m.conv_group_size} must be >= 1 (DFlash2's default 16)")
+    _check(m.conv_kernel_size <= m.block_size,
+           f"model.conv_kernel_size={m.conv_kernel_size} is more taps than a block has slots "
+           f"(model.block_size={m.block_size})")
+    _check(not m.selector_rank or m.selector_top_k >= 1, f"model.selector_top_k={m.selector_top_k} must be >= 1")
+    _check(not ((m.conv_kernel_size or m.selector_rank) and (m.markov_rank or m.confidence_head)),
+           "DFlash2 (model.conv_kernel_size, model.selector_rank) and DSpark (model.markov_rank, "
+           "model.confidence_head) are two drafter families: set one family's keys")
     kinds = ("auto",) + LOSS_KINDS
     _check(loss.kind in kinds, f"loss.kind={loss.kind!r} is not one of {kinds}")
     _check(loss.gamma > 0, f"loss.gamma={loss.gamma} must be > 0")

@@ -28,10 +28,13 @@ class Sums:
     """Sums that ranks add together before anything is divided (SPEC §6).
 
     loss_sum = sum(l * w * mask), kl_sum likewise, slots = sum(mask); acc_hits/acc_count/alpha_sum [B];
-    tau_sum, blocks; tokens (row positions), anchors (valid); nonfinite, stop: flags (> 0 on any rank).
+    tau_sum, blocks; tokens (row positions), anchors (valid); nonfinite, stop: flags (> 0 on any rank);
+    DFlash2's selector (SPEC §9): selector_slots (trained slots of a drafter with a selector), recall_hits (those
+    whose teacher argmax is in the unary top-K), selector_hits (of these, the ones the selector ranks first).
     """
 
-    NAMES = ("loss_sum", "kl_sum", "slots", "tau_sum", "blocks", "tokens", "anchors", "nonfinite", "stop")
+    NAMES = ("loss_sum", "kl_sum", "slots", "tau_sum", "blocks", "tokens", "anchors", "nonfinite", "stop",
+             "selector_slots", "recall_hits", "selector_hits")
 
     def __init__(self, block_size: int, device):
         self.b = block_size
@@ -61,6 +64,10 @@ class Sums:
         self.add("tokens", batch["input_ids"].numel())
         self.add("anchors", batch["anchor_valid"].sum())
         self.add("nonfinite", (~torch.isfinite(out.loss.detach())).double())
+        if out.recall is not None:
+            self.add("selector_slots", count)
+            self.add("recall_hits", (out.recall & out.slot_mask).sum())
+            self.add("selector_hits", (out.selector_hit & out.slot_mask).sum())
 
     def merge(self, other: "Sums") -> None:
         self.v += other.v
@@ -71,7 +78,9 @@ class Sums:
 
     def metrics(self, with_kl: bool) -> Dict[str, Optional[float]]:
         """loss, kl (kinds with a soft teacher), acc_1..acc_{B-1} and alpha_1..alpha_{B-1} (mean acceptance
-        estimate per slot; None where no slot was valid), tau_offline."""
+        estimate per slot; None where no slot was valid), tau_offline; with DFlash2's selector recall_at_k (the
+        teacher argmax among the unary top-K) and selector_acc (the selector's teacher-forced accuracy where it is:
+        speculators' teacher_forced_selector_acc)."""
         n = len(self.NAMES)
         slots = max(self["slots"], 1.0)
         out = {"loss": self["loss_sum"] / slots}
@@ -83,6 +92,9 @@ class Sums:
         for j in range(1, self.b):
             out[f"alpha_{j}"] = alphas[j] / counts[j] if counts[j] else None
         out["tau_offline"] = self["tau_sum"] / self["blocks"] if self["blocks"] else None
+        if self["selector_slots"]:
+            out["recall_at_k"] = self["recall_hits"] / self["selector_slots"]
+            out["selector_acc"] = self["selector_hits"] / self["recall_hits"] if self["recall_hits"] else None
         return out
 
 

@@ -192,7 +192,8 @@ class Trainer:
         loss = self.cfg.loss
         return self.engine(batch, loss_kind=self.loss_kind, noise_std=noise_std, seed=seed,
                            gamma=loss.gamma, weighting=loss.weighting,
-                           dpace_alpha=loss.dpace_alpha, confidence_alpha=loss.confidence_alpha)
+                           dpace_alpha=loss.dpace_alpha, confidence_alpha=loss.confidence_alpha,
+                           selector_alpha=loss.selector_alpha)
 
     def _fetch(self) -> Tuple[List[Dict[str, torch.Tensor]], List[int], float]:
         """The step's micro-batches, each one's valid slot count, and the step's count over every rank (>= 1)."""
