@@ -61,6 +61,20 @@ class Sharing(NamedTuple):
     gather: Callable[[Any], List[Any]] = lambda obj: [obj]
     barrier: Callable[[], None] = lambda: None
 
+    def on_rank0(self, fn: Callable[[], Any], errors: Tuple[type, ...]) -> Any:
+        """fn() on rank 0 (None on the others). An error of `errors` it raises is shared before anyone raises, and
+        every rank raises it: no rank is left waiting at a barrier for one that stopped."""
+        result, problem = None, None
+        if self.rank == 0:
+            try:
+                result = fn()
+            except errors as e:
+                problem = e
+        problem = self.gather(problem)[0]
+        if problem is not None:
+            raise problem
+        return result
+
 
 # ---------------------------------------------------------------- the completion marker
 
@@ -290,14 +304,30 @@ def save_checkpoint(engine, checkpoints_dir: str, step: int, client: Dict, keep_
                     sharing: Sharing = Sharing()) -> str:
     """Write the checkpoint of `step` of the DeepSpeed `engine` -> its path: DeepSpeed's files, the fp32 master
     weights, each rank's RNG state, then the marker; only the newest `keep_last` complete checkpoints stay. Every
-    rank calls it."""
+    rank calls it.
+
+    The master weights are gathered and checked (check_tensors: names, shapes, finite values) before anything is
+    written; weights its readers would refuse (a NaN) stop every rank with the same CheckpointError, decided by
+    rank 0 and shared before anyone raises, so that no rank is left waiting at a barrier for one that stopped."""
     tag = tag_of(step)
     path = os.path.join(checkpoints_dir, tag)
+    weights = master_weights(engine, sharing.rank)
+
+    def checked() -> Dict[str, torch.Tensor]:
+        cpu = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in weights.items()}
+        try:
+            check_tensors(engine.module.config, cpu, os.path.join(path, WEIGHTS), CheckpointError)
+        except CheckpointError as e:  # check_tensors lists one problem a line: one line here
+            where, *problems = str(e).split("\n  - ")
+            raise CheckpointError(f"the checkpoint of step {step} was not saved: {where} {'; '.join(problems)}") \
+                from None
+        return cpu
+
+    weights = sharing.on_rank0(checked, (CheckpointError,))
     if sharing.rank == 0 and os.path.isdir(path):
         shutil.rmtree(path)  # a save of this step that never finished (killed): its files would mix with ours
     sharing.barrier()
     engine.save_checkpoint(checkpoints_dir, tag=tag)
-    weights = master_weights(engine, sharing.rank)
     if sharing.rank == 0:
         write_weights(path, weights, engine.module.config)
     write_rng_state(path, sharing.rank)
@@ -395,7 +425,8 @@ def load_training_state(engine, load_dir: str, tag: str) -> None:
     checkpoint_engine = engine.checkpoint_engine
     checkpoint_engine.load = load  # every DeepSpeed read of the checkpoint (model, ZeRO partitions) goes through it
     try:
-        loaded, _ = engine.load_checkpoint(load_dir, tag, load_optimizer_states=True, load_lr_scheduler_states=True)
+        # The schedule is not resumed from the file: the resuming run's config governs it (optim.resume_schedule).
+        loaded, _ = engine.load_checkpoint(load_dir, tag, load_optimizer_states=True, load_lr_scheduler_states=False)
     finally:
         del checkpoint_engine.load
     if loaded is None:

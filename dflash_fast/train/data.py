@@ -4,6 +4,7 @@ stream of training micro-batches a resume continues exactly.
     open_source    data.source=store: the store at data.store; online (vllm): the target run over data.jsonl in
                    this process by transformers (by vLLM), or by `dflash-fast serve-target` at
                    data.online.address (an OnlineSource, read like a store)
+    planned_manifest  the store's layout the extraction settings give, from the target's config alone (--plan)
     open_batches   one epoch of one split (train / val) for this rank: a DataLoader over the store, or online an
                    OnlineBatches (the target forward one micro-batch ahead)
     TrainStream    the training micro-batches, epoch after epoch, from a (epoch, micro-batch) position
@@ -17,8 +18,8 @@ import torch
 from dflash_fast.data.batches import COMPUTE_DTYPE_FIELDS, make_loader, row_batches, steps_per_epoch
 from dflash_fast.data.online import OnlineBatches, OnlineSource
 from dflash_fast.drafter.eager import needs_last
-from dflash_fast.errors import UserError
-from dflash_fast.extract.plan import ExtractOptions
+from dflash_fast.errors import ConfigError, UserError
+from dflash_fast.extract.plan import ExtractOptions, plan_job
 from dflash_fast.store.reader import HiddenStateStore
 from dflash_fast.train.config import TrainConfig
 
@@ -35,7 +36,19 @@ def open_source(cfg: TrainConfig):
         raise UserError("data.source=vllm runs one vLLM engine inside a one-rank trainer; with several ranks serve "
                         "the target (`dflash-fast serve-target --engine vllm`, data.online.address=HOST:PORT) or "
                         "extract a store with `dflash-fast extract --engine vllm` (data.source=store)")
-    options = ExtractOptions(
+    try:
+        return OnlineSource(cfg.model.target, d.jsonl, extraction_options(cfg), address=n.address)
+    except (OSError, ValueError) as e:  # bad data or a missing file: exit 1, with the keys that named them
+        raise ValueError(f"data.source={d.source} over data.jsonl={d.jsonl} with model.target={cfg.model.target}: "
+                         f"{e}") from None
+
+
+def extraction_options(cfg: TrainConfig) -> ExtractOptions:
+    """The extraction an online source runs, and a store not yet extracted is planned with: model.layer_ids
+    (None: the default spread), data.online.* (max_seq_len, batch_tokens, dtype, topk, ...), `last` unless the
+    loss kind reads none."""
+    d, n = cfg.data, cfg.data.online
+    return ExtractOptions(
         layer_ids=cfg.model.layer_ids,
         max_seq_len=n.max_seq_len,
         batch_tokens=n.batch_tokens,
@@ -47,11 +60,22 @@ def open_source(cfg: TrainConfig):
         parity_every=n.parity_every,
         engine="vllm" if d.source == "vllm" else "hf",
     )
+
+
+def planned_manifest(cfg: TrainConfig) -> Dict:
+    """What a plan reads of a manifest (layer ids, the Layout's fields, the target's path) for the store
+    `dflash-fast extract` would write with extraction_options(cfg), from model.target's config alone: no store, no
+    document, no weight read (plan.plan_job without data: the layer ids checked against the target, its hidden
+    size, the dtype, the top-k, `last`)."""
+    target = cfg.model.target
     try:
-        return OnlineSource(cfg.model.target, d.jsonl, options, address=n.address)
-    except (OSError, ValueError) as e:  # bad data or a missing file: exit 1, with the keys that named them
-        raise ValueError(f"data.source={d.source} over data.jsonl={d.jsonl} with model.target={cfg.model.target}: "
-                         f"{e}") from None
+        job = plan_job(target, None, None, extraction_options(cfg), "cpu", rank=0, world_size=1)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot plan the store of model.target={target!r}: {e} (train.py: model.layer_ids, "
+                          f"data.online.dtype, data.online.topk)") from None
+    layout = job.layout
+    return {"layer_ids": job.layer_ids, "hidden_size": layout.hidden_size, "topk": layout.topk,
+            "dtype": layout.dtype, "has_last": layout.has_last, "target": {"path": target}}
 
 
 def open_batches(store, cfg: TrainConfig, rank: int, world_size: int, split: str, with_last: bool, epoch: int = 0,

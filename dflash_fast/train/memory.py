@@ -9,7 +9,9 @@ states (split over the ranks by the ZeRO stage), the frozen embedding and lm_hea
 features and every tensor autograd saves for the backward. Transient terms come and go at one moment each: the
 fused loss's chunk buffers (at the end of the forward) and the gradient temporaries of one drafter layer (in the
 backward); the peak holds the larger of them. With the target online its forward runs beside the step (on a side
-thread, on the same GPU), so its weights and its forward's activations are resident too.
+thread, on the same GPU), so its weights and its forward's activations are resident too; with data.source=vllm in
+this process, so are the device share vLLM reserves (vllm_extract.GPU_MEMORY_UTILIZATION of the device), the
+lm_head our side loads and vLLM's capture copied in; an fp8 source's quantisation is one of the forward's moments.
 
 Saved activations are those of the fused kernels (kernels/): the anchored attention saves q, k, v of the context
 and of the blocks, its output and lse (no T x T mask, no [Q, T] scores), fc-concat its pre-norm output and rstd,
@@ -42,9 +44,10 @@ from dflash_fast.drafter.eager import needs_last
 from dflash_fast.drafter.weights import trainable_shapes
 from dflash_fast.errors import UserError
 from dflash_fast.extract.capture import LOGIT_CHUNK
+from dflash_fast.extract.vllm_runner import GPU_MEMORY_UTILIZATION
 from dflash_fast.kernels.lm_head_loss import GPU_CHUNK_BYTES, GPU_ROW_ALIGN, chunk_rows
-from dflash_fast.store.format import Layout
-from dflash_fast.store.fp8 import SCALE_FIELDS
+from dflash_fast.store.format import Layout, normalise_dtype
+from dflash_fast.store.fp8 import FP8, SCALE_FIELDS
 from dflash_fast.target.load import device_memory, weight_bytes
 from dflash_fast.train.config import OnlineConfig, TrainConfig
 
@@ -76,6 +79,9 @@ class OnlineTarget:
     vocab_size: int
     forward_tokens: int  # padded tokens of one forward (data.online: max(batch_tokens, max_seq_len))
     num_tapped: int  # K, the layer ids the forward keeps
+    engine: str = "hf"  # hf: the whole target runs here; vllm: vLLM runs it, we hold its lm_head and the capture
+    fp8: bool = False  # the taps are quantised to fp8 (data.online.dtype=fp8), through fp32 copies
+    engine_bytes: int = 0  # vllm: the device share vLLM takes (gpu_memory_utilization of the device's bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,16 +239,29 @@ def layer_backward_bytes(cfg: DrafterConfig, q: int, tokens: int, e: int) -> int
 
 
 def online_forward_bytes(target: OnlineTarget, e: int, chunk: int = LOGIT_CHUNK) -> int:
-    """The online source's target forward over its forward_tokens positions (capture.TargetRunner), the larger of
-    two moments: in a decoder layer, the K tapped layers kept so far (target.LayerTaps) beside the layer's working
+    """The online source's target forward over its forward_tokens positions (capture.TargetRunner), the largest of
+    its moments: in a decoder layer, the K tapped layers kept so far (target.LayerTaps) beside the layer's working
     set (the embeddings, the layer's input, its residual and normed input [T, H], the MLP's gate, up and product
     [T, I]); then `last` [T, H] beside the teacher's chunk of `chunk` rows (capture.LOGIT_CHUNK) (fp32 logits and
     logsumexp's fp32 temporary, 8 bytes an entry; the tapped layers are on the host by then). No [T, V] logits and
-    no other layer's hidden states are kept."""
-    h, tokens = target.hidden_size, target.forward_tokens
-    forward = tokens * (target.num_tapped * h + 4 * h + 3 * target.intermediate_size) * e
-    teacher = tokens * h * e + min(chunk, tokens) * target.vocab_size * 8
-    return max(forward, teacher)
+    no other layer's hidden states are kept.
+
+    engine=vllm (vllm_extract.VllmRunner): vLLM's forward is in its own share (engine_bytes); ours holds the capture
+    copied in, its K + 1 aux layers [T, K+1, H] (`last` a view of them) and the K taps gathered out of them, then
+    the aux layers beside the teacher's chunk.
+
+    fp8 (fp8.quantize_fp8 of the taps [T, K, H], with the taps and `last` held): an fp32 copy of the taps (none
+    when they are fp32 already), x / scale and its clamp, 12 (fp32: 8) bytes an entry beside them."""
+    h, k, tokens = target.hidden_size, target.num_tapped, target.forward_tokens
+    if target.engine == "vllm":
+        held = tokens * (2 * k + 1) * h * e  # the aux layers and the taps gathered out of them
+        forward, after = held, tokens * (k + 1) * h * e
+    else:
+        forward = tokens * (k * h + 4 * h + 3 * target.intermediate_size) * e
+        held, after = tokens * (k + 1) * h * e, tokens * h * e
+    teacher = after + min(chunk, tokens) * target.vocab_size * 8
+    quantise = held + tokens * k * h * (12 if e < 4 else 8) if target.fp8 else 0
+    return max(forward, teacher, quantise)
 
 
 def step_memory(cfg: DrafterConfig, step: Step, setup: Setup) -> Plan:
@@ -255,6 +274,8 @@ def step_memory(cfg: DrafterConfig, step: Step, setup: Setup) -> Plan:
     resident = training_states(cfg, setup)
     resident["micro-batch"] = batch_bytes(step, setup)
     if setup.online is not None:
+        if setup.online.engine_bytes:
+            resident["vLLM engine (gpu_memory_utilization)"] = setup.online.engine_bytes
         resident["online target weights"] = setup.online.weight_bytes
         resident["online target forward"] = online_forward_bytes(setup.online, e)
     resident["context (fc-concat)"] = 2 * e * tokens * h + 4 * tokens
@@ -300,26 +321,36 @@ def step_of(cfg: TrainConfig) -> Step:
     return Step(cfg.data.seq_len, cfg.data.num_anchors, cfg.data.batch_rows)
 
 
-def online_target(target: str, dtype: torch.dtype, online: OnlineConfig, num_tapped: int) -> OnlineTarget:
-    """The sizes of the target a data.source=online run loads, from its config.json and safetensors headers, and
-    the number of layer ids it taps."""
+def online_target(target: str, dtype: torch.dtype, online: OnlineConfig, num_tapped: int, engine: str = "hf",
+                  limit: Optional[int] = None) -> OnlineTarget:
+    """The sizes of the target a data.source=online (engine hf) or vllm run holds on this device, from its
+    config.json and safetensors headers, and the number of layer ids it taps. vllm: our side loads the lm_head
+    alone ([V, H]; the final norm's [H] besides), and vLLM takes GPU_MEMORY_UTILIZATION of the device's `limit`
+    bytes (none known: not counted)."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(target)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    h = text.hidden_size
-    return OnlineTarget(weight_bytes(target, dtype) or 0, text.num_hidden_layers, h,
-                        getattr(text, "intermediate_size", None) or 4 * h, text.vocab_size,
-                        max(online.batch_tokens, online.max_seq_len), num_tapped)
+    h, e = text.hidden_size, dtype.itemsize
+    if engine == "vllm":
+        loaded, share = (text.vocab_size + 1) * h * e, int(GPU_MEMORY_UTILIZATION * (limit or 0))
+    else:
+        loaded, share = weight_bytes(target, dtype) or 0, 0
+    return OnlineTarget(loaded, text.num_hidden_layers, h, getattr(text, "intermediate_size", None) or 4 * h,
+                        text.vocab_size, max(online.batch_tokens, online.max_seq_len), num_tapped, engine,
+                        normalise_dtype(online.dtype) == FP8, share)
 
 
 def run_plan(cfg: TrainConfig, drafter: DrafterConfig, ds: Dict, world_size: int, dtype: torch.dtype,
-             loss_kind: str, manifest: Dict, target: str) -> Plan:
+             loss_kind: str, manifest: Dict, target: str, limit: Optional[int] = None) -> Plan:
     """The Plan of a run's step: its config, drafter, completed DeepSpeed JSON (optim.deepspeed_config), world size,
-    compute dtype, loss kind, and its store's manifest (or the online source's)."""
+    compute dtype, loss kind, and its store's manifest (or the online source's); `limit`, the device's bytes
+    (None: no device), sizes the share an in-process vLLM takes (data.source=vllm)."""
     online = None
     if cfg.data.source == "online":
         online = online_target(target, dtype, cfg.data.online, len(manifest["layer_ids"]))
+    elif cfg.data.source == "vllm" and not cfg.data.online.address:  # served elsewhere: nothing on this device
+        online = online_target(target, dtype, cfg.data.online, len(manifest["layer_ids"]), "vllm", limit)
     setup = run_setup(cfg, ds, world_size, dtype.itemsize, needs_last(loss_kind, stored_labels=True),
                       Layout.from_manifest(manifest), online)
     return step_memory(drafter, step_of(cfg), setup)

@@ -5,6 +5,7 @@
                         training hyperparameter; optimizer.kind=muon writes DeepSpeed's own Muon section
     build_engine        deepspeed.initialize with AdamW (torch's, or DeepSpeedCPUAdam under optimizer offload) or
                         Muon, and the schedule: linear warmup, then cosine (or constant) per optimizer step
+    resume_schedule     a resumed run's schedule at the resumed step: this run's config governs every step after it
     check_muon          refuses a Muon that would not orthogonalise every trainable matrix (before step 1, and
     check_muon_stepped  after the first ZeRO-0 step)
 """
@@ -107,6 +108,22 @@ def lr_multiplier(step: int, total: int, warmup: int, kind: str, min_ratio: floa
         return 1.0
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def resume_schedule(engine, step: int) -> None:
+    """After a resume at `step` (optimizer steps done): every parameter group's learning rate is this run's
+    schedule at update `step`, base_lr * lr_multiplier(step, ...), the first resumed update included.
+
+    The checkpoint's optimizer state carries the learning rate its own schedule gave that update; with a changed
+    schedule.steps, warmup or optimizer.lr the first resumed update would run at it. The scheduler's state is not
+    read from the checkpoint (checkpoint.load_training_state): the schedule is a function of the config and the
+    step alone."""
+    scheduler = engine.lr_scheduler
+    scheduler.last_epoch = step
+    lrs = [base * multiplier(step) for base, multiplier in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = lrs
 
 
 # ---------------------------------------------------------------- the optimizer

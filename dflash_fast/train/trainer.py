@@ -51,12 +51,15 @@ from dflash_fast.data.batches import derive_seed
 from dflash_fast.drafter import ops
 from dflash_fast.drafter.eager import has_kl, needs_last
 from dflash_fast.drafter.model import DrafterOutput, slot_targets
-from dflash_fast.errors import DEBUG_ENV, UserError, run_reporting_errors
+from dflash_fast.errors import DEBUG_ENV, ConfigError, UserError, run_reporting_errors
+from dflash_fast.extract.vllm_runner import GPU_MEMORY_UTILIZATION
 from dflash_fast.lock import output_lock
 from dflash_fast.serve.engines import ENGINES
 from dflash_fast.serve.export import export_drafter
 from dflash_fast.store.format import torch_dtype
+from dflash_fast.train.build_lock import check_build_locks
 from dflash_fast.train.checkpoint import (
+    CheckpointError,
     find_resume,
     load_training_state,
     restore_rng_state,
@@ -65,7 +68,15 @@ from dflash_fast.train.checkpoint import (
     set_aside_newer,
 )
 from dflash_fast.train.config import TrainConfig, load_config
-from dflash_fast.train.data import TrainStream, close_batches, data_identity, open_batches, open_source, to_device
+from dflash_fast.train.data import (
+    TrainStream,
+    close_batches,
+    data_identity,
+    open_batches,
+    open_source,
+    planned_manifest,
+    to_device,
+)
 from dflash_fast.train.distributed import gathered_state, init_distributed, quiet_deepspeed, resolve_precision, sharing
 from dflash_fast.train.memory import check_fits, device_bytes, gib, largest_fitting, run_plan, step_of
 from dflash_fast.train.metrics import (
@@ -79,7 +90,7 @@ from dflash_fast.train.metrics import (
     val_record,
 )
 from dflash_fast.train.model import build_run_drafter, export_format, planned_drafter_config, resolve_loss_kind
-from dflash_fast.train.optim import build_engine, check_muon_stepped, deepspeed_config, total_steps
+from dflash_fast.train.optim import build_engine, check_muon_stepped, deepspeed_config, resume_schedule, total_steps
 
 _NOISE_STREAM = 101  # derive_seed stream tag of the hidden-state noise, apart from batches.py's tags
 
@@ -118,8 +129,9 @@ class Trainer:
         # No register_external_parameter for fc, hidden_norm and norm (read by DFlashDrafter.forward, not by their
         # own forward): ZeRO-3 detects such reads and gathers the parameters itself.
         self.zero_stage = ds.get("zero_optimization", {}).get("stage", 0)
-        plan = run_plan(cfg, drafter.config, ds, world_size, self.dtype, self.loss_kind, manifest, self.target)
-        self.log(check_fits(plan, device_memory, cfg))
+        limit = device_bytes() if device_memory is None else device_memory
+        plan = run_plan(cfg, drafter.config, ds, world_size, self.dtype, self.loss_kind, manifest, self.target, limit)
+        self.log(check_fits(plan, limit, cfg))
         num_params = sum(p.numel() for p in drafter.parameters())
         self.stream = TrainStream(self.store, cfg, rank, world_size, with_last=self.with_last)
         self.total_steps = total_steps(cfg.schedule, self.stream.per_epoch)
@@ -170,14 +182,18 @@ class Trainer:
         client = {"step": self.step, "epoch": epoch, "micro_batch": index, "data": self.data_identity,
                   "drafter": self.engine.module.config.to_dict(), "verifier": self.target,
                   "loss_kind": self.loss_kind, "config": self.cfg.to_dict()}
-        self.last_checkpoint = save_checkpoint(self.engine, self.checkpoints_dir, self.step, client,
-                                               self.cfg.checkpoint.keep_last, self.sharing)
+        try:
+            self.last_checkpoint = save_checkpoint(self.engine, self.checkpoints_dir, self.step, client,
+                                                   self.cfg.checkpoint.keep_last, self.sharing)
+        except CheckpointError as e:  # every rank raises it (save_checkpoint decides on rank 0 and shares it)
+            raise UserError(f"{e}; {resume_hint(self.last_checkpoint, self.sharing)}") from None
         self.saved_step = self.step
         self.log(f"checkpoint {self.last_checkpoint}")
 
     def _resume(self, load_dir: str, tag: str, client: Dict) -> None:
         load_training_state(self.engine, load_dir, tag)
         self.step = self.saved_step = client["step"]
+        resume_schedule(self.engine, self.step)
         self.stream = TrainStream(self.store, self.cfg, self.rank, self.world_size, self.with_last, client["epoch"],
                                   client["micro_batch"])
         restore_rng_state(os.path.join(load_dir, tag), self.rank)
@@ -263,14 +279,12 @@ class Trainer:
         """Gather the 16-bit (or fp32) module weights from every ZeRO-3 partition; rank 0 writes OUT/export."""
         module = self.engine.module
         state = gathered_state(module, self.rank, self.zero_stage)
-        path = None
-        if self.rank == 0:
-            path = export_drafter(module, os.path.join(self.out_dir, "export"), self.target,
-                                  torch_dtype(self.cfg.export_dtype), state_dict=state, fmt=self.export_format)
-            engines = " and ".join(ENGINES[self.export_format])
-            self.log(f"exported the drafter to {path} ({self.export_format} format, {self.cfg.export_dtype}; gated: "
-                     f"read back as {engines} read it, same architecture and logits)")
-        dist.barrier()
+        path = self.sharing.on_rank0(  # an error is every rank's (errors.py: what ends a run in one line)
+            lambda: export_drafter(module, os.path.join(self.out_dir, "export"), self.target,
+                                   torch_dtype(self.cfg.export_dtype), state_dict=state, fmt=self.export_format),
+            (UserError, ValueError, OSError))
+        self.log(f"exported the drafter to {path} ({self.export_format} format, {self.cfg.export_dtype}; gated: "
+                 f"read back as {' and '.join(ENGINES[self.export_format])} read it, same architecture and logits)")
         return path
 
     # ---- the loop
@@ -337,6 +351,9 @@ class Trainer:
 
 def train(cfg: TrainConfig, device_memory: Optional[int] = None) -> Dict:
     """Run one training job (this process is one rank); see Trainer.run for the result."""
+    if not dist.is_initialized():  # DeepSpeed's start-up loads its JIT-built ops: a stale build lock hangs it
+        first = os.environ.get("RANK", "0") == "0"
+        check_build_locks(say=lambda line: print(f"[dflash-fast] {line}", file=sys.stderr) if first else None)
     quiet_deepspeed()
     rank, world_size = init_distributed()
     with output_lock(cfg.output_dir, rank):  # one run writes an output directory at a time
@@ -346,24 +363,37 @@ def train(cfg: TrainConfig, device_memory: Optional[int] = None) -> Dict:
 def plan(cfg: TrainConfig, device_memory: Optional[int] = None) -> str:
     """`train.py --plan`: the memory plan of one step per rank (dflash_fast/train/memory.py) and, against the GPU (or
     `device_memory`), whether it fits and the largest data.seq_len and data.num_anchors that do. Nothing is
-    trained, no weight is read (online, the target is loaded to read the documents)."""
+    trained, no weight and no document is read: the store's layout is its manifest's, or, online and for a store
+    not extracted yet, the one the extraction settings give on model.target (data.planned_manifest)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    source = open_source(cfg)
-    manifest = source.manifest
+    d = cfg.data
+    extracted = d.source == "store" and os.path.exists(d.store)
+    if not extracted and not cfg.model.target:
+        raise ConfigError(f"data.store={d.store} does not exist: extract it first, or pass model.target=TARGET to "
+                          f"plan from the target's config and the extraction settings (docs/memory.md)")
+    manifest = open_source(cfg).manifest if extracted else planned_manifest(cfg)
     target = cfg.model.target or manifest["target"]["path"]
     precision, dtype = resolve_precision(cfg.precision)
     loss_kind = resolve_loss_kind(cfg.loss.kind, manifest)
     drafter = planned_drafter_config(cfg, manifest, target)
     ds = deepspeed_config(cfg.deepspeed, cfg, precision)
-    memory = run_plan(cfg, drafter, ds, world_size, dtype, loss_kind, manifest, target)
-    d = cfg.data
+    limit = device_bytes() if device_memory is None else device_memory
+    memory = run_plan(cfg, drafter, ds, world_size, dtype, loss_kind, manifest, target, limit)
     lines = [f"memory plan per rank: {world_size} rank(s), ZeRO-{ds.get('zero_optimization', {}).get('stage', 0)}, "
              f"{cfg.optimizer.kind}, {precision}, loss {loss_kind}; a micro-batch of {d.batch_rows} row(s) of "
              f"data.seq_len={d.seq_len} tokens, data.num_anchors={d.num_anchors}; activation checkpointing "
-             f"{'on' if cfg.model.activation_checkpointing else 'off'}", memory.lines()]
-    limit = device_bytes() if device_memory is None else device_memory
+             f"{'on' if cfg.model.activation_checkpointing else 'off'}"]
+    if not extracted:
+        source = "of the store not extracted yet" if d.source == "store" else f"data.source={d.source}"
+        lines.append(f"hidden states ({source}): layer ids {manifest['layer_ids']}, {manifest['dtype']}, top-k "
+                     f"{manifest['topk']}, `last` {'kept' if manifest['has_last'] else 'not kept'}, from "
+                     f"{target}'s config, model.layer_ids and data.online.dtype / data.online.topk")
+    lines.append(memory.lines())
     if limit is None:
         lines.append("no GPU here: nothing to fit (pass --device-memory BYTES to plan for a GPU, e.g. 141e9)")
+        if memory.setup.online is not None and memory.setup.online.engine == "vllm":
+            lines.append(f"not counted without a device: the share of it vLLM takes (gpu_memory_utilization="
+                         f"{GPU_MEMORY_UTILIZATION}); --device-memory counts it")
         return "\n".join(lines)
     longest, most = largest_fitting(drafter, step_of(cfg), memory.setup, limit)
     lines += [f"device memory {limit:,} bytes ({gib(limit)}): {'fits' if memory.peak <= limit else 'does NOT fit'}",
