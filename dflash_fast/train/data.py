@@ -46,6 +46,8 @@ def open_source(cfg: TrainConfig):
         skip_bad=n.skip_bad,
         parity_every=n.parity_every,
         engine="vllm" if d.source == "vllm" else "hf",
+        split=d.split,
+        max_samples=d.max_samples or None,
     )
     try:
         return OnlineSource(cfg.model.target, d.jsonl, options, address=n.address)

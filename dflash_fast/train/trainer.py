@@ -30,6 +30,7 @@ Run directory `output_dir` (OUT):
                                      marker dflash_fast.json (client state, every file's sha256): checkpoint.py
     OUT/export/                      the gated export (speculators layout, or zlab when only it serves the drafter)
     OUT/tensorboard/                 with logging.tensorboard=true
+    OUT/provenance.json              config, code version and commit, data identity, target config hash (trackers.py)
 
 Without a launcher (`python train.py ...`) the run is a world of one process;
 under `deepspeed` (or `torchrun`) every rank runs it. `train(cfg)` runs one job
@@ -54,9 +55,11 @@ from dflash_fast.drafter.eager import has_kl, needs_last
 from dflash_fast.drafter.model import DrafterOutput, slot_targets
 from dflash_fast.errors import DEBUG_ENV, UserError, run_reporting_errors
 from dflash_fast.lock import output_lock
+from dflash_fast.model_card import model_card, read_provenance
 from dflash_fast.serve.engines import ENGINES
 from dflash_fast.serve.export import export_drafter
 from dflash_fast.store.format import torch_dtype
+from dflash_fast.trackers import open_trackers, provenance, write_provenance
 from dflash_fast.train.checkpoint import (
     find_resume,
     load_training_state,
@@ -125,7 +128,7 @@ class Trainer:
         if resume is not None:
             self._resume(*resume)
         self._log_setup(manifest, num_params, optimizer_line)
-        self.metrics = self._prepare_output()
+        self.metrics = self._prepare_output(manifest)
 
     # ---- output
 
@@ -147,13 +150,19 @@ class Trainer:
                  f"{d.seq_len} tokens per step; "
                  f"{self.stream.per_epoch} micro-batches per epoch per rank; {self.total_steps} steps")
 
-    def _prepare_output(self) -> MetricsLog:
-        """OUT/config.yaml (the resolved config), and OUT/metrics.jsonl kept up to the resumed step."""
+    def _prepare_output(self, manifest: Dict) -> MetricsLog:
+        """OUT/config.yaml (the resolved config), OUT/provenance.json, the W&B / MLflow runs (trackers.py), and
+        OUT/metrics.jsonl kept up to the resumed step."""
+        trackers = []
         if self.rank == 0:
             os.makedirs(self.out_dir, exist_ok=True)
             with open(os.path.join(self.out_dir, "config.yaml"), "w") as f:
                 yaml.safe_dump(self.cfg.to_dict(), f, sort_keys=False)
-        return MetricsLog(self.out_dir, self.step, self.cfg.logging.tensorboard, writer=self.rank == 0)
+            record = provenance(self.cfg.to_dict(), manifest, self.data_identity, self.step, self.world_size)
+            write_provenance(self.out_dir, record)
+            trackers = open_trackers(self.cfg.logging, self.out_dir, record, self.step)
+        return MetricsLog(self.out_dir, self.step, self.cfg.logging.tensorboard, writer=self.rank == 0,
+                          trackers=trackers)
 
     # ---- checkpoints
 
@@ -264,8 +273,12 @@ class Trainer:
         state = gathered_state(module, self.rank, self.zero_stage)
         path = None
         if self.rank == 0:
-            path = export_drafter(module, os.path.join(self.out_dir, "export"), self.target,
-                                  torch_dtype(self.cfg.export_dtype), state_dict=state, fmt=self.export_format)
+            out = os.path.abspath(os.path.join(self.out_dir, "export"))
+            card = model_card(module.config, self.target, self.export_format, out,
+                              {"step": self.step, "loss_kind": self.loss_kind, "config": self.cfg.to_dict()},
+                              read_provenance(self.out_dir))
+            path = export_drafter(module, out, self.target, torch_dtype(self.cfg.export_dtype), state_dict=state,
+                                  fmt=self.export_format, card=card)
             engines = " and ".join(ENGINES[self.export_format])
             self.log(f"exported the drafter to {path} ({self.export_format} format, {self.cfg.export_dtype}; gated: "
                      f"read back as {engines} read it, same architecture and logits)")
