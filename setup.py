@@ -29,7 +29,12 @@ setup(
         "pyyaml",
     ],
     extras_require={
-        "test": ["pytest", "matplotlib", "tensorboard", "ruff"],
+        "test": ["pytest", "matplotlib", "tensorboard", "ruff", "datasets", "wandb", "mlflow-skinny"],
+        # Hugging Face datasets as --data (dflash_fast/target/datasets_in.py): a saved dataset, parquet, arrow, a hub id
+        "datasets": ["datasets"],
+        # experiment trackers beside TensorBoard (logging.wandb, logging.mlflow; dflash_fast/train/trackers.py)
+        "wandb": ["wandb"],
+        "mlflow": ["mlflow"],
         "plot": ["matplotlib"],
         "gpu": ["flash-attn", "liger-kernel"],
         # vLLM on a CPU, for `--engine vllm` and tests/test_vllm.py, in a venv of its own (docs/vllm.md): it pins

@@ -368,7 +368,11 @@ def _layer_ids_arg(text):
 def add_arguments(parser) -> None:
     p = parser
     add_target_arguments(p)
-    p.add_argument("--data", required=True, help="JSONL: {conversations: [...]}, {text: ...} or {input_ids, loss_mask}")
+    p.add_argument("--data", required=True,
+                   help="JSONL ({conversations: [...]}, {text: ...} or {input_ids, loss_mask}), or a Hugging Face "
+                        "dataset: a save_to_disk directory, a .parquet / .arrow file or a hub id (docs/extraction.md)")
+    p.add_argument("--split", default="train", help="the split of a Hugging Face dataset (default train)")
+    p.add_argument("--max-samples", type=int, default=None, help="read only the first N records / rows")
     p.add_argument("--out", required=True, help="store directory (re-run the same command to resume)")
     p.add_argument("--batch-tokens", type=int, default=16384, help="padded tokens per forward (default 16384)")
     p.add_argument("--shard-tokens", type=int, default=None, help="tokens per shard (default: about 1 GiB)")
@@ -406,5 +410,6 @@ def run(args) -> int:
         batch_tokens=args.batch_tokens, dtype=args.dtype, shard_tokens=args.shard_tokens, topk=args.topk,
         no_last=args.no_last, skip_bad=args.skip_bad, trust_remote_code=args.trust_remote_code,
         parity_every=args.parity_every, engine=args.engine, tensor_parallel_size=args.tensor_parallel_size,
+        split=args.split, max_samples=args.max_samples,
     )
     return 0

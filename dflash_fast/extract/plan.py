@@ -80,6 +80,8 @@ class ExtractOptions:
     parity_every: int = 50
     engine: str = "hf"  # hf: transformers in this process; vllm: dflash_fast.extract.vllm_runner
     tensor_parallel_size: int = 1  # vllm only
+    split: str = "train"  # a Hugging Face dataset's split (datasets_in); JSONL has none
+    max_samples: Optional[int] = None  # read only the first N records (JSONL lines or dataset rows)
 
     def __post_init__(self):
         if self.topk < 1:
@@ -140,7 +142,8 @@ def plan_job(target: str, data: Optional[str], out: Optional[str], options: Extr
         examples, stats, data_sha = [], InputStats(), None
     else:
         examples, stats, data_sha = read_examples(
-            data, ChatTokenizer(tokenizer, vocab_size), options.max_seq_len, options.skip_bad, rank, world_size
+            data, ChatTokenizer(tokenizer, vocab_size), options.max_seq_len, options.skip_bad, rank, world_size,
+            options.split, options.max_samples,
         )
     identity = {
         "schema_version": layout.schema_version,
@@ -179,7 +182,7 @@ def job_manifest(job: Job, runner: "TargetRunner") -> dict:
         extraction={
             "job": job.id,
             "engine": job.options.engine,
-            "data": os.path.abspath(job.data),
+            "data": os.path.abspath(job.data) if os.path.exists(job.data) else job.data,  # else a hub id
             **{k: job.identity[k] for k in ("data_sha256", "max_seq_len", "shard_tokens", "world_size")},
         },
     )

@@ -148,12 +148,14 @@ def regenerate(
     trust_remote_code: bool = False,
     progress: bool = True,
     engine: str = "hf",
+    split: str = "train",
 ) -> Dict:
     """Write the target's responses to the prompts in `data` into `out` (JSONL); resume a partial `out`.
 
     temperature 0 is greedy decoding; above 0, sampling with `top_p` and `top_k` (0 = off), seeded per batch by `seed`.
     engine: "hf" (transformers' generate) or "vllm" (dflash_fast.evaluate.vllm); every record says which and with
-    what settings (`sampling`). Returns {"out", "prompts", "written", "skipped", "finished"} (finished: responses that
+    what settings (`sampling`). `data` may be a Hugging Face dataset (its `split`; datasets_in).
+    Returns {"out", "prompts", "written", "skipped", "finished"} (finished: responses that
     ended at eos).
     """
     from tqdm import tqdm
@@ -168,7 +170,7 @@ def regenerate(
             f"need temperature >= 0 (0 = greedy), top_p in (0, 1], top_k >= 0; got {temperature}, {top_p}, {top_k}"
         )
     check_target(target)
-    prompts = read_prompts(data, num_prompts)
+    prompts = read_prompts(data, num_prompts, split)
     done = read_done(out, prompts)
     summary = {"out": out, "prompts": len(prompts), "written": 0, "skipped": len(done), "finished": 0}
     if len(done) == len(prompts):
@@ -225,8 +227,10 @@ def add_arguments(parser) -> None:
     p = parser
     p.add_argument("--target", required=True, help="Hugging Face causal LM: local directory or hub id")
     p.add_argument(
-        "--data", required=True, help="prompts JSONL: {conversations: [...]} (last turn the user's) or {text: ...}"
+        "--data", required=True, help="prompts JSONL: {conversations: [...]} (last turn the user's) or {text: ...}; "
+                                      "or a Hugging Face dataset (save_to_disk directory, .parquet, .arrow, hub id)"
     )
+    p.add_argument("--split", default="train", help="the split of a Hugging Face dataset (default train)")
     p.add_argument("--out", required=True, help="output JSONL (re-run the same command to resume)")
     p.add_argument("--batch-size", type=int, default=8, help="prompts per generate call (default 8)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="response length limit (default 256)")
@@ -234,7 +238,8 @@ def add_arguments(parser) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass when sampling (default 1.0)")
     p.add_argument("--top-k", type=int, default=0, help="top-k cut when sampling, 0 = off (default)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    p.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
+    p.add_argument("--num-prompts", "--max-samples", type=int, default=None, dest="num_prompts",
+                   help="use only the first N prompts (records / dataset rows)")
     p.add_argument("--engine", choices=ENGINES, default="hf",
                    help="hf: transformers' generate (default); vllm: vLLM (docs/vllm.md), for large prompt sets")
     add_model_arguments(p)

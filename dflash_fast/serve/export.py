@@ -33,6 +33,7 @@ from dflash_fast.serve.engines import (
     served_architectures,
 )
 from dflash_fast.serve.layouts import CONFIG_SCHEMAS, ExportError, export_format, format_config
+from dflash_fast.serve.model_card import CARD
 from dflash_fast.store.format import write_json_atomic
 
 WEIGHTS = "model.safetensors"
@@ -202,7 +203,7 @@ def _is_replaceable(path: str) -> bool:
     if not os.path.isdir(path):
         return False
     names = set(os.listdir(path))
-    return not names or ("config.json" in names and names <= {"config.json", WEIGHTS, WEIGHTS_INDEX})
+    return not names or ("config.json" in names and names <= {"config.json", WEIGHTS, WEIGHTS_INDEX, CARD})
 
 
 def export_drafter(
@@ -213,11 +214,13 @@ def export_drafter(
     state_dict: Optional[Dict[str, torch.Tensor]] = None,
     fmt: str = "speculators",
     warn: Callable[[str], None] = stderr_line,
+    card: Optional[str] = None,
 ) -> str:
     """Write OUT/config.json and OUT/model.safetensors in `fmt`, gated: written into a temporary directory beside
     OUT, read back as the serving engines read it, and renamed to OUT only when it passes; nothing is left behind
     on failure. `state_dict` overrides the module's own weights (e.g. gathered from ZeRO-3). An engine that serves
-    another SERVING_RULES rule than the drafter trained with is warned of (one line each). Returns out_dir."""
+    another SERVING_RULES rule than the drafter trained with is warned of (one line each). `card`: the text of
+    OUT/README.md (model_card), written with the rest. Returns out_dir."""
     from safetensors.torch import save_file
 
     cfg = drafter.config
@@ -238,6 +241,9 @@ def export_drafter(
         with open(os.path.join(tmp, WEIGHTS), "rb") as f:
             os.fsync(f.fileno())
         write_json_atomic(os.path.join(tmp, "config.json"), format_config(cfg, fmt, verifier))
+        if card is not None:
+            with open(os.path.join(tmp, CARD), "w") as f:
+                f.write(card)
         gate(tmp, cfg, tensors)
         old = None
         if os.path.exists(out_dir):

@@ -16,6 +16,7 @@ from typing import Dict, List, Optional, Sequence, Union
 import torch
 
 from dflash_fast.store.format import torch_dtype
+from dflash_fast.target.datasets_in import dataset_rows, is_dataset, to_record
 from dflash_fast.target.load import load_target
 from dflash_fast.target.text import KNOWN_ROLES, ROLE_ALIASES, TextError, on_text, text_problem
 
@@ -45,19 +46,26 @@ def _messages(turns, where: str) -> List[Dict[str, str]]:
         problem = text_problem(content)
         if problem:
             raise ValueError(f"{where}: the content of turn {i} {problem}")
-        messages.append({"role": role, "content": content})
+        message = {"role": role, "content": content}
+        if isinstance(t.get("tool_calls"), list):  # an earlier assistant turn's calls: part of the prompt
+            message["tool_calls"] = t["tool_calls"]
+        messages.append(message)
     users = [i for i, m in enumerate(messages) if m["role"] == "user"]
     if not users:
         raise ValueError(f"{where}: the conversation has no user turn to respond to")
     return messages[: users[-1] + 1]
 
 
-def read_prompts(data: Union[str, Sequence[Dict]], num_prompts: Optional[int] = None) -> List[Prompt]:
-    """Prompts from a JSONL path or a list of records; blank lines are not records.
+def read_prompts(data: Union[str, Sequence[Dict]], num_prompts: Optional[int] = None,
+                 split: str = "train") -> List[Prompt]:
+    """Prompts from a JSONL path, a Hugging Face dataset (datasets_in: rows of `split`, mapped by their preset) or
+    a list of records; blank lines are not records.
 
-    Every record is checked before any model loads; a bad one raises with its line number.
+    Every record is checked before any model loads; a bad one raises with its line number (or row).
     """
-    if isinstance(data, (str, os.PathLike)):
+    if isinstance(data, (str, os.PathLike)) and is_dataset(data):
+        records = [(where, to_record(row)) for where, row in dataset_rows(str(data), split, num_prompts)]
+    elif isinstance(data, (str, os.PathLike)):
         records = []
         with open(data) as f:
             for line_no, line in enumerate(f, 1):
@@ -97,7 +105,7 @@ def encode_prompt(tokenizer, prompt: Prompt) -> List[int]:
                     "the target's tokenizer has no chat template; give {'text': ...} prompts instead of conversations"
                 )
             text = on_text("the chat template", tokenizer.apply_chat_template, prompt.messages, tokenize=False,
-                           add_generation_prompt=True)
+                           add_generation_prompt=True, tools=prompt.record.get("tools"))
             ids = on_text("the tokenizer", tokenizer, text, add_special_tokens=False)["input_ids"]
         else:
             ids = on_text("the tokenizer", tokenizer, prompt.text, add_special_tokens=True)["input_ids"]

@@ -1,10 +1,11 @@
 """JSONL records -> tokenized documents: what `dflash-fast extract` (and the online mode) feeds the target.
 
 Three record formats, mixed freely: `{"conversations": [{role, content}, ...]}` rendered with the target's chat
-template, with `loss_mask` 1 exactly on what the assistant generates; `{"text": ...}`, every token trained; and
+template (with the record's `"tools"`, and assistant `tool_calls`, when it has them), with `loss_mask` 1 exactly on
+what the assistant generates; `{"text": ...}`, every token trained; and
 `{"input_ids": [...], "loss_mask": [...]}` taken as is. A malformed line stops the run naming `FILE:LINE` (or is
 counted with --skip-bad); over-long documents are truncated and counted; records without a trainable token are
-skipped and counted by reason (InputStats).
+skipped and counted by reason (InputStats). A Hugging Face dataset (datasets_in) yields the same records, one a row.
 """
 import hashlib
 import json
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dflash_fast.target.datasets_in import NoPreset, dataset_rows, is_dataset, to_record
 from dflash_fast.target.text import KNOWN_ROLES, ROLE_ALIASES, TextError, on_text, text_problem
 
 
@@ -88,8 +90,9 @@ class ChatTokenizer:
         self._special = sorted((t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
                                 if t.special), key=len, reverse=True)
 
-    def _render(self, messages, generation_prompt=False) -> str:
-        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    def _render(self, messages, generation_prompt=False, tools=None) -> str:
+        return self.tok.apply_chat_template(messages, tools=tools, tokenize=False,
+                                            add_generation_prompt=generation_prompt)
 
     def generation_prompt(self) -> str:
         """The text add_generation_prompt appends, e.g. '<|im_start|>assistant\n' or harmony's '<|start|>assistant'."""
@@ -110,7 +113,7 @@ class ChatTokenizer:
             self._turn_suffix = text[text.index(marker) + len(marker):] if marker in text else ""
         return self._turn_suffix
 
-    def _assistant_spans(self, messages, text):
+    def _assistant_spans(self, messages, text, tools=None):
         spans, cursor = [], 0
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
@@ -119,8 +122,8 @@ class ChatTokenizer:
                 cursor = found + len(m["content"]) if found >= 0 else cursor
                 continue
             try:
-                head = self._render(messages[:i], generation_prompt=True)
-                upto = self._render(messages[: i + 1])
+                head = self._render(messages[:i], generation_prompt=True, tools=tools)
+                upto = self._render(messages[: i + 1], tools=tools)
             except Exception:  # templates reject partial chats in their own ways: use the search below
                 head = upto = None
             if head is not None and text.startswith(upto) and upto.startswith(head) and len(upto) > len(head):
@@ -147,9 +150,12 @@ class ChatTokenizer:
             cursor = end
         return spans
 
-    def conversation(self, turns) -> Example:
+    def conversation(self, turns, tools=None) -> Example:
+        """`tools`: the function definitions the chat template renders (a record's "tools"), or None."""
         if not isinstance(turns, list) or not turns:
             raise BadLine("'conversations' must be a non-empty list of {role, content} objects")
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise BadLine("'tools' must be a list of function-definition objects")
         messages = []
         for i, t in enumerate(turns):
             if not isinstance(t, dict):
@@ -167,8 +173,10 @@ class ChatTokenizer:
             if role == "assistant":
                 # Reasoning as the template takes it: `thinking` (gpt-oss's analysis channel), `reasoning_content`.
                 message.update((k, t[k]) for k in REASONING_KEYS if isinstance(t.get(k), str))
+                if isinstance(t.get("tool_calls"), list):  # rendered by the template, trained as the reply
+                    message["tool_calls"] = t["tool_calls"]
             for key, value in message.items():
-                problem = text_problem(value)
+                problem = None if key == "tool_calls" else text_problem(value)
                 if problem:
                     raise BadLine(f"the {key} of turn {i} {problem}")
             messages.append(message)
@@ -176,8 +184,8 @@ class ChatTokenizer:
             raise Skip("no assistant turn")
         if not getattr(self.tok, "is_fast", False):
             raise ValueError("conversations need a fast (Rust) tokenizer for character offsets; the target's is slow")
-        text = on_text("the chat template", self._render, messages)
-        spans = self._assistant_spans(messages, text)
+        text = on_text("the chat template", self._render, messages, tools=tools)
+        spans = self._assistant_spans(messages, text, tools)
         enc = on_text("the tokenizer", self.tok, text, add_special_tokens=False, return_offsets_mapping=True)
         starts = np.array([s for s, _ in enc["offset_mapping"]], dtype=np.int64)
         mask = np.zeros(len(starts), dtype=bool)
@@ -211,7 +219,7 @@ class ChatTokenizer:
         if media:
             raise BadLine(f"the record holds {media[0]!r}; {IMAGES_UNSUPPORTED}")
         if "conversations" in record:
-            return self.conversation(record["conversations"])
+            return self.conversation(record["conversations"], record.get("tools"))
         if "text" in record:
             return self.text(record["text"])
         if "input_ids" in record:
@@ -219,52 +227,75 @@ class ChatTokenizer:
         raise BadLine("expected a 'conversations', 'text' or 'input_ids' key")
 
 
-def read_examples(path, tokenizer: ChatTokenizer, max_seq_len, skip_bad=False, rank=0, world_size=1):
-    """Tokenize this rank's records of a JSONL file (every `world_size`-th non-blank line).
+def _jsonl_records(path, digest, max_samples=None):
+    """(FILE:LINE, read) of each non-blank line of a JSONL file (the first `max_samples`); `digest` takes the bytes
+    read. read() parses the line, raising BadLine."""
+    def parse(raw):
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise BadLine(f"not valid JSON ({e})") from None
+        except RecursionError:
+            raise BadLine("not valid JSON (nested too deeply to parse)") from None
 
-    Returns (examples, InputStats, sha256 of the whole file). Over-long
+    records = 0
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            if max_samples is not None and records >= max_samples:
+                return
+            digest.update(raw)
+            if raw.strip():
+                records += 1
+                yield f"{path}:{line_no}", lambda raw=raw: parse(raw)
+
+
+def _dataset_records(data, digest, split, max_samples):
+    """(where, read) of each row of a Hugging Face dataset (datasets_in); `digest` takes each row as sorted JSON,
+    the dataset's identity. read() maps the row through its preset, raising NoPreset."""
+    for where, row in dataset_rows(data, split, max_samples):
+        digest.update(json.dumps(row, sort_keys=True, default=str).encode() + b"\n")
+        yield where, lambda row=row: to_record(row)
+
+
+def read_examples(path, tokenizer: ChatTokenizer, max_seq_len, skip_bad=False, rank=0, world_size=1, split="train",
+                  max_samples=None):
+    """Tokenize this rank's records of a JSONL file (every `world_size`-th non-blank line) or of a Hugging Face
+    dataset (datasets_in.is_dataset: rows of `split`, mapped by their preset); at most the first `max_samples`.
+
+    Returns (examples, InputStats, sha256 of the data read). Over-long
     sequences are truncated to `max_seq_len` and counted; records without any
     trainable token are skipped and counted by reason.
     """
     stats, examples, digest = InputStats(), [], hashlib.sha256()
     record_no = 0
-    with open(path, "rb") as f:
-        for line_no, raw in enumerate(f, 1):
-            digest.update(raw)
-            if not raw.strip():
-                continue
-            record_no += 1
-            if (record_no - 1) % world_size != rank:
-                continue
-            stats.lines += 1
-            try:
-                try:
-                    record = json.loads(raw)
-                except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                    raise BadLine(f"not valid JSON ({e})") from None
-                except RecursionError:
-                    raise BadLine("not valid JSON (nested too deeply to parse)") from None
-                ex = tokenizer.record(record)
-            except (BadLine, TextError) as e:
-                if not skip_bad:
-                    raise BadLine(f"{path}:{line_no}: {e}; fix the line or pass --skip-bad to skip such lines") \
-                        from None
-                stats.bad_lines += 1
-                continue
-            except Skip as e:
-                stats.skipped[str(e)] += 1
-                continue
-            if len(ex.input_ids) > max_seq_len:
-                ex = Example(ex.input_ids[:max_seq_len], ex.loss_mask[:max_seq_len])
-                stats.truncated += 1
-            if len(ex.input_ids) == 0:
-                stats.skipped["empty after tokenization"] += 1
-                continue
-            if not ex.loss_mask.any():
-                stats.skipped["no loss tokens (after truncation)"] += 1
-                continue
-            examples.append(ex)
-            stats.sequences += 1
+    records = (_dataset_records(path, digest, split, max_samples) if is_dataset(path)
+               else _jsonl_records(path, digest, max_samples))
+    for where, read in records:
+        record_no += 1
+        if (record_no - 1) % world_size != rank:
+            continue
+        stats.lines += 1
+        try:
+            ex = tokenizer.record(read())
+        except (BadLine, NoPreset, TextError) as e:
+            if not skip_bad:
+                raise BadLine(f"{where}: {e}; fix the line or pass --skip-bad to skip such lines") from None
+            stats.bad_lines += 1
+            continue
+        except Skip as e:
+            stats.skipped[str(e)] += 1
+            continue
+        if len(ex.input_ids) > max_seq_len:
+            ex = Example(ex.input_ids[:max_seq_len], ex.loss_mask[:max_seq_len])
+            stats.truncated += 1
+        if len(ex.input_ids) == 0:
+            stats.skipped["empty after tokenization"] += 1
+            continue
+        if not ex.loss_mask.any():
+            stats.skipped["no loss tokens (after truncation)"] += 1
+            continue
+        examples.append(ex)
+        stats.sequences += 1
     if record_no == 0:
-        raise ValueError(f"{path} is empty: expected one JSON record a line")
+        raise ValueError(f"{path} is empty: expected one JSON record a line (or dataset rows)")
     return examples, stats, digest.hexdigest()

@@ -371,6 +371,14 @@ def load_drafter_for_export(checkpoint: str, log: Callable[[str], None] = stderr
     trained against: built from the marker's JSON drafter config and `drafter.safetensors`, never from
     DeepSpeed's pickles, and only once the file's header backs the config (read_tensors). Frozen target tensors are
     not loaded: export writes trainable weights only."""
+    drafter, verifier, _, _ = load_checkpoint_for_export(checkpoint, log)
+    return drafter, verifier
+
+
+def load_checkpoint_for_export(checkpoint: str, log: Callable[[str], None] = stderr_line
+                               ) -> Tuple[DFlashDrafter, str, Dict, str]:
+    """load_drafter_for_export's drafter and verifier, with the checkpoint's client state and its run directory
+    (what the model card tells: the steps, the run's config, OUT/provenance.json)."""
     load_dir, tag = select_checkpoint(checkpoint, log)
     ckpt = os.path.join(load_dir, tag)
     client = read_client_state(load_dir, tag)
@@ -383,7 +391,7 @@ def load_drafter_for_export(checkpoint: str, log: Callable[[str], None] = stderr
     weights = read_tensors([os.path.join(ckpt, WEIGHTS)], cfg, CheckpointError)
     drafter = DFlashDrafter(cfg)
     drafter.load_trainable(weights)
-    return drafter, verifier
+    return drafter, verifier, client, os.path.dirname(os.path.abspath(load_dir))
 
 
 # ---------------------------------------------------------------- DeepSpeed's states, read without running code

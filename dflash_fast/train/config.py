@@ -115,7 +115,11 @@ class DataConfig:
     # target run by vLLM in the job (extract --engine vllm's runner; docs/engine-target.md)
     source: str = "store"
     store: str = ""  # source=store
-    jsonl: str = ""  # source=online: the JSONL `dflash-fast extract --data` reads (same formats and loss masks)
+    # source=online: what `dflash-fast extract --data` reads (same formats and loss masks): JSONL or a Hugging Face
+    # dataset (a save_to_disk directory, a .parquet / .arrow file, a hub id; docs/extraction.md)
+    jsonl: str = ""
+    split: str = "train"  # a Hugging Face dataset's split (data.jsonl)
+    max_samples: int = 0  # read only the first N records of data.jsonl; 0: all
     online: OnlineConfig = dataclasses.field(default_factory=OnlineConfig)
     seq_len: int = 3072  # T: tokens per packed row
     num_anchors: int = 512  # A: blocks per row
@@ -171,6 +175,9 @@ class ScheduleConfig:
 class LoggingConfig:
     every: int = 10  # steps per JSONL record (OUT/metrics.jsonl)
     tensorboard: bool = False  # also write OUT/tensorboard (needs the tensorboard package)
+    wandb: bool = False  # also log to Weights & Biases (the wandb package; WANDB_MODE=offline: OUT/wandb)
+    mlflow: bool = False  # also log to MLflow (the mlflow package; MLFLOW_TRACKING_URI says where)
+    project: str = "dflash-fast"  # the W&B project / MLflow experiment of logging.wandb / logging.mlflow
     progress: bool = True  # rank-0 tqdm bar
 
 
@@ -389,6 +396,13 @@ def validate(cfg: TrainConfig) -> None:
             raise ConfigError(
                 "logging.tensorboard=true needs the tensorboard package: pip install tensorboard"
             ) from None
+    for key in ("wandb", "mlflow"):
+        if getattr(cfg.logging, key):
+            try:
+                __import__(key)
+            except ImportError:
+                raise ConfigError(f"logging.{key}=true needs the {key} package: pip install {key} "
+                                  f"(or set logging.{key}=false)") from None
 
 
 def _check_data_source(d: DataConfig, m: ModelConfig) -> None:
@@ -459,6 +473,7 @@ def _check_rows(d: DataConfig, m: ModelConfig) -> None:
     _check(d.batch_rows >= 1, f"data.batch_rows={d.batch_rows} must be >= 1")
     _check(0 <= d.val_fraction < 1, f"data.val_fraction={d.val_fraction} must be in [0, 1)")
     _check(d.num_workers >= 0, f"data.num_workers={d.num_workers} must be >= 0")
+    _check(d.max_samples >= 0, f"data.max_samples={d.max_samples} must be >= 0 (0: every record)")
     _check(d.noise_std >= 0, f"data.noise_std={d.noise_std} must be >= 0")
 
 

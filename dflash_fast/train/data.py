@@ -59,6 +59,8 @@ def extraction_options(cfg: TrainConfig) -> ExtractOptions:
         skip_bad=n.skip_bad,
         parity_every=n.parity_every,
         engine="vllm" if d.source == "vllm" else "hf",
+        split=d.split,
+        max_samples=d.max_samples or None,
     )
 
 

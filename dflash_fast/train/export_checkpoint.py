@@ -4,14 +4,16 @@ export formats it writes.
 """
 
 import argparse
+import os
 
 from dflash_fast.serve.engines import (
     ENGINES,
 )
 from dflash_fast.serve.export import export_drafter
 from dflash_fast.serve.layouts import FORMATS
+from dflash_fast.serve.model_card import model_card, read_eval_report, read_provenance
 from dflash_fast.store.format import torch_dtype
-from dflash_fast.train.checkpoint import load_drafter_for_export
+from dflash_fast.train.checkpoint import load_checkpoint_for_export
 
 
 def add_arguments(parser):
@@ -26,11 +28,16 @@ def add_arguments(parser):
         choices=FORMATS,
         help="speculators: vLLM and vllm-project/speculators; zlab: SGLang (and vLLM), z-lab's published layout",
     )
+    parser.add_argument("--card-from", default=None, metavar="EVAL_JSON",
+                        help="an eval report (dflash-fast eval --out): its numbers go into the model card, README.md")
 
 
 def run(args: argparse.Namespace):
-    drafter, verifier = load_drafter_for_export(args.checkpoint)
-    export_drafter(drafter, args.out, verifier, torch_dtype(args.dtype), fmt=args.format)
+    report = read_eval_report(args.card_from) if args.card_from else None  # a bad report fails before any work
+    drafter, verifier, client, run_dir = load_checkpoint_for_export(args.checkpoint)
+    card = model_card(drafter.config, verifier, args.format, os.path.abspath(args.out), client,
+                      read_provenance(run_dir), report)
+    export_drafter(drafter, args.out, verifier, torch_dtype(args.dtype), fmt=args.format, card=card)
     print(
         f"exported {sum(p.numel() for p in drafter.parameters()):,} parameters to {args.out} ({args.format} format; "
         f"read back as {' and '.join(ENGINES[args.format])} read it: same architecture and logits)"

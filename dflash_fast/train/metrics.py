@@ -2,8 +2,9 @@
 
     Sums        per step: sums over micro-batches, added over ranks before anything is divided
     Window      the steps since the last record: their Sums, seconds per phase, wall seconds -> throughput
-    MetricsLog  OUT/metrics.jsonl, one JSON record a line (and OUT/tensorboard): rank 0 writes it; a resumed run
-                keeps the records up to its step and drops a torn last line (a run killed mid-write)
+    MetricsLog  OUT/metrics.jsonl, one JSON record a line (and OUT/tensorboard, and W&B / MLflow: trackers.py):
+                rank 0 writes it; a resumed run keeps the records up to its step and drops a torn last line (a run
+                killed mid-write)
 
 A "train" record (train_record) holds the window's loss, kl, acc_1..acc_{B-1} and tau_offline, tokens_per_s and
 anchors_per_s, mean milliseconds per phase and per step, lr, grad_norm and peak_memory_mb; a "val" record
@@ -210,9 +211,10 @@ class MetricsLog:
 
     A fresh run (`resumed_step` 0) starts an empty file; a resumed one keeps the records up to its step."""
 
-    def __init__(self, out_dir: str, resumed_step: int, tensorboard: bool, writer: bool):
+    def __init__(self, out_dir: str, resumed_step: int, tensorboard: bool, writer: bool, trackers=()):
+        """`trackers`: dflash_fast.train.trackers' W&B / MLflow runs, each given every record (rank 0 only)."""
         self.path = os.path.join(out_dir, "metrics.jsonl")
-        self.writer, self.tensorboard = writer, None
+        self.writer, self.tensorboard, self.trackers = writer, None, list(trackers)
         if not writer:
             return
         kept = records_up_to(self.path, resumed_step) if resumed_step and os.path.exists(self.path) else []
@@ -232,7 +234,11 @@ class MetricsLog:
             for key, value in entry.items():
                 if isinstance(value, (int, float)) and key != "step":
                     self.tensorboard.add_scalar(f"{entry['split']}/{key}", value, entry["step"])
+        for tracker in self.trackers:
+            tracker.log(entry)
 
     def close(self) -> None:
         if self.tensorboard is not None:
             self.tensorboard.close()
+        for tracker in self.trackers:
+            tracker.close()

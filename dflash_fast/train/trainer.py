@@ -30,6 +30,7 @@ Run directory `output_dir` (OUT):
                                      marker dflash_fast.json (client state, every file's sha256): checkpoint.py
     OUT/export/                      the gated export (speculators layout, or zlab when only it serves the drafter)
     OUT/tensorboard/                 with logging.tensorboard=true
+    OUT/provenance.json              config, code version and commit, data identity, target config hash (trackers.py)
 
 Without a launcher (`python train.py ...`) the run is a world of one process;
 under `deepspeed` (or `torchrun`) every rank runs it. `train(cfg)` runs one job
@@ -56,6 +57,7 @@ from dflash_fast.extract.vllm_runner import GPU_MEMORY_UTILIZATION
 from dflash_fast.lock import output_lock
 from dflash_fast.serve.engines import ENGINES
 from dflash_fast.serve.export import export_drafter
+from dflash_fast.serve.model_card import model_card, read_provenance
 from dflash_fast.store.format import torch_dtype
 from dflash_fast.train.build_lock import check_build_locks
 from dflash_fast.train.checkpoint import (
@@ -91,6 +93,7 @@ from dflash_fast.train.metrics import (
 )
 from dflash_fast.train.model import build_run_drafter, export_format, planned_drafter_config, resolve_loss_kind
 from dflash_fast.train.optim import build_engine, check_muon_stepped, deepspeed_config, resume_schedule, total_steps
+from dflash_fast.train.trackers import open_trackers, provenance, write_provenance
 
 _NOISE_STREAM = 101  # derive_seed stream tag of the hidden-state noise, apart from batches.py's tags
 
@@ -145,7 +148,7 @@ class Trainer:
         if resume is not None:
             self._resume(*resume)
         self._log_setup(manifest, num_params, optimizer_line)
-        self.metrics = self._prepare_output()
+        self.metrics = self._prepare_output(manifest)
 
     # ---- output
 
@@ -167,13 +170,19 @@ class Trainer:
                  f"{d.seq_len} tokens per step; "
                  f"{self.stream.per_epoch} micro-batches per epoch per rank; {self.total_steps} steps")
 
-    def _prepare_output(self) -> MetricsLog:
-        """OUT/config.yaml (the resolved config), and OUT/metrics.jsonl kept up to the resumed step."""
+    def _prepare_output(self, manifest: Dict) -> MetricsLog:
+        """OUT/config.yaml (the resolved config), OUT/provenance.json, the W&B / MLflow runs (trackers.py), and
+        OUT/metrics.jsonl kept up to the resumed step."""
+        trackers = []
         if self.rank == 0:
             os.makedirs(self.out_dir, exist_ok=True)
             with open(os.path.join(self.out_dir, "config.yaml"), "w") as f:
                 yaml.safe_dump(self.cfg.to_dict(), f, sort_keys=False)
-        return MetricsLog(self.out_dir, self.step, self.cfg.logging.tensorboard, writer=self.rank == 0)
+            record = provenance(self.cfg.to_dict(), manifest, self.data_identity, self.step, self.world_size)
+            write_provenance(self.out_dir, record)
+            trackers = open_trackers(self.cfg.logging, self.out_dir, record, self.step)
+        return MetricsLog(self.out_dir, self.step, self.cfg.logging.tensorboard, writer=self.rank == 0,
+                          trackers=trackers)
 
     # ---- checkpoints
 
@@ -279,10 +288,15 @@ class Trainer:
         """Gather the 16-bit (or fp32) module weights from every ZeRO-3 partition; rank 0 writes OUT/export."""
         module = self.engine.module
         state = gathered_state(module, self.rank, self.zero_stage)
-        path = self.sharing.on_rank0(  # an error is every rank's (errors.py: what ends a run in one line)
-            lambda: export_drafter(module, os.path.join(self.out_dir, "export"), self.target,
-                                   torch_dtype(self.cfg.export_dtype), state_dict=state, fmt=self.export_format),
-            (UserError, ValueError, OSError))
+        def write() -> str:
+            out = os.path.abspath(os.path.join(self.out_dir, "export"))
+            card = model_card(module.config, self.target, self.export_format, out,
+                              {"step": self.step, "loss_kind": self.loss_kind, "config": self.cfg.to_dict()},
+                              read_provenance(self.out_dir))
+            return export_drafter(module, out, self.target, torch_dtype(self.cfg.export_dtype), state_dict=state,
+                                  fmt=self.export_format, card=card)
+
+        path = self.sharing.on_rank0(write, (UserError, ValueError, OSError))  # an error is every rank's (errors.py)
         self.log(f"exported the drafter to {path} ({self.export_format} format, {self.cfg.export_dtype}; gated: "
                  f"read back as {' and '.join(ENGINES[self.export_format])} read it, same architecture and logits)")
         return path
