@@ -223,6 +223,8 @@ def test_eval_two_benchmarks_on_the_embedded_target_then_plot_them(tmp_path, cap
     gsm8k, mt = report["benchmarks"]
     assert (gsm8k["benchmark"], gsm8k["prompts"], gsm8k["turns"]) == ("gsm8k", 1, 1)
     assert (mt["benchmark"], mt["prompts"], mt["turns"]) == ("mt-bench", 1, 2)  # both turns of the one conversation
+    assert (gsm8k["dataset"], mt["dataset"], mt["rendering"]) == ("openai/gsm8k", "HuggingFaceH4/mt_bench_prompts",
+                                                                  "z-lab (both turns)")
     for row in (gsm8k, mt):
         assert row["greedy_mismatches"] == 0 and row["max_new_tokens"] == 4
         assert row["tau"] is not None and row["tau_zlab"] is not None and len(row["acceptance_by_position"]) == 3

@@ -93,10 +93,10 @@ BENCHMARKS: Dict[str, Benchmark] = {
                           "z-lab (both turns)", also=("FastChat's mt_bench question.jsonl (turns)",)),
     "alpaca": Benchmark(("tatsu-lab/alpaca", None, "train"), ("instruction", "input"), _alpaca, Z_LAB_BUDGET,
                         "SpecForge"),
-    "arena-hard": Benchmark(("lmarena-ai/arena-hard-auto", None, "train"), ("prompt", "turns"),
+    "arena-hard": Benchmark(("lmarena-ai/arena-hard-auto-v0.1", None, "train"), ("prompt", "turns"),
                             lambda r: _texts(column(r, ["prompt", "turns"]), "turns"), Z_LAB_BUDGET,
                             "arena-hard-auto (v2.0 `prompt`, v0.1 `turns[].content`)",
-                            also=("arena-hard-auto's data/arena-hard-v2.0/question.jsonl",)),
+                            also=("lmarena-ai/arena-hard-auto: data/arena-hard-v2.0/question.jsonl (prompt)",)),
     "speed-bench": Benchmark(("nvidia/SPEED-Bench", "qualitative", "test"), ("turns",),
                              lambda r: _texts(column(r, ["turns"]), "turns"), Z_LAB_BUDGET, "SPEED-Bench (its turns)"),
 }
@@ -250,14 +250,16 @@ def first_prompt(suites: List[Suite]) -> Prompt:
 def benchmarks_report(suites: List[Suite], block_size: int, encode: Callable[[Prompt], List[int]], decode: Decode,
                       answer: Callable[[List[int]], str], baseline: bool, max_new_tokens: Optional[int],
                       header: Dict) -> Dict:
-    """Each suite decoded (decode_suite) into one report row (report.report, plus `benchmark`, `file`, `prompts`,
-    `turns`) under `header` (the run's target, drafter, ...), with both tau definitions named and the markdown
-    table."""
+    """Each suite decoded (decode_suite) into one report row (report.report, plus `benchmark`, `file`, `dataset`,
+    `rendering`, `prompts`, `turns`) under `header` (the run's target, drafter, ...), with both tau definitions
+    named and the markdown table."""
     rows = []
     for suite in suites:
         tally = decode_suite(suite, block_size, encode, decode, answer, max_new_tokens)
-        rows.append(report(tally, baseline, benchmark=suite.name, file=suite.path, prompts=len(suite.conversations),
-                           turns=len(tally.results), max_new_tokens=max_new_tokens or suite.max_new_tokens))
+        table = BENCHMARKS[suite.name]
+        rows.append(report(tally, baseline, benchmark=suite.name, file=suite.path, dataset=table.hub[0],
+                           rendering=table.rendering, prompts=len(suite.conversations), turns=len(tally.results),
+                           max_new_tokens=max_new_tokens or suite.max_new_tokens))
     out = {**header, "tau_definitions": TAU_DEFINITIONS, "benchmarks": rows}
     out["table"] = markdown_table(out)
     return out

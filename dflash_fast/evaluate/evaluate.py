@@ -239,7 +239,8 @@ def add_arguments(parser) -> None:
         "--data", help="prompts JSONL, as for regenerate: {conversations: [...]} or {text: ...} (or --benchmark)"
     )
     benchmarks.add_arguments(p)
-    p.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="use only the first N prompts (--benchmark: N of each, z-lab's seeded subset)")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="tokens generated per prompt (default 128; with --benchmark each benchmark's own budget)")
     p.add_argument(
