@@ -7,7 +7,7 @@
                     loads
     decode_suite    a suite through a decode callback, turn by turn: a second turn (mt-bench) is asked after the
                     target's own first answer, as z-lab's benchmark does
-    benchmark_report, markdown_table   one row per benchmark; the table laid out as the published ones (benchmarks
+    benchmarks_report, markdown_table  one row per benchmark; the table laid out as the published ones (benchmarks
                     as columns; tau, tau_zlab, acceptance per drafted position as rows)
 
 Each record is read in its public dataset's own columns and rendered as z-lab's `dflash` 0.1.0 benchmark.py renders
@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from dflash_fast.errors import ConfigError, UserError
-from dflash_fast.evaluate.decode import SpecResult
 from dflash_fast.evaluate.report import Tally, report
 from dflash_fast.target.prompts import Prompt
 from dflash_fast.target.text import text_problem
@@ -218,7 +217,8 @@ Decode = Callable[[List[List[int]], int, Tally], None]
 def decode_suite(suite: Suite, block_size: int, encode: Callable[[Prompt], List[int]], decode: Decode,
                  answer: Callable[[List[int]], str], max_new_tokens: Optional[int] = None) -> Tally:
     """Every conversation of `suite` decoded turn by turn into one Tally: turn k of each conversation is asked
-    after its turns 1..k-1 and the target's own answers to them (`answer`: output tokens -> text)."""
+    after its turns 1..k-1 and the target's own answers to them (`answer`: output tokens -> text). The tally holds
+    every conversation's first turn, then every second turn, ... (the order of `per_prompt` in the report)."""
     tally = Tally(block_size)
     history: List[List[Dict[str, str]]] = [[] for _ in suite.conversations]
     for k in range(max(len(c) for c in suite.conversations)):
@@ -228,7 +228,8 @@ def decode_suite(suite: Suite, block_size: int, encode: Callable[[Prompt], List[
         start = len(tally.results)
         decode([encode(Prompt(i, {}, messages=list(history[i]), where=suite.where[i])) for i in live],
                max_new_tokens or suite.max_new_tokens, tally)
-        spec: SpecResult
+        if len(tally.results) != start + len(live):
+            raise RuntimeError(f"decode added {len(tally.results) - start} results for {len(live)} prompts")
         for i, spec in zip(live, tally.results[start:]):
             history[i].append({"role": "assistant", "content": answer(spec.tokens)})
     return tally
