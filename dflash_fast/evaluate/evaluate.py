@@ -26,7 +26,14 @@ from dflash_fast.evaluate.report import Tally, mean_acceptance, report, summary
 from dflash_fast.serve.export import load_exported
 from dflash_fast.store.layer_ids import default_layer_ids
 from dflash_fast.target.load import check_target
-from dflash_fast.target.prompts import add_model_arguments, encode_prompt, eos_token_ids, load_model, read_prompts
+from dflash_fast.target.prompts import (
+    add_model_arguments,
+    encode_prompt,
+    eos_token_ids,
+    load_model,
+    read_prompts,
+    thinking_switch,
+)
 
 
 def response_row(step: Step, ids: Sequence[int], prompt_len: int) -> Dict[str, torch.Tensor]:
@@ -187,6 +194,7 @@ def evaluate(
     prompts = read_prompts(data, num_prompts) if suites is None else []
     think = {"on": True, "off": False}.get(thinking, thinking)
     tokenizer = AutoTokenizer.from_pretrained(target, trust_remote_code=trust_remote_code)
+    thinking_switch(tokenizer, think)  # a template without the switch is refused before the model loads
     model = load_model(target, device, dtype, trust_remote_code)
     name = drafter if isinstance(drafter, str) else getattr(drafter, "__name__", type(drafter).__name__)
     proposal = _proposal(drafter, model, target, block_size, layer_ids)

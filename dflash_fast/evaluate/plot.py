@@ -226,9 +226,10 @@ def plot_benchmarks(paths: List[str], out_dir: str = None) -> List[str]:
     tilt = len(names) > 5
     ax.set_xticks(range(len(names)), names, rotation=30 if tilt else 0, ha="right" if tilt else "center")
     ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
-    ax.set_ylabel("acceptance length tau (tokens per target forward)")
+    ax.set_ylabel("tau (tokens per target forward)")
+    ax.set_ylim(0, 1.3 * max(max(v.values()) for _, v in series))  # room for the legend above the bars
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", ncol=min(len(series), 4))
     fig.tight_layout()
     target = os.path.join(out_dir, "benchmarks.png")
     fig.savefig(target, dpi=110)
