@@ -3,6 +3,7 @@
     prompts ──encode──▶ decode.speculative_generate (the drafter proposes, the HF target verifies) per prompt
             ──report.Tally──▶ tau, acceptance by position and context, greedy identity, tau_offline ──▶ JSON
     --engine vllm | both: vLLM itself serves the target and the export (evaluate/vllm.py), alone or side by side
+    --benchmark gsm8k,mt-bench,...: public benchmarks instead of --data, one report row each (evaluate/benchmarks.py)
 
 `tau_offline` runs the drafter's training forward over the target's own greedy output (an anchor at every eligible
 response position) and averages SPEC §6's per-block value.
@@ -18,13 +19,22 @@ import torch
 from dflash_fast.cli import call_with_flags
 from dflash_fast.drafter.model import DFlashDrafter, slot_metrics
 from dflash_fast.drafter.weights import load_frozen_tensors
+from dflash_fast.evaluate import benchmarks
+from dflash_fast.evaluate.benchmarks import benchmarks_report, first_prompt, load_suites
 from dflash_fast.evaluate.decode import Proposer, Step, TargetRunner, greedy_generate, speculative_generate
 from dflash_fast.evaluate.report import Tally, mean_acceptance, report, summary
 from dflash_fast.evaluate.sampling import Sampler, add_sampling_arguments, check_sampling, make_sampler
 from dflash_fast.serve.export import load_exported
 from dflash_fast.store.layer_ids import default_layer_ids
 from dflash_fast.target.load import check_target
-from dflash_fast.target.prompts import add_model_arguments, encode_prompt, eos_token_ids, load_model, read_prompts
+from dflash_fast.target.prompts import (
+    add_model_arguments,
+    encode_prompt,
+    eos_token_ids,
+    load_model,
+    read_prompts,
+    thinking_switch,
+)
 
 
 def response_row(step: Step, ids: Sequence[int], prompt_len: int) -> Dict[str, torch.Tensor]:
@@ -129,12 +139,13 @@ def _proposal(drafter, model, target: str, block_size: Optional[int], layer_ids,
 
 def _decode_all(runner: TargetRunner, encoded: List[List[int]], proposal: Proposal, max_new_tokens: int,
                 eos: Sequence[int], offline: bool, baseline: bool, progress: bool,
-                sampler: Optional[Sampler] = None) -> Tally:
-    """Speculative decoding of every prompt; with `baseline` the target's own loop too (greedy, or sampled by
-    `sampler`), with `offline` tau_offline over its output (the speculative output without `baseline`)."""
+                sampler: Optional[Sampler] = None, tally: Optional[Tally] = None) -> Tally:
+    """Speculative decoding of every prompt (into `tally` when given); with `baseline` the target's own loop too
+    (greedy, or sampled by `sampler`), with `offline` tau_offline over its output (the speculative output without
+    `baseline`)."""
     from tqdm import tqdm
 
-    tally = Tally(proposal.block_size)
+    tally = Tally(proposal.block_size) if tally is None else tally
     bar = tqdm(encoded, unit="prompt", desc="eval", disable=not progress)
     for ids in bar:
         spec = speculative_generate(runner, ids, proposal.propose, proposal.block_size, max_new_tokens, eos, sampler)
@@ -154,11 +165,11 @@ def _decode_all(runner: TargetRunner, encoded: List[List[int]], proposal: Propos
 
 def evaluate(
     target: str,
-    data: Union[str, Sequence[Dict]],
+    data: Union[str, Sequence[Dict], None],
     drafter: Union[DFlashDrafter, str, Proposer],
     block_size: Optional[int] = None,
     layer_ids: Optional[Sequence[int]] = None,
-    max_new_tokens: int = 128,
+    max_new_tokens: Optional[int] = None,
     num_prompts: Optional[int] = None,
     offline: bool = True,
     baseline: bool = True,
@@ -169,6 +180,9 @@ def evaluate(
     temperature: float = 0.0,
     top_p: float = 1.0,
     seed: int = 0,
+    benchmark: Optional[str] = None,
+    benchmark_dir: Optional[str] = None,
+    thinking: Optional[str] = None,
 ) -> Dict:
     """Speculative decoding of every prompt in `data` (regenerate's JSONL formats, or records) -> report dict.
 
@@ -178,26 +192,47 @@ def evaluate(
     output differs from it; `offline` adds tau_offline over that greedy output (drafters only).
     `temperature` > 0 samples (SPEC §10, evaluate/sampling.py) with `top_p`, seeded by `seed`: the baseline is then
     the target's plain sampling loop (timed, not compared: greedy_mismatches is None).
+    `benchmark` ("gsm8k,mt-bench=PATH,...", files found in `benchmark_dir`) replaces `data`: one report row per
+    benchmark (evaluate/benchmarks.py), each at its own token budget unless `max_new_tokens` is given (default 128
+    for `data`).
+    `thinking` "on" / "off" sets the chat template's thinking switch (target/prompts.thinking_switch).
     """
     from transformers import AutoTokenizer
 
     sampling = check_sampling(temperature, top_p, seed)
     check_target(target)
-    prompts = read_prompts(data, num_prompts)
+    suites = None if benchmark is None else load_suites(benchmark, benchmark_dir, num_prompts)
+    prompts = read_prompts(data, num_prompts) if suites is None else []
+    think = {"on": True, "off": False}.get(thinking, thinking)
     tokenizer = AutoTokenizer.from_pretrained(target, trust_remote_code=trust_remote_code)
+    thinking_switch(tokenizer, think)  # a template without the switch is refused before the model loads
     model = load_model(target, device, dtype, trust_remote_code)
     name = drafter if isinstance(drafter, str) else getattr(drafter, "__name__", type(drafter).__name__)
     sampler = make_sampler(sampling, model.device)
     proposal = _proposal(drafter, model, target, block_size, layer_ids, sampler)
     runner = TargetRunner(model, proposal.layer_ids)
     eos = eos_token_ids(model.generation_config, tokenizer)
-    encoded = [encode_prompt(tokenizer, p) for p in prompts]
+
+    def encode(prompt):
+        return encode_prompt(tokenizer, prompt, think)
+
+    encoded = [encode(p) for p in prompts] or [encode(first_prompt(suites))]
     if runner.device.type == "cuda":  # first-call kernel selection and allocation stay out of the timings
-        warm = min(max_new_tokens, 2 * proposal.block_size)
+        warm = min(max_new_tokens or 128, 2 * proposal.block_size)
         speculative_generate(runner, encoded[0], proposal.propose, proposal.block_size, warm, eos, sampler)
         greedy_generate(runner, encoded[0], warm, eos, sampler)
         if sampler is not None:  # the report of a seed does not depend on the warm-up's draws
             sampler.generator.manual_seed(seed)
+    if suites is not None:
+        return benchmarks_report(
+            suites, proposal.block_size, encode,
+            lambda ids, budget, tally: _decode_all(runner, ids, proposal, budget, eos, offline, baseline, progress,
+                                                   sampler, tally),
+            lambda tokens: tokenizer.decode(tokens, skip_special_tokens=True), baseline, max_new_tokens,
+            dict(engine="hf", target=target, drafter=name, device=str(runner.device),
+                 dtype=str(model.dtype).replace("torch.", ""), block_size=proposal.block_size,
+                 layer_ids=proposal.layer_ids, thinking=thinking, **sampling._asdict()))
+    max_new_tokens = max_new_tokens or 128
     tally = _decode_all(runner, encoded, proposal, max_new_tokens, eos, offline, baseline, progress, sampler)
     return report(
         tally,
@@ -224,10 +259,13 @@ def add_arguments(parser) -> None:
         help="export directory (dflash-fast export, speculators or zlab layout) or trainer checkpoint",
     )
     p.add_argument(
-        "--data", required=True, help="prompts JSONL, as for regenerate: {conversations: [...]} or {text: ...}"
+        "--data", help="prompts JSONL, as for regenerate: {conversations: [...]} or {text: ...} (or --benchmark)"
     )
-    p.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt (default 128)")
+    benchmarks.add_arguments(p)
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="use only the first N prompts (--benchmark: N of each, z-lab's seeded subset)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="tokens generated per prompt (default 128; with --benchmark each benchmark's own budget)")
     p.add_argument(
         "--no-baseline", action="store_true", help="skip the target-only greedy loop (no speedup, no identity check)"
     )
@@ -242,12 +280,13 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    benchmarks.check_flags(args)
     if args.engine != "hf" and args.device is not None:
         raise ValueError(f"--device {args.device}: vLLM picks its own device; leave --device out with --engine "
                          f"{args.engine}")
     if args.engine == "hf":
         report = call_with_flags(evaluate, args, offline=not args.no_offline, baseline=not args.no_baseline)
-        text = summary(report)
+        text = report["table"] if args.benchmark else summary(report)
     else:
         from dflash_fast.evaluate import vllm as vllm_engine  # vLLM is imported only here (it is an optional install)
 
@@ -263,5 +302,7 @@ def run(args) -> int:
             f.write(out + "\n")
     else:
         print(out)
+    if args.out and args.benchmark:
+        benchmarks.write_table(report, args.out)
     print(text + (f"\nreport in {args.out}" if args.out else ""), file=sys.stderr)
     return 0

@@ -14,6 +14,9 @@ Lines or keys that are none of these are ignored; a figure with no data is not w
 scripts/compare_recipes.py ({arm: {seed: {"tau": ...}}}) or a file of panels
 ({"panels": [{"title": ..., "arms": {arm: {"tau": [per-seed values] | {"mean", "std", "min", "max"}}}}]}),
 such as docs/recipes.json, which holds the measured numbers of docs/recipes.md.
+`dflash-fast plot --benchmarks REPORT.json [REPORT2.json ...] [--out DIR]`: benchmarks.png, real `tau` per benchmark
+as bars, the published tables' layout (benchmarks along x), from the reports of `dflash-fast eval --benchmark`: each
+report's `tau` (pooled) and `tau_zlab` (z-lab's per-prompt mean) side by side.
 matplotlib is optional: `pip install 'dflash-fast[plot]'`.
 """
 import json
@@ -185,18 +188,74 @@ def plot_recipes(path: str, out_dir: str = None) -> List[str]:
     return [target]
 
 
+def read_benchmarks(paths: List[str]) -> Tuple[List[str], List[Tuple[str, Dict[str, float]]]]:
+    """`eval --benchmark` reports -> (benchmarks in first-seen order, [(series label, {benchmark: tau})]): two series
+    per report, `tau` and `tau_zlab`, labelled by the file's name when there are several."""
+    names: List[str] = []
+    series = []
+    for path in paths:
+        data = read_mapping(path, json.load, json.JSONDecodeError, ValueError, "JSON", "an eval --benchmark report")
+        rows = data.get("benchmarks")
+        if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) and "benchmark" in r for r in rows):
+            raise ValueError(f"{path}: no \"benchmarks\" rows; pass the JSON that `dflash-fast eval --benchmark ... "
+                             "--out REPORT.json` wrote")
+        label = "" if len(paths) == 1 else os.path.splitext(os.path.basename(path))[0] + " "
+        for key, what in (("tau", "tau (pooled)"), ("tau_zlab", "tau_zlab (per-prompt mean)")):
+            values = {str(r["benchmark"]): float(r[key]) for r in rows if _number(r.get(key))}
+            if values:
+                series.append((label + what, values))
+        names += [str(r["benchmark"]) for r in rows if str(r["benchmark"]) not in names]
+    if not series:
+        raise ValueError(f"{', '.join(paths)}: no benchmark has a tau (no verification block was run)")
+    return names, series
+
+
+def plot_benchmarks(paths: List[str], out_dir: str = None) -> List[str]:
+    """Draw the reports' tau per benchmark into OUT_DIR/benchmarks.png (default: beside the first) -> [its path]."""
+    names, series = read_benchmarks(paths)
+    plt = _pyplot()
+    out_dir = out_dir or os.path.dirname(os.path.abspath(paths[0]))
+    os.makedirs(out_dir, exist_ok=True)
+    width = 0.8 / len(series)
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.9 * len(names) * max(1, len(series) / 2) + 1.5), 4))
+    for k, (label, values) in enumerate(series):
+        xs = [i + (k - (len(series) - 1) / 2) * width for i, n in enumerate(names) if n in values]
+        ys = [values[n] for n in names if n in values]
+        bars = ax.bar(xs, ys, width, label=label)
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    tilt = len(names) > 5
+    ax.set_xticks(range(len(names)), names, rotation=30 if tilt else 0, ha="right" if tilt else "center")
+    ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+    ax.set_ylabel("tau (tokens per target forward)")
+    ax.set_ylim(0, 1.3 * max(max(v.values()) for _, v in series))  # room for the legend above the bars
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", ncol=min(len(series), 4))
+    fig.tight_layout()
+    target = os.path.join(out_dir, "benchmarks.png")
+    fig.savefig(target, dpi=110)
+    plt.close(fig)
+    return [target]
+
+
 def add_arguments(parser) -> None:
     parser.add_argument("run_dir", metavar="RUN_DIR", nargs="?",
                         help="a training run's directory (holds metrics.jsonl)")
     parser.add_argument("--recipes", metavar="RESULTS.json", default=None,
                         help="draw real tau per arm and seed from a recipe comparison instead (recipes.png)")
-    parser.add_argument("--out", default=None, help="directory for the PNGs (default: RUN_DIR, or beside RESULTS.json)")
+    parser.add_argument("--benchmarks", metavar="REPORT.json", nargs="+", default=None,
+                        help="draw tau per benchmark from `eval --benchmark` reports instead (benchmarks.png)")
+    parser.add_argument("--out", default=None,
+                        help="directory for the PNGs (default: RUN_DIR, or beside RESULTS.json / REPORT.json)")
 
 
 def run(args) -> int:
-    if (args.run_dir is None) == (args.recipes is None):
-        raise ConfigError("dflash-fast plot takes RUN_DIR or --recipes RESULTS.json, not both or neither")
-    written = plot_run(args.run_dir, args.out) if args.recipes is None else plot_recipes(args.recipes, args.out)
+    if sum(x is not None for x in (args.run_dir, args.recipes, args.benchmarks)) != 1:
+        raise ConfigError("dflash-fast plot takes RUN_DIR or --recipes RESULTS.json or --benchmarks REPORT.json: "
+                          "exactly one of them")
+    if args.benchmarks is not None:
+        written = plot_benchmarks(args.benchmarks, args.out)
+    else:
+        written = plot_run(args.run_dir, args.out) if args.recipes is None else plot_recipes(args.recipes, args.out)
     for path in written:
         print(path)
     return 0

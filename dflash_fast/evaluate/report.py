@@ -2,7 +2,10 @@
 context length, the confidence head's calibration, per-prompt rows, the JSON report and its one-paragraph summary.
 
 `tau` is the mean acceptance length per verification forward (n + 1, counted before the output is cut at eos /
-max_new_tokens); `acceptance_histogram[n]` counts the blocks that accepted exactly n drafted tokens.
+max_new_tokens), all blocks of all prompts pooled; `acceptance_histogram[n]` counts the blocks that accepted exactly
+n drafted tokens. `tau_zlab` is the published definition (z-lab's `dflash` 0.1.0 benchmark.py, "Average Acceptance
+length"): each block's length cut at the stop token / token limit (cut_acceptance_lengths), averaged per prompt, then
+the per-prompt means averaged.
 """
 
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -48,6 +51,23 @@ def acceptance_by_position(histogram: Sequence[int]) -> List[Dict]:
     return [{"position": j, "accepted": reached[j] / blocks if blocks else None,
              "conditional": reached[j] / reached[j - 1] if reached[j - 1] else None}
             for j in range(1, len(histogram))]
+
+
+def cut_acceptance_lengths(spec: SpecResult) -> List[int]:
+    """Each block's new tokens as z-lab's dflash_generate counts them: n + 1, cut where the output ends (the first
+    stop token, or max_new_tokens). The first block's anchor is the first output token, so the block at anchor a
+    starts after a - anchors[0] + 1 output tokens. (z-lab verifies a shorter block near the token limit where we
+    draft B-1 and cut: only the last block of an output that reaches the limit can count differently.)"""
+    if not spec.anchors:
+        return []
+    out = len(spec.tokens)
+    return [max(0, min(n + 1, out - (a - spec.anchors[0] + 1))) for a, n in zip(spec.anchors, spec.accepted)]
+
+
+def tau_zlab(results: Sequence[SpecResult]) -> Optional[float]:
+    """The mean over prompts (those with a block) of each prompt's mean cut acceptance length; None without one."""
+    means = [sum(c) / len(c) for c in (cut_acceptance_lengths(r) for r in results) if c]
+    return sum(means) / len(means) if means else None
 
 
 class Tally:
@@ -119,6 +139,7 @@ def report(tally: Tally, baseline: bool, **header) -> Dict:
     report = {
         **header,
         "tau": mean_acceptance(tally.histogram),
+        "tau_zlab": tau_zlab(tally.results),
         "acceptance_histogram": tally.histogram,
         "acceptance_by_context": acceptance_by_context(tally.by_context),
         "acceptance_by_position": acceptance_by_position(tally.histogram),
@@ -147,7 +168,8 @@ def summary(report: Dict) -> str:
     def num(value, digits=2):
         return "-" if value is None else f"{value:.{digits}f}"
 
-    lines = [f"tau {num(report['tau'], 3)} over {report['verify_forwards']} blocks, "
+    lines = [f"tau {num(report['tau'], 3)} over {report['verify_forwards']} blocks "
+             f"(tau_zlab, z-lab's per-prompt mean: {num(report.get('tau_zlab'), 3)}), "
              f"tau_offline {num(report['tau_offline'], 3)}, greedy mismatches {report.get('greedy_mismatches', '-')}",
              "tau by context length (prompt + generated tokens):"]
     lines += [f"  {b['context']:>11}: {num(b['tau'])} ({b['blocks']} blocks)" for b in report["acceptance_by_context"]]

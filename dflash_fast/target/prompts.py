@@ -3,7 +3,8 @@ chat messages or plain text, encoded through the target's chat template, the tar
 ids, and a response cut where the target stops.
 
     read_prompts    JSONL {conversations: [...]} / {text: ...} (or records in memory) -> [Prompt]
-    encode_prompt   a Prompt -> token ids (the chat template with the generation prompt, or the text)
+    encode_prompt   a Prompt -> token ids (the chat template with the generation prompt, or the text); `thinking`
+                    sets the template's thinking switch (thinking_switch: Qwen3 / gpt-oss)
     load_model      the target for generation (eval, regenerate --engine hf)
     eos_token_ids   the ids that end a response; cut_response: a generated response cut there or at the budget
 """
@@ -94,9 +95,27 @@ def read_prompts(data: Union[str, Sequence[Dict]], num_prompts: Optional[int] = 
     return prompts
 
 
-def encode_prompt(tokenizer, prompt: Prompt) -> List[int]:
-    """Token ids the target continues: the chat template with the generation prompt, or the text
-    with the tokenizer's special tokens (the conventions of `dflash-fast extract`)."""
+def thinking_switch(tokenizer, thinking: Optional[bool]) -> Dict[str, object]:
+    """The chat-template keyword that turns the target's thinking on or off ({} for None, the template's default):
+    Qwen3's `enable_thinking`; gpt-oss's `reasoning_effort`, "high" for on and "low" for off (gpt-oss always
+    reasons; low is its least). Which one is read from the template's own text, as z-lab's benchmark does."""
+    if thinking is None:
+        return {}
+    template = str(getattr(tokenizer, "chat_template", None) or "")
+    if "enable_thinking" in template:
+        return {"enable_thinking": thinking}
+    if "reasoning_effort" in template:
+        return {"reasoning_effort": "high" if thinking else "low"}
+    raise ValueError(
+        f"--thinking {'on' if thinking else 'off'}: the target's chat template has no thinking switch (neither "
+        "Qwen3's enable_thinking nor gpt-oss's reasoning_effort); leave --thinking out for this target"
+    )
+
+
+def encode_prompt(tokenizer, prompt: Prompt, thinking: Optional[bool] = None) -> List[int]:
+    """Token ids the target continues: the chat template with the generation prompt (its thinking switch set by
+    `thinking`, see thinking_switch), or the text with the tokenizer's special tokens (the conventions of
+    `dflash-fast extract`)."""
     where = prompt.where or f"prompt {prompt.index}"
     try:
         if prompt.messages is not None:
@@ -105,8 +124,12 @@ def encode_prompt(tokenizer, prompt: Prompt) -> List[int]:
                     "the target's tokenizer has no chat template; give {'text': ...} prompts instead of conversations"
                 )
             text = on_text("the chat template", tokenizer.apply_chat_template, prompt.messages, tokenize=False,
-                           add_generation_prompt=True, tools=prompt.record.get("tools"))
+                           add_generation_prompt=True, tools=prompt.record.get("tools"),
+                           **thinking_switch(tokenizer, thinking))
             ids = on_text("the tokenizer", tokenizer, text, add_special_tokens=False)["input_ids"]
+        elif thinking is not None:
+            raise ValueError("--thinking sets the chat template's switch; a {'text': ...} prompt has no template: "
+                             "give {'conversations': [...]} prompts or leave --thinking out")
         else:
             ids = on_text("the tokenizer", tokenizer, prompt.text, add_special_tokens=True)["input_ids"]
     except TextError as e:
