@@ -15,9 +15,12 @@ import os
 import subprocess
 from typing import Dict, List, Optional
 
+import yaml
+
 from dflash_fast.errors import STR, MapOf, read_mapping
 from dflash_fast.serve.model_card import PROVENANCE
 from dflash_fast.store.format import write_json_atomic
+from dflash_fast.train.metrics import MetricsLog
 
 TRACKER_IDS = "trackers.json"
 
@@ -155,3 +158,17 @@ def open_trackers(logging_cfg, out_dir: str, record: Dict, resumed_step: int) ->
     if trackers:
         write_json_atomic(path, {key: t.id for key, t in trackers.items()})
     return list(trackers.values())
+
+
+def open_outputs(cfg, manifest: Dict, data_identity: Dict, step: int, rank: int, world_size: int) -> MetricsLog:
+    """A run's output directory opened at `step` (0, or the resumed step): OUT/config.yaml (the resolved config),
+    OUT/provenance.json and the W&B / MLflow runs, written by rank 0, and OUT/metrics.jsonl kept up to `step`."""
+    trackers = []
+    if rank == 0:
+        os.makedirs(cfg.output_dir, exist_ok=True)
+        with open(os.path.join(cfg.output_dir, "config.yaml"), "w") as f:
+            yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
+        record = provenance(cfg.to_dict(), manifest, data_identity, step, world_size)
+        write_provenance(cfg.output_dir, record)
+        trackers = open_trackers(cfg.logging, cfg.output_dir, record, step)
+    return MetricsLog(cfg.output_dir, step, cfg.logging.tensorboard, writer=rank == 0, trackers=trackers)

@@ -46,7 +46,6 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
-import yaml
 
 from dflash_fast.data.batches import derive_seed
 from dflash_fast.drafter import ops
@@ -82,7 +81,6 @@ from dflash_fast.train.data import (
 from dflash_fast.train.distributed import gathered_state, init_distributed, quiet_deepspeed, resolve_precision, sharing
 from dflash_fast.train.memory import check_fits, device_bytes, gib, largest_fitting, run_plan, step_of
 from dflash_fast.train.metrics import (
-    MetricsLog,
     Sums,
     Window,
     progress_bar,
@@ -93,7 +91,7 @@ from dflash_fast.train.metrics import (
 )
 from dflash_fast.train.model import build_run_drafter, export_format, planned_drafter_config, resolve_loss_kind
 from dflash_fast.train.optim import build_engine, check_muon_stepped, deepspeed_config, resume_schedule, total_steps
-from dflash_fast.train.trackers import open_trackers, provenance, write_provenance
+from dflash_fast.train.trackers import open_outputs
 
 _NOISE_STREAM = 101  # derive_seed stream tag of the hidden-state noise, apart from batches.py's tags
 
@@ -148,7 +146,7 @@ class Trainer:
         if resume is not None:
             self._resume(*resume)
         self._log_setup(manifest, num_params, optimizer_line)
-        self.metrics = self._prepare_output(manifest)
+        self.metrics = open_outputs(cfg, manifest, self.data_identity, self.step, rank, world_size)
 
     # ---- output
 
@@ -169,20 +167,6 @@ class Trainer:
         self.log(f"{self.world_size} rank(s) x {s.grad_accum} micro-batch(es) x {d.batch_rows} row(s) of "
                  f"{d.seq_len} tokens per step; "
                  f"{self.stream.per_epoch} micro-batches per epoch per rank; {self.total_steps} steps")
-
-    def _prepare_output(self, manifest: Dict) -> MetricsLog:
-        """OUT/config.yaml (the resolved config), OUT/provenance.json, the W&B / MLflow runs (trackers.py), and
-        OUT/metrics.jsonl kept up to the resumed step."""
-        trackers = []
-        if self.rank == 0:
-            os.makedirs(self.out_dir, exist_ok=True)
-            with open(os.path.join(self.out_dir, "config.yaml"), "w") as f:
-                yaml.safe_dump(self.cfg.to_dict(), f, sort_keys=False)
-            record = provenance(self.cfg.to_dict(), manifest, self.data_identity, self.step, self.world_size)
-            write_provenance(self.out_dir, record)
-            trackers = open_trackers(self.cfg.logging, self.out_dir, record, self.step)
-        return MetricsLog(self.out_dir, self.step, self.cfg.logging.tensorboard, writer=self.rank == 0,
-                          trackers=trackers)
 
     # ---- checkpoints
 
