@@ -6,6 +6,7 @@ compare each one. The engine tests run where vLLM is installed (.ci/run's second
 DFLASH_REQUIRE_VLLM=1 turns their skip into a failure there. The rest runs in every venv.
 """
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -155,6 +156,20 @@ def assert_same_store(a_path, b_path):
 def test_vllm_store_is_the_hf_store_every_layer_last_and_teacher(stores):
     assert_same_store(stores["hf"], stores["vllm"])
     assert HiddenStateStore(stores["vllm"]).manifest["extraction"]["engine"] == "vllm"
+
+
+@needs_vllm
+def test_vllm_store_is_the_hf_store_at_1k_tokens(tmp_path):
+    """At the lengths users extract: activations grow along a long context, and the two engines round relative to
+    each token's scale (TOKEN_RTOL), which the 96-token records above never show."""
+    with open(os.path.join(os.path.dirname(TARGET), "prompts_train.jsonl")) as f:
+        texts = [json.loads(line)["conversations"][0]["content"] for line in f]
+    records = [{"text": "\n".join(texts[i::2])} for i in range(2)]  # each far beyond 1024 tokens
+    data = write_jsonl(tmp_path / "long.jsonl", records)
+    options = {**OPTIONS, "max_seq_len": 1024, "batch_tokens": 2048, "shard_tokens": 4096}
+    hf = extract(TARGET, data, str(tmp_path / "hf"), **options)["out"]
+    assert HiddenStateStore(hf).lengths.tolist() == [1024, 1024]
+    assert_same_store(hf, extract(TARGET, data, str(tmp_path / "vllm"), engine="vllm", **options)["out"])
 
 
 @needs_vllm
