@@ -1,5 +1,5 @@
 """`dflash-fast serve-target`: the frozen target in a process of its own (on its own GPUs or node), answering each
-training step's documents with the per-token fields a store holds; `RemoteRunner`, the trainer's end of it.
+training step's documents with the per-token fields a store holds.
 
     trainer rank ──token ids of one forward──▶ serve-target (TargetRunner, or VllmRunner under --tensor-parallel-size)
                  ◀──hidden, last, teacher top-k / lse──
@@ -10,16 +10,8 @@ The documents are the trainer's: it tokenizes its JSONL and plans its rows as th
 the token ids of each padded forward (OnlineSource.run); one server answers any number of ranks and trainers, one
 forward at a time.
 
-Protocol (TCP; no pickle anywhere: what comes off the network is untrusted): a message is
-
-    MAGIC (4 bytes) | header length (uint32, big-endian) | payload length (uint64) | JSON header | raw payload
-
-  hello  -> {"settings": {...}}   the server's extraction settings; the trainer refuses any that differ from its own
-  run {"lengths": [n, ...]} + int32 token ids  ->  {"fields": [{"name", "dtype", "shape"}, ...]} + each field's
-         bytes, the documents' tokens concatenated ([sum n, *per-token shape]); or {"error": "..."}
-
-Each end checks what it reads before allocating for it: the header's size, the payload's size against what the
-request implies (the trainer computes the exact reply size from the layout), every field's name, dtype and shape.
+The wire (no pickle; every size, name, dtype and shape checked before anything is allocated for it) is
+remote.py's, with RemoteRunner, the trainer's end.
 """
 
 import socketserver
