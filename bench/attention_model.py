@@ -39,13 +39,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.harness import write_results  # noqa: E402
 from dflash_fast.kernels.anchored_attention import (  # noqa: E402
     anchors_per_tile,
     context_ranges,
     pack_rows,
     visibility_plan,
 )
+
+from bench.harness import write_results  # noqa: E402
 
 PEAK = 790e12  # dense bf16 matmul, measured on one H200 (PERF.md)
 SMS = 132

@@ -49,10 +49,10 @@ def flex_mask_mod(anchors, anchor_valid, document_ids, block_size, window, causa
 
 
 def bench_shape(t, args, device, dtype, timing):
+    from dflash_fast.kernels import anchored_attention as kernel
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     from dflash_fast.drafter.eager import anchored_attention_mask
-    from dflash_fast.kernels import anchored_attention as kernel
 
     r, hq, hkv, d, b, a = 1, args.hq, args.hkv, args.head_dim, args.block_size, args.anchors
     n_q, window, causal = a * b, args.window, args.causal_in_block

@@ -31,10 +31,10 @@ def main(argv=None):
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # read when the kernel module is imported, below
     import torch
+    from dflash_fast.kernels.fc_concat import fc_concat
 
     from bench.harness import peak_memory_mb, time_ms, write_results
     from dflash_fast.drafter import eager
-    from dflash_fast.kernels.fc_concat import fc_concat
 
     if args.smoke:
         device, dtype, shapes, reps = "cpu", torch.float32, [(32, 2, 32, 24)], dict(warmup=0, rep=1)

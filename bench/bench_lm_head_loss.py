@@ -23,10 +23,11 @@ if "--smoke" in sys.argv or not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any @triton.jit module is imported
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from dflash_fast.kernels.lm_head_loss import lm_head_loss  # noqa: E402
+
 from bench.harness import peak_memory_mb, time_ms, write_results  # noqa: E402
 from dflash_fast.drafter import eager  # noqa: E402
 from dflash_fast.drafter.eager import Teacher  # noqa: E402
-from dflash_fast.kernels.lm_head_loss import lm_head_loss  # noqa: E402
 
 EPS = 1e-6
 KINDS = {"kl": ("kl", False), "ce (stored labels)": ("ce", True)}

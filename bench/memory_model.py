@@ -24,11 +24,12 @@ from typing import Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from dflash_fast.kernels.lm_head_loss import chunk_plan  # noqa: E402
+
 from bench.bench_extract import MODELS, TOPK  # noqa: E402
 from bench.harness import markdown_table, write_results  # noqa: E402
 from bench.lm_head_model import REFERENCE, training_rows  # noqa: E402
 from dflash_fast.drafter.eager import needs_last  # noqa: E402
-from dflash_fast.kernels.lm_head_loss import chunk_plan  # noqa: E402
 from dflash_fast.store.format import Layout  # noqa: E402
 from dflash_fast.store.layer_ids import default_layer_ids  # noqa: E402
 from dflash_fast.train.config import load_config  # noqa: E402

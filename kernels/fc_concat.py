@@ -40,7 +40,6 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 import triton
 import triton.language as tl
-
 from dflash_fast.kernels._common import (
     autotune_configs,
     check_device,

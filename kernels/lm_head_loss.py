@@ -76,6 +76,14 @@ from typing import List, NamedTuple, Optional, Tuple, Union
 import torch
 import triton
 import triton.language as tl
+from dflash_fast.kernels._common import (
+    ON_GPU,
+    autotune_configs,
+    check_device,
+    dot_precision,
+    rms_norm_backward,
+    rms_norm_forward,
+)
 
 from dflash_fast.drafter.eager import (
     DENSE_KINDS,
@@ -89,14 +97,6 @@ from dflash_fast.drafter.eager import (
     dpace_weights,
     has_kl,
     needs_last,
-)
-from dflash_fast.kernels._common import (
-    ON_GPU,
-    autotune_configs,
-    check_device,
-    dot_precision,
-    rms_norm_backward,
-    rms_norm_forward,
 )
 
 # Bytes of one chunk's buffers (fp32 logits of its rows and their teacher rows, dlogits): 1.5 GiB on a GPU;

@@ -9,7 +9,6 @@ import os
 import sys
 
 import torch
-
 from dflash_fast.kernels import anchored_attention as kernel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

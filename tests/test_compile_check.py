@@ -15,11 +15,11 @@ import sys
 
 import pytest
 import triton
+from dflash_fast.kernels import anchored_attention, fc_concat, lm_head_loss
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
 from bench import compile_diff, static_facts
-from dflash_fast.kernels import anchored_attention, fc_concat, lm_head_loss
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The reduced run: bf16, the reference shape, the first config of each autotune list, and the cases

@@ -12,9 +12,9 @@ import sys
 
 import pytest
 import torch
+from dflash_fast.kernels.anchored_attention import anchored_attention
 
 from dflash_fast.drafter import eager, ops
-from dflash_fast.kernels.anchored_attention import anchored_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -10,9 +10,9 @@ import sys
 
 import pytest
 import torch
+from dflash_fast.kernels.fc_concat import fc_concat, fc_concat_forward, split_layers
 
 from dflash_fast.drafter import eager, ops
-from dflash_fast.kernels.fc_concat import fc_concat, fc_concat_forward, split_layers
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-6

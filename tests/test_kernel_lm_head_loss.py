@@ -11,16 +11,16 @@ import os
 import subprocess
 import sys
 
+import dflash_fast.kernels.lm_head_loss as kernel
 import pytest
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from dflash_fast.kernels.lm_head_loss import lm_head_loss
 
-import dflash_fast.kernels.lm_head_loss as kernel
 from dflash_fast.drafter import eager, ops
 from dflash_fast.drafter.eager import DPace, Teacher
-from dflash_fast.kernels.lm_head_loss import lm_head_loss
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.lm_head_model import tile_order  # noqa: E402

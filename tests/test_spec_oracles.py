@@ -8,6 +8,8 @@ import math
 
 import pytest
 import torch
+from dflash_fast.kernels.anchored_attention import anchored_attention as attention_kernel
+from dflash_fast.kernels.lm_head_loss import lm_head_loss as loss_kernel
 from oracles import (
     attention,
     divergence,
@@ -27,8 +29,6 @@ from oracles import (
 from dflash_fast.data.batches import sample_anchors
 from dflash_fast.drafter import eager
 from dflash_fast.drafter.model import position_weights, slot_targets
-from dflash_fast.kernels.anchored_attention import anchored_attention as attention_kernel
-from dflash_fast.kernels.lm_head_loss import lm_head_loss as loss_kernel
 
 BACKENDS = {"eager": (eager.anchored_attention, eager.lm_head_loss), "triton": (attention_kernel, loss_kernel)}
 EPS = 1e-6
