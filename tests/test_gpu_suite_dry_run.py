@@ -27,8 +27,11 @@ def all_parts(suite=SUITE):
 
 def dry_run(suite, results, *parts):
     """Run `suite --dry-run PARTS` into results -> (exit status, output, {part label: verdict})."""
-    env = dict(os.environ, PYTHON=sys.executable, RESULTS=str(results))
-    env.pop("OUT", None)
+    # The device starts each part from a clean shell: no launcher variables. Tests before this one may have
+    # initialised torch.distributed in this process, which sets RANK / MASTER_PORT (its port, still bound here).
+    skip = ("OUT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in skip}
+    env.update(PYTHON=sys.executable, RESULTS=str(results))
     proc = subprocess.run(["bash", suite, "--dry-run", *parts], env=env, capture_output=True, text=True,
                           timeout=1500)
     verdicts = {}
