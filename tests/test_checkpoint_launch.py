@@ -21,6 +21,7 @@ def run(argv):
     args = [a for a in argv if not a.startswith("--local_rank")]  # the launcher's; LOCAL_RANK is in the environment
     out, config, overrides = args[0], args[1], args[2:]
     train(load_config(config, [*overrides, f"output_dir={os.path.join(out, 'a')}"]))
+    dist.barrier()  # every rank has released its output lock (removed its lock file) before rank 0 copies OUT/a
     if dist.get_rank() == 0:
         shutil.copytree(os.path.join(out, "a"), os.path.join(out, "b"))
         last_rank = dist.get_world_size() - 1
