@@ -231,6 +231,27 @@ def profiled_peak(fn) -> int:
     return peak
 
 
+def online_forward_peak(monkeypatch, sizes, layer_ids, layout):
+    """The profiled peak of one plain (non-parity) batch through the online source's target forward
+    (capture.TargetRunner) on a seeded tiny Qwen3 of `sizes` = (hidden, inter, vocab, tokens, layers)."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from dflash_fast.extract import capture
+    from dflash_fast.target.records import Example
+
+    hidden, inter, vocab, tokens, layers = sizes
+    real = capture._to_numpy  # a GPU run's host copy is host memory; on the CPU it would be the tensor itself
+    monkeypatch.setattr(capture, "_to_numpy", lambda t: real(t).copy())
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=hidden // 4, num_hidden_layers=layers)
+    target = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").eval()
+    runner = capture.TargetRunner(target, layer_ids, layout, 0, parity_every=2)
+    example = Example(np.arange(tokens, dtype=np.int32) % vocab, np.ones(tokens, dtype=bool))
+    runner([example])  # the parity batch; the measured one is a plain batch
+    return profiled_peak(lambda: runner([example]))
+
+
 @pytest.mark.parametrize("hidden, inter, vocab, tokens, layers, chunk", [
     (128, 512, 384, 256, 12, 2048),  # the peak in a layer's MLP: 12 layers' states would be more
     (64, 128, 4096, 512, 4, 128),  # the peak in the teacher's chunk: [T, V] logits would be 4 times more
@@ -239,23 +260,12 @@ def test_online_target_forward_keeps_what_the_model_says(hidden, inter, vocab, t
     """The online source's target forward (capture.TargetRunner, the one extraction runs) holds its tapped layers,
     one layer's working set, then `last` and one chunk of teacher logits: no [T, V] logits, no other layer's
     states, whatever T is."""
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
     from dflash_fast.extract import capture
-    from dflash_fast.target.records import Example
 
     monkeypatch.setattr(capture, "LOGIT_CHUNK", chunk)
-    real = capture._to_numpy  # a GPU run's host copy is host memory; on the CPU it would be the tensor itself
-    monkeypatch.setattr(capture, "_to_numpy", lambda t: real(t).copy())
-    torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=hidden // 4, num_hidden_layers=layers)
-    target = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").eval()
     layer_ids = [0, layers // 2, layers - 1]  # L-1: `last`
-    runner = capture.TargetRunner(target, layer_ids, Layout(3, hidden, 4, "float32", True), 0, parity_every=2)
-    example = Example(np.arange(tokens, dtype=np.int32) % vocab, np.ones(tokens, dtype=bool))
-    runner([example])  # the parity batch; the measured one is a plain batch
-    measured = profiled_peak(lambda: runner([example]))
+    measured = online_forward_peak(monkeypatch, (hidden, inter, vocab, tokens, layers), layer_ids,
+                                   Layout(3, hidden, 4, "float32", True))
     modelled = online_forward_bytes(OnlineTarget(0, layers, hidden, inter, vocab, tokens, len(layer_ids)), 4, chunk)
     within(measured, modelled, "the online target's forward")
 

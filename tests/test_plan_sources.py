@@ -4,10 +4,8 @@ an in-process vLLM's device share is counted, and so is an fp8 quantisation's fp
 import os
 import re
 
-import numpy as np
 import pytest
-import torch
-from test_memory import profiled_peak, within
+from test_memory import online_forward_peak, within
 from test_trainer import TINY_YAML, settings, tiny  # noqa: F401 (tiny: the module's fixture)
 
 from dflash_fast.extract.vllm_runner import GPU_MEMORY_UTILIZATION
@@ -79,24 +77,10 @@ def test_an_in_process_vllm_takes_its_share_of_the_device_in_the_plan(tiny, tmp_
 def test_fp8_quantisation_of_the_taps_is_in_the_online_forward(monkeypatch):
     """Many taps, a narrow MLP: quantize_fp8's fp32 working set over [T, K, H] is the forward's largest moment
     (the plan without it is a third short of what is allocated)."""
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    from dflash_fast.extract import capture
-    from dflash_fast.target.records import Example
-
     hidden, inter, vocab, tokens, layers = 128, 128, 384, 256, 12
-    real = capture._to_numpy  # a GPU run's host copy is host memory; on the CPU it would be the tensor itself
-    monkeypatch.setattr(capture, "_to_numpy", lambda t: real(t).copy())
-    torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=hidden // 4, num_hidden_layers=layers)
-    target = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").eval()
     layer_ids = [0, 2, 4, 6, 8, 10]
-    layout = Layout(len(layer_ids), hidden, 4, "float8_e4m3fn", True)
-    runner = capture.TargetRunner(target, layer_ids, layout, 0, parity_every=2)
-    example = Example(np.arange(tokens, dtype=np.int32) % vocab, np.ones(tokens, dtype=bool))
-    runner([example])  # the parity batch; the measured one is a plain batch
-    measured = profiled_peak(lambda: runner([example]))
+    measured = online_forward_peak(monkeypatch, (hidden, inter, vocab, tokens, layers), layer_ids,
+                                   Layout(len(layer_ids), hidden, 4, "float8_e4m3fn", True))
     sizes = (0, layers, hidden, inter, vocab, tokens, len(layer_ids))
     within(measured, online_forward_bytes(OnlineTarget(*sizes, fp8=True), 4), "the fp8 online forward")
     assert online_forward_bytes(OnlineTarget(*sizes), 4) < 0.8 * measured
