@@ -10,7 +10,7 @@ from oracles import (
     rms_norm,
     unary_top_k,
 )
-from test_drafter import B, H, V, random_batch, random_drafter
+from test_drafter import B, H, V, proposal_fed_back, random_batch, random_drafter
 from test_trainer import tiny  # noqa: F401 (the fixture: a tiny target and its store)
 
 from dflash_fast.drafter import eager, ops
@@ -251,11 +251,7 @@ def test_propose_walks_the_selector_slot_by_slot(sample_from_anchor):
     d = dflash2_drafter(sample_from_anchor)
     with torch.no_grad():
         d.candidate_selector.successor_codebook.mul_(5)  # transitions that outweigh the unary gaps: the walk decides
-    batch = random_batch(t=24, anchors=((9,),), valid=((True,),))
-    guess = d.propose(batch["hidden"][0, :9], int(batch["input_ids"][0, 9]))
-    assert guess.shape == (B if sample_from_anchor else B - 1,)
-    batch["input_ids"][0, 10 : 10 + len(guess)] = guess
-    out = d(batch, "kl")
+    guess, out, batch = proposal_fed_back(d, sample_from_anchor)
     assert torch.equal(guess, out.draft_argmax[0, 0, d.config.first_slot :])
     unary = d.block_logits(batch)[0][0, d.config.first_slot :].argmax(-1)
     assert not torch.equal(guess, unary), "the selector changed a draft"

@@ -65,6 +65,17 @@ def random_batch(seed=0, t=24, anchors=((2, 7, 15, 22),), valid=((True, True, Tr
     )
 
 
+def proposal_fed_back(d, sample_from_anchor):
+    """Draft one block from anchor 9 with `d.propose`, then feed the drafted tokens back as the ground truth:
+    (the proposal, the training forward's output on that batch, the batch). For a drafter whose drafts depend on
+    the token drafted before them (DSpark's chain, DFlash2's selector), the forward's drafts must be the proposal."""
+    batch = random_batch(t=24, anchors=((9,),), valid=((True,),))
+    guess = d.propose(batch["hidden"][0, :9], int(batch["input_ids"][0, 9]))
+    assert guess.shape == (B if sample_from_anchor else B - 1,)
+    batch["input_ids"][0, 10 : 10 + len(guess)] = guess
+    return guess, d(batch, "kl"), batch
+
+
 # ---------------------------------------------------------------- the anchored mask (SPEC §4)
 
 

@@ -3,7 +3,7 @@ against speculators 0.9.0's semantics written out as loops (tests/oracles.py: ds
 import pytest
 import torch
 from oracles import dspark_batch_loss, position_weight, rms_norm
-from test_drafter import B, V, random_batch, random_drafter
+from test_drafter import B, V, proposal_fed_back, random_batch, random_drafter
 
 from dflash_fast.drafter import eager, ops
 from dflash_fast.drafter.model import DrafterOutput, position_weights, slot_metrics, slot_targets
@@ -141,11 +141,7 @@ def test_propose_drafts_each_slot_from_the_token_drafted_before_it(head_type, sa
     d = dspark_drafter(head_type, sample_from_anchor)
     with torch.no_grad():
         d.markov_head.markov_w2.weight.mul_(20)  # a bias that outweighs the base logits: the chain decides
-    batch = random_batch(t=24, anchors=((9,),), valid=((True,),))
-    guess = d.propose(batch["hidden"][0, :9], int(batch["input_ids"][0, 9]))
-    assert guess.shape == (B if sample_from_anchor else B - 1,)
-    batch["input_ids"][0, 10 : 10 + len(guess)] = guess
-    out = d(batch, "kl")
+    guess, out, batch = proposal_fed_back(d, sample_from_anchor)
     assert torch.equal(guess, out.draft_argmax[0, 0, d.config.first_slot :])
 
 
