@@ -139,3 +139,11 @@ def test_a_zlab_dflash_config_with_a_convolution_but_no_dflash2_architecture_is_
     config["architectures"] = ["DFlashDraftModel"]
     with pytest.raises(ExportError, match="conv_kernel_size: .*vllm serves 0"):
         config_from_export(config)
+
+
+def test_the_model_card_of_a_dflash2_export_names_the_family_and_its_sizes():
+    from dflash_fast.serve.model_card import model_card
+
+    card = model_card(dflash2_drafter().config, "t", "speculators", "/export")
+    assert "# DFlash2 (DFlash backbone with dynamic convolutions and a candidate selector) drafter" in card
+    assert "| DFlash2 | 2-tap convolutions in groups of 8, a selector of rank 8 over the unary top 5" in card
