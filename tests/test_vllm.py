@@ -3,8 +3,9 @@
 Runs where vLLM is installed (.ci/run's second venv, docs/vllm.md); DFLASH_REQUIRE_VLLM=1 turns the skip into a
 failure there. Drafters are overfitted in-process to the embedded target's greedy replies to a few prompts (real
 acceptance in seconds), exported, and served by vLLM: full-attention and all-sliding drafters on its V1 CPU runner
-in this process; mixed sliding/full and DSpark drafters, which only its V2 runner serves, on a GPU in this process
-and on a CPU in a process of their own (tests/vllm_v2_on_cpu.py: Triton's interpreter runs the V2 runner's kernels).
+in this process; mixed sliding/full, DSpark and DFlash2 drafters, which only its V2 runner serves, on a GPU in this
+process and on a CPU in a process of their own (tests/vllm_v2_on_cpu.py: Triton's interpreter runs the V2 runner's
+kernels).
 """
 import dataclasses
 import functools
