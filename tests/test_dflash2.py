@@ -309,9 +309,11 @@ def test_dflash2_config_keys_are_checked_at_the_edge():
 def test_the_trainer_trains_dflash2_and_logs_the_selector_metrics(tiny, tmp_path):  # noqa: F811
     """Two steps of configs/tiny.yaml (AdamW) with DFlash2's keys on the tiny store: recall_at_k and selector_acc in
     metrics.jsonl next to alpha_j, the convolutions trained away from identity, the checkpoint builds the same
-    drafter back, and the run ends with an export of speculators' dflash2 type that loads back as the same drafter."""
+    drafter back, and the run ends with an export of speculators' dflash2 type that loads back as the same drafter, as
+    does `dflash-fast export --format zlab` of its checkpoint."""
     from test_trainer import TINY_YAML, records, settings
 
+    from dflash_fast.cli import main
     from dflash_fast.serve.export import load_exported, read_export_config
     from dflash_fast.train.checkpoint import load_drafter_for_export
     from dflash_fast.train.config import load_config
@@ -328,10 +330,14 @@ def test_the_trainer_trains_dflash2_and_logs_the_selector_metrics(tiny, tmp_path
     conv = drafter.layers[0].attention_conv
     assert conv.kernel_projection.weight.abs().sum() > 0, "the convolutions trained away from identity"
     assert read_export_config(f"{out}/export")["speculators_model_type"] == "dflash2"
-    exported = load_exported(f"{out}/export")
-    assert exported.config == drafter.config
-    for name, p in drafter.named_parameters():
-        assert torch.equal(dict(exported.named_parameters())[name], p), name
+    for export in (f"{out}/export", f"{out}/export-zlab"):  # the trainer's; `dflash-fast export --format zlab`'s
+        if export.endswith("zlab"):
+            assert main(["export", "--checkpoint", out, "--out", export, "--format", "zlab", "--dtype", "fp32"]) == 0
+            assert read_export_config(export)["architectures"] == ["DFlash2DraftModel"]
+        exported = load_exported(export)
+        assert exported.config == drafter.config
+        for name, p in drafter.named_parameters():
+            assert torch.equal(dict(exported.named_parameters())[name], p), name
 
 
 # ---------------------------------------------------------------- the quickstart
