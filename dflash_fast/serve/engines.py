@@ -466,7 +466,8 @@ def _sglang_view(config: Dict) -> Dict:
 def _sglang_dflash2(config: Dict, where: str) -> Dict:
     """SGLang, models/dflash.py: every DFlash draft builds the convolutions when dflash_config.conv_kernel_size is
     set (DFlashDraftModel.__init__, grouped_conv), only DFlash2DraftModel the candidate selector (it raises without
-    selector_rank). dflash-fast reads all four fields as written, none defaulted."""
+    selector_rank). Its parse_dflash_draft_config (not read here) is modelled as dflash_config's four fields, none
+    defaulted: where z-lab's published DFlash2 checkpoint has them and the zlab layout writes them."""
     dflash = config["dflash_config"]
     if "DFlash2DraftModel" in config["architectures"]:
         return _dflash2_read(dflash, where + ": dflash_config")
