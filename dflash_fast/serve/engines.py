@@ -7,15 +7,20 @@ the engines agree on, `check_made_for` refuses one made for another target.
 
     speculators layout   speculators (`_speculators_view`), vLLM (`_vllm_speculators_view`)
     zlab layout          SGLang (`_sglang_view`), vLLM (`_vllm_zlab_view`)
+
+DFlash2 (SPEC §9) in either layout: speculators' DFlash2SpeculatorConfig, vLLM's qwen3_dflash2.py (read from the
+speculators layout's top level through its adapter, from the z-lab layout's dflash_config), SGLang's and z-lab's
+DFlash2DraftModel (dflash_config); `_dflash2_fields` are their terms in `ARCHITECTURE`.
 """
 import json
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from dflash_fast.drafter.config import DrafterConfig, value_problems
 from dflash_fast.drafter.eager import WINDOW_RULES
 from dflash_fast.errors import check_schema, is_int
 from dflash_fast.serve.layouts import (
     CONFIG_SCHEMAS,
+    DFLASH2_FIELDS,
     DFLASH_ONLY,
     FORMATS,
     HF_LAYER_TYPES,
@@ -52,6 +57,11 @@ ARCHITECTURE = (
     "markov_head_type",
     "confidence_head",
     "confidence_head_with_markov",
+    # DFlash2 (SPEC §9); DFlash and DSpark drafters: 0, 16, 0, 16
+    "conv_kernel_size",
+    "conv_group_size",
+    "selector_rank",
+    "selector_top_k",
 )
 # Why an engine reads a field differently, and the fix, for the mismatches that have a known cause.
 # Fields where an engine that serves another rule than the drafter trained with still runs it, at a lower acceptance:
@@ -71,6 +81,10 @@ HINTS = {
     "train model.markov_head_type=vanilla to serve with vLLM",
     "markov_rank": "the z-lab layout (SGLang's and vLLM's dflash method) has no DSpark heads: export a DSpark drafter "
     "in the speculators format",
+    "conv_kernel_size": "speculators' DFlash2SpeculatorConfig, vLLM's and z-lab's DFlash2DraftModel build both "
+    "DFlash2 additions: train model.conv_kernel_size >= 1 with model.selector_rank >= 1",
+    "selector_rank": "speculators' DFlash2SpeculatorConfig, vLLM's, SGLang's and z-lab's DFlash2DraftModel build the "
+    "candidate selector: train model.selector_rank >= 1 with model.conv_kernel_size >= 1",
     "target_hidden_size": "speculators and SGLang size fc from the drafter's hidden_size: the drafter's hidden size "
     "must equal the target's",
 }
@@ -97,6 +111,7 @@ def architecture(cfg: DrafterConfig) -> Dict:
         "layer_causal": list(cfg.causal_in_block),
         "window_from": cfg.window_from if "sliding" in cfg.layer_types else None,
         **_dspark_fields(*(getattr(cfg, key) for key in DFLASH_ONLY)),
+        **_dflash2_fields(*(getattr(cfg, key) for key in DFLASH2_FIELDS)),
     }
 
 
@@ -104,6 +119,34 @@ def _dspark_fields(sample_from_anchor, markov_rank, markov_head_type, confidence
     """The DSpark fields of `ARCHITECTURE`; without a confidence head its input is moot and reads as true."""
     return dict(sample_from_anchor=sample_from_anchor, markov_rank=markov_rank, markov_head_type=markov_head_type,
                 confidence_head=confidence_head, confidence_head_with_markov=with_markov or not confidence_head)
+
+
+def _dflash2_fields(taps, group, rank, top_k) -> Dict:
+    """DFlash2's fields of `ARCHITECTURE`; without a convolution its group size, without a selector its K, is moot
+    and reads as the default 16."""
+    return dict(conv_kernel_size=taps, conv_group_size=group if taps else 16, selector_rank=rank,
+                selector_top_k=top_k if rank else 16)
+
+
+DFLASH2_OFF = _dflash2_fields(0, 16, 0, 16)
+
+
+def _dflash2_read(holder: Dict, where: str, defaults: Optional[Dict] = None) -> Dict:
+    """DFlash2's four fields from `holder` (a config.json's top level or its dflash_config), each an integer >= 1 as
+    the engine builds it (speculators: pydantic ge=1; vLLM, z-lab: int(dflash_config[key]) with no default; a
+    convolution needs its group to divide the hidden size, checked by _check_values); `defaults` fills absent
+    keys (speculators' DFlash2SpeculatorConfig: 2, 16, 256, 16), else an absent key is refused."""
+    values = {}
+    for key in DFLASH2_FIELDS:
+        value = holder.get(key, (defaults or {}).get(key))
+        if not is_int(value) or value < 1:
+            raise ExportError(f"{where}: {key}={value!r}; its DFlash2 model builds that size, an integer >= 1 "
+                              f"(speculators' DFlash2SpeculatorConfig names the four fields {list(DFLASH2_FIELDS)})")
+        values[key] = value
+    return _dflash2_fields(*values.values())
+
+
+SPECULATORS_DFLASH2 = dict(conv_kernel_size=2, conv_group_size=16, selector_rank=256, selector_top_k=16)
 
 
 def normal_rope(params: Dict) -> Dict:
@@ -178,6 +221,10 @@ def _speculators_view(config: Dict) -> Dict:
     hf = _hf_config(_need(config, "transformer_layer_config", where), where)
     aux = _need(config, "aux_hidden_state_layer_ids", where)
     dspark = config.get("speculators_model_type") == "dspark"
+    dflash2 = config.get("speculators_model_type") == "dflash2"
+    if config.get("sample_from_anchor", False) and dflash2:
+        raise ExportError(f"{where}: a DFlash2 drafter with sample_from_anchor=true: speculators' DFlash2 and vLLM's "
+                          f"dflash2 draft with the anchor as the given token (sample_from_anchor=false) only")
     if config.get("sample_from_anchor", False) and not dspark:
         raise ExportError(f"{where}: a DFlash drafter with sample_from_anchor=true: dflash-fast trains that as DSpark")
     rope = hf.rope_parameters
@@ -198,6 +245,8 @@ def _speculators_view(config: Dict) -> Dict:
         "layer_causal": [t == "sliding_attention" and not non_causal for t in types],
         "window_from": "anchor" if "sliding_attention" in types else None,  # kv_base_pos >= q_anchor - sliding_window
         **(_speculators_dspark(config) if dspark else DFLASH_ONLY),
+        # models/dflash2/config.py: DFlash2SpeculatorConfig's defaults, each ge=1
+        **(_dflash2_read(config, where + ": DFlash2SpeculatorConfig", SPECULATORS_DFLASH2) if dflash2 else DFLASH2_OFF),
     }
 
 
@@ -286,7 +335,9 @@ def _vllm_speculators_view(config: Dict) -> Dict:
     Qwen3Config) and algos.py (update_dflash: dflash_config = {mask_token_id, target_layer_ids = aux ids - 1,
     causal = not sliding_window_non_causal (default true)}, draft_vocab_size, target_hidden_size); causal is a
     global override in qwen3_dflash.py (_dflash_layer_causal), so every layer gets one in-block rule. The block is
-    the proposal method's speculative_tokens + 1."""
+    the proposal method's speculative_tokens + 1. A `dflash2` type (update_dflash2: method dflash, architectures
+    DFlash2DraftModel, the four DFlash2 fields copied into dflash_config when set) is served by qwen3_dflash2.py,
+    which reads each as int(dflash_config[key]), no default."""
     from types import SimpleNamespace
 
     where = "vLLM (speculators config adapter, qwen3_dflash.py)"
@@ -307,6 +358,10 @@ def _vllm_speculators_view(config: Dict) -> Dict:
     windows, causal = _vllm_layers(hf, where)
     _check_vocab(config.get("draft_vocab_size") or hf.vocab_size, hf.vocab_size, where)
     dspark = _vllm_dspark(config, where) if config.get("speculators_model_type") == "dspark" else DFLASH_ONLY
+    dflash2 = DFLASH2_OFF
+    if config.get("speculators_model_type") == "dflash2":
+        dflash2 = _dflash2_read({k: config[k] for k in DFLASH2_FIELDS if config.get(k) is not None},
+                                where.replace("qwen3_dflash.py", "qwen3_dflash2.py"))
     return {
         **_common(hf, where, getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads),
         "vocab_size": hf.vocab_size,
@@ -320,6 +375,7 @@ def _vllm_speculators_view(config: Dict) -> Dict:
         "layer_causal": causal,
         "window_from": "query" if any(w is not None for w in windows) else None,
         **dspark,
+        **dflash2,
     }
 
 
@@ -403,13 +459,29 @@ def _sglang_view(config: Dict) -> Dict:
         "layer_causal": [t == "sliding_attention" for t in types],
         "window_from": "query" if "sliding_attention" in types else None,  # RadixAttention window_left = W - 1
         **DFLASH_ONLY,
+        **_sglang_dflash2(config, where),
     }
+
+
+def _sglang_dflash2(config: Dict, where: str) -> Dict:
+    """SGLang, models/dflash.py: every DFlash draft builds the convolutions when dflash_config.conv_kernel_size is
+    set (DFlashDraftModel.__init__, grouped_conv), only DFlash2DraftModel the candidate selector (it raises without
+    selector_rank). Its parse_dflash_draft_config (not read here) is modelled as dflash_config's four fields, none
+    defaulted: where z-lab's published DFlash2 checkpoint has them and the zlab layout writes them."""
+    dflash = config["dflash_config"]
+    if "DFlash2DraftModel" in config["architectures"]:
+        return _dflash2_read(dflash, where + ": dflash_config")
+    if dflash.get("conv_kernel_size"):
+        taps = _dflash2_read({**dflash, "selector_rank": 1, "selector_top_k": 1}, where + ": dflash_config")
+        return dict(taps, selector_rank=0, selector_top_k=16)
+    return DFLASH2_OFF
 
 
 def _vllm_zlab_view(config: Dict) -> Dict:
     """vLLM reading the z-lab layout (`--speculative-config '{"method": "dflash", "model": DIR}'`): AutoConfig
     (Qwen3Config) of config.json and qwen3_dflash.py's rules (see _vllm_layers, _vllm_rope); the block is the
-    command line's num_speculative_tokens + 1, which docs/export.md tells you to set to block_size - 1."""
+    command line's num_speculative_tokens + 1, which docs/export.md tells you to set to block_size - 1.
+    architectures ["DFlash2DraftModel"]: qwen3_dflash2.py, DFlash2's fields from dflash_config."""
     where = "vLLM (qwen3_dflash.py)"
     hf = _hf_config(config, where)
     ids, mask, block = _zlab_ids(config, hf, where)
@@ -426,6 +498,8 @@ def _vllm_zlab_view(config: Dict) -> Dict:
         "layer_causal": causal,
         "window_from": "query" if any(w is not None for w in windows) else None,
         **DFLASH_ONLY,
+        **(_dflash2_read(config["dflash_config"], "vLLM (qwen3_dflash2.py): dflash_config")
+           if "DFlash2DraftModel" in config["architectures"] else DFLASH2_OFF),
     }
 
 
@@ -488,13 +562,25 @@ def mismatches(expected: Dict, served: Dict[str, Dict], serving_rules: bool = Fa
 def check_servable(cfg: DrafterConfig, fmt: str) -> None:
     """Refuse, before anything is written, a drafter that the engines of `fmt` would serve differently."""
     if cfg.is_dflash2:
-        raise ExportError(f"the {fmt} format has no DFlash2 layout in dflash-fast yet (convolutions, candidate "
-                          f"selector: issue #39): train with export=false and evaluate the trainer's checkpoint")
+        dflash2_servable(cfg, fmt)
     problems = mismatches(architecture(cfg), served_architectures(format_config(cfg, fmt, verifier="")))
     if fmt == "zlab":
         problems += zlab_tap_problems(cfg.layer_ids, cfg.target_num_layers)
     if problems:
         raise ExportError(f"the {fmt} format cannot serve this drafter as it trained:\n  - " + "\n  - ".join(problems))
+
+
+def dflash2_servable(cfg: DrafterConfig, fmt: str) -> None:
+    """Refuse a DFlash2 drafter no engine of `fmt` builds: one addition alone (speculators' DFlash2SpeculatorConfig,
+    vLLM's and z-lab's DFlash2DraftModel build both, each of size >= 1), or drafting from the anchor (speculators'
+    DFlash2 and vLLM's walk start from the given anchor token)."""
+    problems = [f"{key}=0: {HINTS[key]}" for key in ("conv_kernel_size", "selector_rank") if not getattr(cfg, key)]
+    if cfg.sample_from_anchor:
+        problems.append("sample_from_anchor=true: speculators' DFlash2 and vLLM's dflash2 draft the block after the "
+                        "given anchor token only (train model.sample_from_anchor=false)")
+    if problems:
+        raise ExportError(f"the {fmt} format cannot serve this DFlash2 drafter as it trained:\n  - "
+                          + "\n  - ".join(problems))
 
 
 def servable_format(cfg: DrafterConfig) -> str:

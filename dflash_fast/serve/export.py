@@ -6,7 +6,8 @@ trainable weights); how each serving engine reads them back is `dflash_fast.serv
 The gate. An export is written into a temporary directory beside OUT and read back the way every engine that
 loads its format reads it (`engines.served_architectures`). Every engine's architecture is compared field by field
 with the trained drafter's, a drafter rebuilt from the written files is compared with the trained one on a random
-batch (fp32 logits, eager ops, `GATE_TOLERANCE`), and only a passing export is renamed to OUT. `load_exported`
+batch (fp32 logits, eager ops, `GATE_TOLERANCE`; a DFlash2 drafter's candidate selector scores too), and only a
+passing export is renamed to OUT. `load_exported`
 reads an export through the same engine rules and refuses one the engines would read differently.
 """
 
@@ -21,7 +22,7 @@ import torch
 
 from dflash_fast.drafter import ops
 from dflash_fast.drafter.config import DrafterConfig
-from dflash_fast.drafter.model import DFlashDrafter
+from dflash_fast.drafter.model import DFlashDrafter, gather_rows, slot_targets
 from dflash_fast.drafter.weights import check_tensors, load_frozen_tensors, read_tensors, stderr_line
 from dflash_fast.errors import Is, MapOf, Obj, check_schema, read_mapping
 from dflash_fast.serve.engines import (
@@ -163,6 +164,24 @@ def gate_logits(drafter: DFlashDrafter, batch: Dict[str, torch.Tensor]) -> torch
     return logits if confidence is None else torch.cat([logits, confidence[..., None]], dim=-1)
 
 
+def gate_selector_scores(drafter: DFlashDrafter, batch: Dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
+    """DFlash2 (SPEC §9): the candidate selector's fp32 scores [A*B, K] of the candidates `ids` [A*B, K] of every
+    slot of the one row of `batch` (the trained drafter's unary top-K), `prev` the ground-truth previous token, on
+    the eager ops: what the selector walk ranks."""
+    with torch.no_grad(), ops.backend("eager"):
+        x = drafter.batch_states(batch)
+        targets = slot_targets(batch, drafter.config.block_size, drafter.config.sample_from_anchor)
+        prev = gather_rows(batch["input_ids"], targets.prev_position)
+        hidden = drafter.norm(x).reshape(ids.shape[0], -1)
+        return drafter.candidate_selector.scores(hidden, drafter.lm_head, prev, ids)
+
+
+def _differing(reference: Dict[str, torch.Tensor], served: Dict[str, torch.Tensor]) -> str:
+    """The tensors read back from an export that differ from those written (the cause of a gate failure, named)."""
+    names = [name for name, t in reference.items() if name in served and not torch.equal(served[name].to(t.dtype), t)]
+    return f"; tensors read back other than written: {names}" if names else ""
+
+
 def gate(export_dir: str, trained: DrafterConfig, tensors: Dict[str, torch.Tensor]) -> None:
     """Read `export_dir` back as its engines do and compare with the trained drafter (`tensors`: its weights as
     written); raises ExportError naming the first field, tensor or logit that differs."""
@@ -189,13 +208,19 @@ def gate(export_dir: str, trained: DrafterConfig, tensors: Dict[str, torch.Tenso
             setattr(drafter, name, value)
     batch = gate_batch(trained)
     want, got = gate_logits(reference, batch), gate_logits(served, batch)
-    if not torch.isfinite(want).all() or not torch.allclose(got, want, **GATE_TOLERANCE):
-        worst = (got - want).abs().nan_to_num(float("inf")).max().item()
-        raise ExportError(
-            f"a drafter rebuilt from {export_dir} gives other logits than the trained one on a random batch "
-            f"(max |difference| {worst:.3g}, tolerance {GATE_TOLERANCE}; non-finite trained logits: "
-            f"{not torch.isfinite(want).all()})"
-        )
+    compared = [("logits", want, got)]
+    if reference.candidate_selector is not None:
+        ids = want[0, :, : trained.vocab_size].topk(trained.selector_top_k).indices
+        compared.append(("candidate selector scores", gate_selector_scores(reference, batch, ids),
+                         gate_selector_scores(served, batch, ids)))
+    for what, want, got in compared:
+        if not torch.isfinite(want).all() or not torch.allclose(got, want, **GATE_TOLERANCE):
+            worst = (got - want).abs().nan_to_num(float("inf")).max().item()
+            raise ExportError(
+                f"a drafter rebuilt from {export_dir} gives other {what} than the trained one on a random batch "
+                f"(max |difference| {worst:.3g}, tolerance {GATE_TOLERANCE}; non-finite trained {what}: "
+                f"{not torch.isfinite(want).all()}){_differing(tensors, served_weights)}"
+            )
 
 
 def _is_replaceable(path: str) -> bool:

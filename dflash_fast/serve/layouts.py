@@ -11,10 +11,16 @@ each serving engine does.
                  a DSpark drafter (SPEC §8) as speculators_model_type "dspark" (vLLM's `dspark` method) with
                  sample_from_anchor, markov_rank, markov_head_type, enable_confidence_head,
                  confidence_head_with_markov and the heads' weights markov_head.markov_w1 / markov_w2,
-                 confidence_head.proj
+                 confidence_head.proj; a DFlash2 drafter (SPEC §9) as speculators_model_type "dflash2" (vLLM's
+                 `dflash` method with its DFlash2DraftModel, V2 runner) with conv_kernel_size, conv_group_size,
+                 selector_rank, selector_top_k and the tensors layers.{i}.{attention_conv,mlp_conv}.base_kernel /
+                 .kernel_projection.weight, candidate_selector.predecessor_codebook / .successor_codebook /
+                 .hidden_projection.weight
     zlab         read by SGLang and vLLM, the layout of z-lab's published drafters: a flat Qwen3 config with
                  architectures ["DFlashDraftModel"], block_size, num_target_layers,
-                 dflash_config {target_layer_ids = ids, mask_token_id, block_size}
+                 dflash_config {target_layer_ids = ids, mask_token_id, block_size}; a DFlash2 drafter as
+                 architectures ["DFlash2DraftModel"] and DFlash2's four fields in dflash_config (z-lab's
+                 Qwen3.8-27B-DFlash2), the same tensor names as the speculators layout
 
 Layer ids: ours name HF `hidden_states[id + 1]` (SPEC §1), and so do z-lab's target_layer_ids; speculators numbers
 the same tensors one higher.
@@ -29,6 +35,8 @@ HF_LAYER_TYPES = {"full": "full_attention", "sliding": "sliding_attention"}
 # The DSpark fields of a DFlash drafter (DrafterConfig's defaults): what a view of a DFlash-only layout serves.
 DFLASH_ONLY = dict(sample_from_anchor=False, markov_rank=0, markov_head_type="vanilla", confidence_head=False,
                    confidence_head_with_markov=True)
+# DFlash2's fields (SPEC §9) as speculators' DFlash2SpeculatorConfig names them (models/dflash2/config.py)
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
 class ExportError(ValueError):
@@ -89,13 +97,24 @@ def is_dspark(cfg: DrafterConfig) -> bool:
     return any(getattr(cfg, key) != value for key, value in DFLASH_ONLY.items())
 
 
+def speculators_algorithm(cfg: DrafterConfig) -> str:
+    """speculators_model_type of a drafter: dflash2 (SPEC §9), dspark (SPEC §8) or dflash."""
+    return "dflash2" if cfg.is_dflash2 else "dspark" if is_dspark(cfg) else "dflash"
+
+
+ARCHITECTURES = {"dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel", "dflash2": "DFlash2DraftModel"}
+
+
 def speculators_config(cfg: DrafterConfig, verifier: str) -> Dict:
-    """config.json of the speculators layout (DSpark fields as speculators' DSparkSpeculatorConfig names them)."""
+    """config.json of the speculators layout (DSpark fields as speculators' DSparkSpeculatorConfig names them,
+    DFlash2's as DFlash2SpeculatorConfig does)."""
     # vLLM turns this flag into one in-block rule for EVERY layer (update_dflash: dflash_config.causal = not
     # sliding_window_non_causal): true unless a sliding layer is causal, so full-layer drafters stay bidirectional.
     causal_sliding = any(c for c, kind in zip(cfg.causal_in_block, cfg.layer_types) if kind == "sliding")
-    algorithm = "dspark" if is_dspark(cfg) else "dflash"
+    algorithm = speculators_algorithm(cfg)
     dspark = {}
+    if algorithm == "dflash2":
+        dspark = {key: getattr(cfg, key) for key in DFLASH2_FIELDS}
     if algorithm == "dspark":
         dspark = {
             "markov_rank": cfg.markov_rank,
@@ -105,7 +124,7 @@ def speculators_config(cfg: DrafterConfig, verifier: str) -> Dict:
         }
     return {
         "speculators_model_type": algorithm,
-        "architectures": ["DSparkDraftModel" if algorithm == "dspark" else "DFlashDraftModel"],
+        "architectures": [ARCHITECTURES[algorithm]],
         "transformer_layer_config": qwen3_layer(cfg),
         "aux_hidden_state_layer_ids": [i + 1 for i in cfg.layer_ids],
         "block_size": cfg.block_size,
@@ -127,16 +146,20 @@ def speculators_config(cfg: DrafterConfig, verifier: str) -> Dict:
 
 
 def zlab_config(cfg: DrafterConfig, verifier: str) -> Dict:
-    """config.json of the z-lab layout (no auto_map: the z-lab Transformers backend's dflash.py is not shipped)."""
+    """config.json of the z-lab layout (no auto_map: the z-lab Transformers backend's dflash.py is not shipped); a
+    DFlash2 drafter as architectures ["DFlash2DraftModel"] with DFlash2's fields in dflash_config (z-lab's
+    dflash 0.1.0 model.py, SGLang's models/dflash.py and vLLM's qwen3_dflash2.py read them there)."""
+    dflash2 = {key: getattr(cfg, key) for key in DFLASH2_FIELDS} if cfg.is_dflash2 else {}
     return {
         **qwen3_layer(cfg),
-        "architectures": ["DFlashDraftModel"],
+        "architectures": ["DFlash2DraftModel" if cfg.is_dflash2 else "DFlashDraftModel"],
         "block_size": cfg.block_size,
         "num_target_layers": cfg.target_num_layers,
         "dflash_config": {
             "target_layer_ids": list(cfg.layer_ids),
             "mask_token_id": cfg.mask_token_id,
             "block_size": cfg.block_size,
+            **dflash2,
         },
         "dflash_fast": _metadata(cfg, verifier),
     }
@@ -150,9 +173,11 @@ def format_config(cfg: DrafterConfig, fmt: str, verifier: str) -> Dict:
 
 def export_format(config: Dict) -> Optional[str]:
     """'speculators', 'zlab', or None for a config.json that is neither."""
-    if config.get("speculators_model_type") in ("dflash", "dspark"):
+    if config.get("speculators_model_type") in ARCHITECTURES:
         return "speculators"
-    if "DFlashDraftModel" in (config.get("architectures") or []) and isinstance(config.get("dflash_config"), dict):
+    architectures = config.get("architectures") or []
+    zlab = any(name in architectures for name in ("DFlashDraftModel", "DFlash2DraftModel"))
+    if zlab and isinstance(config.get("dflash_config"), dict):
         return "zlab"
     return None
 
@@ -166,7 +191,7 @@ _DFLASH_KEYS = {"target_layer_ids": ListOf(INT), "num_target_layers": _OPT_INT, 
                 "block_size": _OPT_INT,
                 # z-lab's scalings (engines.ZLAB_NEUTRAL: only their neutral values are read)
                 "input_embedding_scale": NUMBER, "output_multiplier": NUMBER,
-                "final_logit_softcapping": Nullable(NUMBER)}
+                "final_logit_softcapping": Nullable(NUMBER), **{key: _OPT_INT for key in DFLASH2_FIELDS}}
 
 
 CONFIG_SCHEMAS = {
@@ -176,7 +201,8 @@ CONFIG_SCHEMAS = {
                       "proposal_methods": Nullable(ListOf(Obj({}, optional={"speculative_tokens": _OPT_INT})))})),
                   "mask_token_id": _OPT_INT, "block_size": _OPT_INT, "draft_vocab_size": _OPT_INT,
                   "target_hidden_size": _OPT_INT, "sample_from_anchor": _OPT_BOOL,
-                  "sliding_window_non_causal": _OPT_BOOL, "dflash_fast": Nullable(OBJECT)},
+                  "sliding_window_non_causal": _OPT_BOOL, "dflash_fast": Nullable(OBJECT),
+                  **{key: _OPT_INT for key in DFLASH2_FIELDS}},
     ),
     "zlab": Obj(
         {"architectures": ListOf(STR),

@@ -84,7 +84,9 @@ def model_card(cfg: DrafterConfig, target: str, fmt: str, export_dir: str, clien
     run = client.get("config") or provenance.get("config") or {}
     data = provenance.get("data", {})
     sources = [d for d in (data.get("data"), data.get("jsonl"), (run.get("data") or {}).get("jsonl")) if d]
-    family = "DSpark (DFlash backbone with DSpark heads)" if cfg.markov_rank or cfg.confidence_head else "DFlash"
+    family = ("DSpark (DFlash backbone with DSpark heads)" if cfg.markov_rank or cfg.confidence_head else
+              "DFlash2 (DFlash backbone with dynamic convolutions and a candidate selector)" if cfg.is_dflash2 else
+              "DFlash")
     parts = [front_matter(target, sources), f"# {family} drafter for {target}\n",
              f"A block-diffusion speculative-decoding drafter trained with dflash-fast: it drafts "
              f"{cfg.block_size - 1} tokens per forward for `{target}`, which verifies them.\n",
@@ -95,6 +97,9 @@ def model_card(cfg: DrafterConfig, target: str, fmt: str, export_dir: str, clien
                  ("layer types", ", ".join(cfg.layer_types) if cfg.layer_types else "full attention"),
                  ("sliding window", f"{cfg.sliding_window} (ends at the {cfg.window_from})"
                   if cfg.sliding_window else "-"),
+                 *([("DFlash2", f"{cfg.conv_kernel_size}-tap convolutions in groups of {cfg.conv_group_size}, a "
+                               f"selector of rank {cfg.selector_rank} over the unary top {cfg.selector_top_k} (vLLM: "
+                               f"its V2 model runner)")] if cfg.is_dflash2 else []),
              ])]
     parts.append("\n## Data and recipe\n")
     if run:
