@@ -293,7 +293,15 @@ class ChatTokenizer:
         for i in turns_at:
             sub = messages[: i + 1]
             sub_text = on_text("the chat template", self._render, sub, tools=tools, template_kwargs=kwargs)
-            rows.append(self._example(sub_text, self._assistant_spans(sub, sub_text, tools, kwargs)[-1:], [sub[-1]]))
+            try:
+                head = self._render(messages[:i], generation_prompt=True, tools=tools, template_kwargs=kwargs)
+            except Exception:  # a template that refuses this partial chat: the search below
+                head = None
+            if head is not None and sub_text.startswith(head) and len(sub_text) > len(head):  # after turn i's prompt
+                span = (len(head), len(sub_text))
+            else:  # the search of the single row (a template that renders a last turn otherwise)
+                span = self._assistant_spans(sub, sub_text, tools, kwargs)[-1]
+            rows.append(self._example(sub_text, [span], [sub[-1]]))
         return rows
 
     def text(self, text) -> Example:
