@@ -60,6 +60,17 @@ REASONING_KEYS = ("thinking", "reasoning_content")
 # data.reasoning / extract --reasoning: train on the reasoning span, keep it in the context without loss, remove it.
 REASONING_MODES = ("train", "mask", "drop")
 THINK_END = "</think>"
+MEDIA_KEYS = ("images", "image", "videos", "video", "pixel_values")
+IMAGES_UNSUPPORTED = ("image and video inputs are not supported yet: extraction feeds the target text only "
+                      "(multimodal checkpoints included), so remove them from the data")
+
+
+def has_image(content) -> bool:
+    """A turn's content in the multimodal message format with an image or video part."""
+    return isinstance(content, list) and any(
+        isinstance(part, dict) and (part.get("type") in ("image", "image_url", "input_image", "video")
+                                    or "image" in part or "image_url" in part)
+        for part in content)
 
 
 def reasoning_of(message) -> str:
@@ -95,17 +106,6 @@ def reasoning_end(text, start, end, reasoning, special=()) -> int:
     cut = found + len(reasoning.strip())
     closing = next((t for t in special if text.startswith(t, cut)), "")
     return min(end, cut + len(closing))
-MEDIA_KEYS = ("images", "image", "videos", "video", "pixel_values")
-IMAGES_UNSUPPORTED = ("image and video inputs are not supported yet: extraction feeds the target text only "
-                      "(multimodal checkpoints included), so remove them from the data")
-
-
-def has_image(content) -> bool:
-    """A turn's content in the multimodal message format with an image or video part."""
-    return isinstance(content, list) and any(
-        isinstance(part, dict) and (part.get("type") in ("image", "image_url", "input_image", "video")
-                                    or "image" in part or "image_url" in part)
-        for part in content)
 
 
 class ChatTokenizer:
@@ -122,6 +122,9 @@ class ChatTokenizer:
     full rendering, reaches back to the end of the generation prompt before it,
     and is extended by the template's end-of-turn text or the special token
     that closes it (harmony's `<|end|>`, where the last turn has `<|return|>`).
+    That is the single row (conversation); conversation_rows, what training reads, gives such a template's
+    conversation one row per assistant turn instead. reasoning=mask takes each turn's reasoning out of its
+    mask, reasoning=drop out of the turn.
     """
 
     def __init__(self, tokenizer, vocab_size: int, reasoning: str = "train"):
