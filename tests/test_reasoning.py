@@ -127,6 +127,19 @@ def test_mask_keeps_gpt_oss_analysis_in_the_context_and_trains_the_final_channel
     assert trained(harmony, mask) == "<|start|>assistant<|channel|>final<|message|>anchor slot<|return|>"
 
 
+def test_a_gpt_oss_conversation_trains_each_turn_as_generated_after_the_history_the_template_keeps(harmony):
+    turns = [{"role": "user", "content": "hidden state"},
+             {"role": "assistant", "thinking": "the token", "content": "anchor slot"},
+             {"role": "user", "content": "token layer"},
+             {"role": "assistant", "thinking": "the block", "content": "block loss"}]
+    rows = ChatTokenizer(harmony, len(harmony)).conversation_rows(turns)
+    assert [trained(harmony, row) for row in rows] == [HARMONY_REPLY, HARMONY_REPLY.replace(
+        "the token", "the block").replace("anchor slot", "block loss")]
+    second = harmony.decode(rows[1].input_ids.tolist())
+    assert second.startswith(render(harmony, turns[:3], add_generation_prompt=True))
+    assert "<|channel|>final<|message|>anchor slot<|end|>" in second and "the token" not in second
+
+
 def test_a_gpt_oss_reply_splits_into_its_channels_and_renders_back_to_the_generated_tokens(harmony):
     generated = harmony(HARMONY_REPLY, add_special_tokens=False)["input_ids"]
     reply = decode_reply(harmony, generated)
