@@ -52,6 +52,20 @@ SCHEMAS = {
           "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]}],
     ),
     "text": ([{"text": "the anchor token", "meta": "x"}], [{"text": "the anchor token"}]),
+    # Salesforce xlam-function-calling-60k: tools and answers are JSON strings; xLAM's parameters are no JSON schema.
+    "xlam": (
+        [{"id": 0, "query": "weather in Paris?",
+          "tools": json.dumps([{"name": "get_weather", "description": "the weather",
+                                "parameters": {"city": {"type": "str", "description": "a city"}}}]),
+          "answers": json.dumps([{"name": "get_weather", "arguments": {"city": "Paris"}}])}],
+        [{"conversations": [{"role": "user", "content": "weather in Paris?"},
+                            {"role": "assistant", "content": "",
+                             "tool_calls": [{"type": "function", "function": {"name": "get_weather",
+                                                                              "arguments": {"city": "Paris"}}}]}],
+          "tools": [{"type": "function", "function": {
+              "name": "get_weather", "description": "the weather",
+              "parameters": {"type": "object", "properties": {"city": {"type": "str", "description": "a city"}}}}}]}],
+    ),
 }
 # Renders tools and tool calls as Qwen-style templates do, so that a record's tools reach the target's context.
 TOOLS_TEMPLATE = (
@@ -193,3 +207,27 @@ def test_regenerate_prompts_keep_the_tools_and_earlier_tool_calls(tokenizer, tmp
     text = tokenizer.tok.decode(encode_prompt(tokenizer.tok, prompt))
     assert "# Tools\nget_weather" in text and '<tool_call>get_weather({"city": "Paris"})' in text
     assert text.endswith("and Rome?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_eval_reads_the_split_of_a_dataset_given_as_its_prompts(target, tmp_path, monkeypatch):
+    from dflash_fast.evaluate import evaluate as evaluate_module
+
+    rows = [{"instruction": f"say {w}", "response": "old"} for w in ("anchor", "block", "slot")]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:1]),
+                          "eval": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "ds"))
+    read, seen = evaluate_module.read_prompts, []
+
+    class Stop(Exception):
+        pass
+
+    def stop_before_the_model(*_args, **_kwargs):
+        raise Stop
+
+    monkeypatch.setattr(evaluate_module, "read_prompts", lambda *a: seen.extend(read(*a)) or seen)
+    monkeypatch.setattr(evaluate_module, "load_model", stop_before_the_model)
+    argv = ["eval", "--target", target, "--drafter", str(tmp_path), "--data", str(tmp_path / "ds")]
+    for split, expected in (("eval", ["say anchor", "say block", "say slot"]), (None, ["say anchor"])):
+        seen.clear()
+        with pytest.raises(Stop):
+            cli.main(argv + (["--split", split] if split else []))
+        assert [p.messages[0]["content"] for p in seen] == expected

@@ -200,7 +200,9 @@ def test_batched_equals_one_by_one(targets, data, tmp_path, arch):
     run_extract(targets[arch], data, tmp_path / f"{arch}-single", batch_tokens=1)
     run_extract(targets[arch], data, tmp_path / f"{arch}-batched", batch_tokens=4096)
     single, batched = HiddenStateStore(tmp_path / f"{arch}-single"), HiddenStateStore(tmp_path / f"{arch}-batched")
-    assert len(single) == len(batched) == 10
+    # gpt-oss's template closes earlier assistant turns otherwise than it generated them: its multi-turn records are
+    # one row per assistant turn (records.ChatTokenizer.conversation_rows).
+    assert len(single) == len(batched) == (14 if arch == "gpt_oss" else 10)
     for i in range(len(single)):
         a, b = single[i], batched[i]
         assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])

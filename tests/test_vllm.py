@@ -322,16 +322,30 @@ def test_vllms_attention_windows_each_query_at_its_own_position():
 
 
 def test_regenerate_through_vllm_writes_what_hf_writes_in_greedy_mode(tmp_path):
-    kwargs = dict(batch_size=2, max_new_tokens=16, num_prompts=3, progress=False)
-    regenerate(TARGET, PROMPTS, str(tmp_path / "hf.jsonl"), **kwargs)
-    summary = regenerate(TARGET, PROMPTS, str(tmp_path / "vllm.jsonl"), engine="vllm", **kwargs)
+    # The embedded target with Qwen3's thinking switch in its template: --thinking off prefills an empty think block,
+    # and both engines must generate from that same prompt.
+    target = tmp_path / "target"
+    target.mkdir()
+    for name in os.listdir(TARGET):
+        (target / name).symlink_to(os.path.join(TARGET, name))
+    (target / "chat_template.jinja").unlink()
+    template = open(os.path.join(TARGET, "chat_template.jinja")).read().rstrip("\n")
+    (target / "chat_template.jinja").write_text(template.replace(
+        "{{- '<|im_start|>assistant\\n' -}}{%- endif -%}",
+        "{{- '<|im_start|>assistant\\n' -}}{%- if enable_thinking is defined and enable_thinking is false -%}"
+        "{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}{%- endif -%}"))
+    assert "enable_thinking" in (target / "chat_template.jinja").read_text()
+    kwargs = dict(batch_size=2, max_new_tokens=16, num_prompts=3, progress=False, thinking="off")
+    regenerate(str(target), PROMPTS, str(tmp_path / "hf.jsonl"), **kwargs)
+    summary = regenerate(str(target), PROMPTS, str(tmp_path / "vllm.jsonl"), engine="vllm", **kwargs)
     assert summary["written"] == 3
 
     def records(path):
         rows = [json.loads(line) for line in open(path)]
         for r in rows:
             assert r.pop("sampling") == dict(engine=path.stem, temperature=0.0, top_p=1.0, top_k=0, seed=0,
-                                             max_new_tokens=16)
+                                             max_new_tokens=16, thinking="off")
+            assert r["chat_template_kwargs"] == {"enable_thinking": False}
         return rows
 
     assert records(tmp_path / "vllm.jsonl") == records(tmp_path / "hf.jsonl")

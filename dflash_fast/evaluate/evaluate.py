@@ -183,6 +183,7 @@ def evaluate(
     benchmark: Optional[str] = None,
     benchmark_dir: Optional[str] = None,
     thinking: Optional[str] = None,
+    split: str = "train",
 ) -> Dict:
     """Speculative decoding of every prompt in `data` (regenerate's JSONL formats, or records) -> report dict.
 
@@ -196,13 +197,14 @@ def evaluate(
     benchmark (evaluate/benchmarks.py), each at its own token budget unless `max_new_tokens` is given (default 128
     for `data`).
     `thinking` "on" / "off" sets the chat template's thinking switch (target/prompts.thinking_switch).
+    `split`: the split read when `data` is a Hugging Face dataset (target/datasets_in.py).
     """
     from transformers import AutoTokenizer
 
     sampling = check_sampling(temperature, top_p, seed)
     check_target(target)
     suites = None if benchmark is None else load_suites(benchmark, benchmark_dir, num_prompts)
-    prompts = read_prompts(data, num_prompts) if suites is None else []
+    prompts = read_prompts(data, num_prompts, split) if suites is None else []
     think = {"on": True, "off": False}.get(thinking, thinking)
     tokenizer = AutoTokenizer.from_pretrained(target, trust_remote_code=trust_remote_code)
     thinking_switch(tokenizer, think)  # a template without the switch is refused before the model loads
@@ -259,8 +261,10 @@ def add_arguments(parser) -> None:
         help="export directory (dflash-fast export, speculators or zlab layout) or trainer checkpoint",
     )
     p.add_argument(
-        "--data", help="prompts JSONL, as for regenerate: {conversations: [...]} or {text: ...} (or --benchmark)"
+        "--data", help="prompts, as for regenerate: JSONL of {conversations: [...]} or {text: ...}, or a Hugging Face "
+                       "dataset (save_to_disk directory, .parquet, .arrow, hub id); or --benchmark"
     )
+    p.add_argument("--split", default="train", help="the split of a Hugging Face dataset --data (default train)")
     benchmarks.add_arguments(p)
     p.add_argument("--num-prompts", type=int, default=None,
                    help="use only the first N prompts (--benchmark: N of each, z-lab's seeded subset)")

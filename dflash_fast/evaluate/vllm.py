@@ -72,6 +72,7 @@ def evaluate_vllm(
     temperature: float = 0.0,
     top_p: float = 1.0,
     seed: int = 0,
+    split: str = "train",
 ) -> Dict:
     """`dflash_fast.evaluate.evaluate`'s report, measured by vLLM serving the export `drafter` for `target`.
 
@@ -101,7 +102,7 @@ def evaluate_vllm(
             f"of it)"
         )
     vllm = import_vllm()
-    prompts = read_prompts(data, num_prompts)
+    prompts = read_prompts(data, num_prompts, split)  # split: of a Hugging Face dataset
     tokenizer = AutoTokenizer.from_pretrained(target, trust_remote_code=trust_remote_code)
     eos = eos_token_ids(GenerationConfig.from_pretrained(target, trust_remote_code=trust_remote_code), tokenizer)
     encoded = [encode_prompt(tokenizer, p) for p in prompts]

@@ -53,7 +53,7 @@ from dflash_fast.store.format import (
 from dflash_fast.store.layer_ids import parse_layer_ids
 from dflash_fast.store.reader import HiddenStateStore
 from dflash_fast.store.writer import StoreWriter
-from dflash_fast.target.records import Example
+from dflash_fast.target.records import REASONING_MODES, Example
 
 RANKS_DIR = "ranks"
 
@@ -373,6 +373,10 @@ def add_arguments(parser) -> None:
                         "dataset: a save_to_disk directory, a .parquet / .arrow file or a hub id (docs/extraction.md)")
     p.add_argument("--split", default="train", help="the split of a Hugging Face dataset (default train)")
     p.add_argument("--max-samples", type=int, default=None, help="read only the first N records / rows")
+    p.add_argument("--reasoning", choices=REASONING_MODES, default="train",
+                   help="an assistant turn's reasoning (<think>...</think>, reasoning_content, thinking): train on it "
+                        "(default: the target generates it when it serves), mask (in the context without loss) or "
+                        "drop (removed; the template's thinking switch off)")
     p.add_argument("--out", required=True, help="store directory (re-run the same command to resume)")
     p.add_argument("--batch-tokens", type=int, default=16384, help="padded tokens per forward (default 16384)")
     p.add_argument("--shard-tokens", type=int, default=None, help="tokens per shard (default: about 1 GiB)")
@@ -410,6 +414,6 @@ def run(args) -> int:
         batch_tokens=args.batch_tokens, dtype=args.dtype, shard_tokens=args.shard_tokens, topk=args.topk,
         no_last=args.no_last, skip_bad=args.skip_bad, trust_remote_code=args.trust_remote_code,
         parity_every=args.parity_every, engine=args.engine, tensor_parallel_size=args.tensor_parallel_size,
-        split=args.split, max_samples=args.max_samples,
+        split=args.split, max_samples=args.max_samples, reasoning=args.reasoning,
     )
     return 0

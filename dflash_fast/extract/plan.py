@@ -18,7 +18,7 @@ from dflash_fast.extract.capture import TargetRunner
 from dflash_fast.store.format import Layout, build_manifest, normalise_dtype
 from dflash_fast.store.layer_ids import check_layer_ids, default_layer_ids
 from dflash_fast.target.load import check_target, config_sha256
-from dflash_fast.target.records import ChatTokenizer, Example, InputStats, read_examples
+from dflash_fast.target.records import REASONING_MODES, ChatTokenizer, Example, InputStats, read_examples
 
 
 def plan_shards(lengths: Sequence[int], shard_tokens: int) -> List[range]:
@@ -82,12 +82,15 @@ class ExtractOptions:
     tensor_parallel_size: int = 1  # vllm only
     split: str = "train"  # a Hugging Face dataset's split (datasets_in); JSONL has none
     max_samples: Optional[int] = None  # read only the first N records (JSONL lines or dataset rows)
+    reasoning: str = "train"  # records.REASONING_MODES: reasoning trained, in the context without loss, removed
 
     def __post_init__(self):
         if self.topk < 1:
             raise ValueError(f"topk must be >= 1 (the argmax is always kept), got {self.topk}")
         if self.parity_every < 1:
             raise ValueError(f"parity_every must be >= 1, got {self.parity_every}")
+        if self.reasoning not in REASONING_MODES:
+            raise ValueError(f"reasoning {self.reasoning!r}: choose one of {REASONING_MODES}")
         if self.tensor_parallel_size != 1 and self.engine != "vllm":
             raise ValueError("--tensor-parallel-size is the engine's: it needs --engine vllm")
 
@@ -142,8 +145,8 @@ def plan_job(target: str, data: Optional[str], out: Optional[str], options: Extr
         examples, stats, data_sha = [], InputStats(), None
     else:
         examples, stats, data_sha = read_examples(
-            data, ChatTokenizer(tokenizer, vocab_size), options.max_seq_len, options.skip_bad, rank, world_size,
-            options.split, options.max_samples,
+            data, ChatTokenizer(tokenizer, vocab_size, options.reasoning), options.max_seq_len, options.skip_bad, rank,
+            world_size, options.split, options.max_samples,
         )
     identity = {
         "schema_version": layout.schema_version,
@@ -157,6 +160,8 @@ def plan_job(target: str, data: Optional[str], out: Optional[str], options: Extr
         "max_seq_len": options.max_seq_len,
         "shard_tokens": shard_tokens,
         "world_size": world_size,
+        # Only when not the default, so that the stores extracted before the option keep their job id.
+        **({"reasoning": options.reasoning} if options.reasoning != "train" else {}),
     }
     job_id = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
     return Job(target, data, out, options, rank, world_size, device, compute_dtype, config, layer_ids, layout,

@@ -37,20 +37,29 @@ from dflash_fast.target.prompts import (
     Prompt,
     add_model_arguments,
     cut_response,
+    decode_reply,
     encode_prompt,
     eos_token_ids,
     load_model,
     read_prompts,
+    thinking_switch,
 )
 
 
-def output_record(prompt: Prompt, response: str, finished: bool, sampling: Dict) -> Dict:
-    """The input record with the response in place; `sampling`: the engine and settings that wrote it."""
+def output_record(prompt: Prompt, response: Union[str, Dict[str, str]], finished: bool, sampling: Dict,
+                  template_kwargs: Optional[Dict] = None) -> Dict:
+    """The input record with the response in place: a string, or the assistant turn's fields (decode_reply:
+    gpt-oss's `thinking` and `content`); `sampling`: the engine and settings that wrote it; `template_kwargs`: the
+    chat template's switch the prompt was rendered with (--thinking), kept as `chat_template_kwargs` so extraction
+    renders the conversation as the target saw it."""
+    reply = {"content": response} if isinstance(response, str) else response
     record = dict(prompt.record, index=prompt.index, finished=finished, sampling=sampling)
     if prompt.messages is not None:
-        record["conversations"] = prompt.messages + [{"role": "assistant", "content": response}]
+        record["conversations"] = prompt.messages + [{"role": "assistant", **reply}]
+        if template_kwargs:
+            record["chat_template_kwargs"] = dict(record.get("chat_template_kwargs") or {}, **template_kwargs)
     else:
-        record["text"] = prompt.text + response
+        record["text"] = prompt.text + reply["content"]
     return record
 
 
@@ -149,14 +158,18 @@ def regenerate(
     progress: bool = True,
     engine: str = "hf",
     split: str = "train",
+    thinking: Optional[str] = None,
 ) -> Dict:
     """Write the target's responses to the prompts in `data` into `out` (JSONL); resume a partial `out`.
 
     temperature 0 is greedy decoding; above 0, sampling with `top_p` and `top_k` (0 = off), seeded per batch by `seed`.
     engine: "hf" (transformers' generate) or "vllm" (dflash_fast.evaluate.vllm); every record says which and with
     what settings (`sampling`). `data` may be a Hugging Face dataset (its `split`; datasets_in).
-    Returns {"out", "prompts", "written", "skipped", "finished"} (finished: responses that
-    ended at eos).
+    `thinking` "on" / "off" sets the chat template's thinking switch (prompts.thinking_switch: Qwen3's
+    enable_thinking, gpt-oss's reasoning_effort), recorded in each record's `chat_template_kwargs`. A gpt-oss
+    reply is split into its analysis (`thinking`) and final (`content`) channels (prompts.decode_reply).
+    Returns {"out", "prompts", "written", "skipped", "finished", "unsplit"} (finished: responses that
+    ended at eos; unsplit: harmony replies not analysis / final messages, kept as text).
     """
     from tqdm import tqdm
     from transformers import AutoTokenizer
@@ -169,13 +182,17 @@ def regenerate(
         raise ValueError(
             f"need temperature >= 0 (0 = greedy), top_p in (0, 1], top_k >= 0; got {temperature}, {top_p}, {top_k}"
         )
+    if thinking not in (None, "on", "off"):
+        raise ValueError(f"thinking {thinking!r}: choose on or off (or leave it out: the template's default)")
     check_target(target)
     prompts = read_prompts(data, num_prompts, split)
     done = read_done(out, prompts)
-    summary = {"out": out, "prompts": len(prompts), "written": 0, "skipped": len(done), "finished": 0}
+    summary = {"out": out, "prompts": len(prompts), "written": 0, "skipped": len(done), "finished": 0, "unsplit": 0}
     if len(done) == len(prompts):
         return summary
     tokenizer = AutoTokenizer.from_pretrained(target, trust_remote_code=trust_remote_code)
+    think = None if thinking is None else thinking == "on"
+    switch = thinking_switch(tokenizer, think)  # a template without the switch is refused before the model loads
     if engine == "vllm":
         from transformers import GenerationConfig
 
@@ -192,7 +209,7 @@ def regenerate(
     if engine == "vllm":
         llm = load_engine(target, dtype=dtype, trust_remote_code=trust_remote_code)
     sampling = dict(engine=engine, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                    max_new_tokens=max_new_tokens)
+                    max_new_tokens=max_new_tokens, **({"thinking": thinking} if thinking else {}))
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     bar = tqdm(total=len(prompts), initial=len(done), unit="prompt", desc="regenerate", disable=not progress)
     with open(out, "a") as f:
@@ -200,7 +217,7 @@ def regenerate(
             todo = [p for p in prompts[start : start + batch_size] if p.index not in done]
             if not todo:
                 continue
-            batch = [encode_prompt(tokenizer, p) for p in todo]
+            batch = [encode_prompt(tokenizer, p, think) for p in todo]
             # Seeded by the batch's position, not by what ran before: a resumed run draws the same samples.
             batch_seed = seed * 1_000_003 + start
             if engine == "vllm":
@@ -212,7 +229,11 @@ def regenerate(
             for p, ids in zip(todo, responses):
                 finished = bool(ids) and ids[-1] in eos
                 summary["finished"] += finished
-                record = output_record(p, tokenizer.decode(ids, skip_special_tokens=True), finished, sampling)
+                reply = decode_reply(tokenizer, ids)
+                if reply is None:  # a harmony reply of other channels (a tool call): kept as its text
+                    summary["unsplit"] += 1
+                    reply = tokenizer.decode(ids, skip_special_tokens=True)
+                record = output_record(p, reply, finished, sampling, switch)
                 lines.append(json.dumps(record) + "\n")
             f.write("".join(lines))
             f.flush()
@@ -242,6 +263,9 @@ def add_arguments(parser) -> None:
                    help="use only the first N prompts (records / dataset rows)")
     p.add_argument("--engine", choices=ENGINES, default="hf",
                    help="hf: transformers' generate (default); vllm: vLLM (docs/vllm.md), for large prompt sets")
+    p.add_argument("--thinking", choices=["on", "off"], default=None,
+                   help="the chat template's thinking switch (Qwen3's enable_thinking, gpt-oss's reasoning effort "
+                        "high / low); default: the template's own")
     add_model_arguments(p)
 
 
@@ -250,5 +274,7 @@ def run(args) -> int:
     print(
         f"{s['out']}: {s['written']} responses written, {s['skipped']} already there, "
         f"{s['finished']} of the new ones ended at eos ({s['prompts']} prompts)"
+        + (f"; {s['unsplit']} gpt-oss replies were not analysis / final channels and were kept as text"
+           if s.get("unsplit") else "")
     )
     return 0

@@ -4,7 +4,8 @@
         ──rows (--split, --max-samples)──▶ preset ──▶ {"conversations": [...], "tools"?} | {"text"} | {"input_ids"}
 
 The records are those records.py reads from JSONL (and regenerate's prompts), so a dataset goes through
-regenerate -> extract -> train with no conversion script. A row's preset is the first of PRESETS whose columns it
+regenerate -> extract -> train with no conversion script (xLAM's function-calling rows included: JSON columns
+parsed, each answer an assistant tool call). A row's preset is the first of PRESETS whose columns it
 holds (a column holding None counts as absent: parquet gives every row every column of the file). A row that fits
 no preset is one error naming the columns found.
 """
@@ -111,14 +112,40 @@ def _turns(turns) -> List[Dict]:
     return out
 
 
-def _tools(tools):
-    """The tools column as the chat template takes it: a list of objects (a JSON string is parsed)."""
-    if isinstance(tools, str):
-        try:
-            tools = json.loads(tools)
-        except json.JSONDecodeError as e:
-            raise NoPreset(f"its 'tools' is a string but not JSON ({e})") from None
-    return tools
+def _json_column(row: Dict, column: str):
+    """A column that holds JSON as a string (xLAM's), parsed; NoPreset naming the column when it is not JSON."""
+    value = row[column]
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as e:
+        raise NoPreset(f"its {column!r} is a string but not JSON ({e})") from None
+
+
+def _xlam_tool(tool) -> Dict:
+    """An xLAM tool {name, description, parameters: {arg: {type, description, default?}}} as a chat template's
+    function definition: {"type": "function", "function": {name, description, parameters: a JSON schema}}."""
+    if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
+        raise NoPreset(f"an entry of its 'tools' is not a {{name, description, parameters}} object: {tool!r}")
+    parameters = tool.get("parameters") or {}
+    if isinstance(parameters, dict) and "properties" not in parameters:
+        parameters = {"type": "object", "properties": parameters}
+    return {"type": "function", "function": {**tool, "parameters": parameters}}
+
+
+def _xlam(row: Dict) -> Dict:
+    """Salesforce xlam-function-calling-60k: the user's `query`, the `tools` offered and the `answers` (the calls
+    made, [{name, arguments}]), the last two as JSON strings -> a user turn and an assistant turn of tool calls."""
+    tools, answers = _json_column(row, "tools"), _json_column(row, "answers")
+    if not isinstance(tools, list) or not isinstance(answers, list) or not all(
+            isinstance(a, dict) and isinstance(a.get("name"), str) for a in answers):
+        raise NoPreset("its 'tools' and 'answers' must be JSON lists ({name, ...} objects each)")
+    calls = [{"type": "function", "function": {"name": a["name"], "arguments": a.get("arguments", {})}}
+             for a in answers]
+    return {"conversations": [{"role": "user", "content": row["query"]},
+                              {"role": "assistant", "content": "", "tool_calls": calls}],
+            "tools": [_xlam_tool(t) for t in tools]}
 
 
 def _chat(user: str, reply: str) -> Dict:
@@ -133,10 +160,12 @@ def _codealpaca(row: Dict) -> Dict:
 
 # name -> (the columns a row must hold, their description, row -> record); the first that fits wins.
 PRESETS: Dict[str, Tuple[Callable[[set], bool], str, Callable[[Dict], Dict]]] = {
+    "xlam": (lambda c: {"query", "tools", "answers"} <= c,
+             "query + tools + answers, JSON strings (xLAM function calling)", _xlam),
     "tools": (lambda c: "tools" in c and bool(c & {"messages", "conversations"}),
               "tools + messages|conversations (function calling)",
               lambda r: {"conversations": _turns(r.get("messages", r.get("conversations"))),
-                         "tools": _tools(r["tools"])}),
+                         "tools": _json_column(r, "tools")}),
     "sharegpt": (lambda c: "conversations" in c, "conversations of from/value or role/content (ShareGPT, "
                  "PerfectBlend, Magpie-Pro)", lambda r: {"conversations": _turns(r["conversations"])}),
     "messages": (lambda c: "messages" in c, "messages of role/content (UltraChat)",

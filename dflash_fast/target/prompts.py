@@ -7,6 +7,7 @@ ids, and a response cut where the target stops.
                     sets the template's thinking switch (thinking_switch: Qwen3 / gpt-oss)
     load_model      the target for generation (eval, regenerate --engine hf)
     eos_token_ids   the ids that end a response; cut_response: a generated response cut there or at the budget
+    decode_reply    a response's tokens -> the assistant turn's fields (gpt-oss: analysis and final channels split)
 """
 
 import json
@@ -18,6 +19,7 @@ import torch
 
 from dflash_fast.store.format import torch_dtype
 from dflash_fast.target.datasets_in import dataset_rows, is_dataset, to_record
+from dflash_fast.target.harmony import is_harmony, split_channels
 from dflash_fast.target.load import load_target
 from dflash_fast.target.text import KNOWN_ROLES, ROLE_ALIASES, TextError, on_text, text_problem
 
@@ -170,3 +172,13 @@ def cut_response(tokens: Sequence[int], max_new_tokens: int, eos: Sequence[int])
     tokens = list(tokens)[:max_new_tokens]
     end = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
     return tokens[:end]
+
+
+def decode_reply(tokenizer, tokens: Sequence[int]) -> Optional[Dict[str, str]]:
+    """A generated response as the assistant turn's fields the chat template renders it back from: {"content"}
+    (special tokens left out; Qwen3's `<think>...</think>` is text and stays in it), or for a harmony target
+    (gpt-oss) {"thinking": the analysis channel, "content": the final channel}. None when a harmony response is not
+    analysis / final messages (harmony.split_channels): the caller keeps its text."""
+    if is_harmony(tokenizer):
+        return split_channels(tokenizer.decode(tokens, skip_special_tokens=False))
+    return {"content": tokenizer.decode(tokens, skip_special_tokens=True)}

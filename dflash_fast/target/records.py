@@ -2,7 +2,9 @@
 
 Three record formats, mixed freely: `{"conversations": [{role, content}, ...]}` rendered with the target's chat
 template (with the record's `"tools"`, and assistant `tool_calls`, when it has them), with `loss_mask` 1 exactly on
-what the assistant generates; `{"text": ...}`, every token trained; and
+what the assistant generates (a conversation whose template re-renders earlier turns, as Qwen3's drops their reasoning,
+becomes one row per assistant turn: ChatTokenizer.conversation_rows; the reasoning span trained, masked or dropped:
+REASONING_MODES); `{"text": ...}`, every token trained; and
 `{"input_ids": [...], "loss_mask": [...]}` taken as is. A malformed line stops the run naming `FILE:LINE` (or is
 counted with --skip-bad); over-long documents are truncated and counted; records without a trainable token are
 skipped and counted by reason (InputStats). A Hugging Face dataset (datasets_in) yields the same records, one a row.
@@ -11,10 +13,12 @@ import hashlib
 import json
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import List
 
 import numpy as np
 
 from dflash_fast.target.datasets_in import NoPreset, dataset_rows, is_dataset, to_record
+from dflash_fast.target.prompts import thinking_switch
 from dflash_fast.target.text import KNOWN_ROLES, ROLE_ALIASES, TextError, on_text, text_problem
 
 
@@ -53,6 +57,9 @@ class InputStats:
 
 
 REASONING_KEYS = ("thinking", "reasoning_content")
+# data.reasoning / extract --reasoning: train on the reasoning span, keep it in the context without loss, remove it.
+REASONING_MODES = ("train", "mask", "drop")
+THINK_END = "</think>"
 MEDIA_KEYS = ("images", "image", "videos", "video", "pixel_values")
 IMAGES_UNSUPPORTED = ("image and video inputs are not supported yet: extraction feeds the target text only "
                       "(multimodal checkpoints included), so remove them from the data")
@@ -64,6 +71,41 @@ def has_image(content) -> bool:
         isinstance(part, dict) and (part.get("type") in ("image", "image_url", "input_image", "video")
                                     or "image" in part or "image_url" in part)
         for part in content)
+
+
+def reasoning_of(message) -> str:
+    """An assistant message's reasoning: its `reasoning_content` / `thinking`, or the text before `</think>`."""
+    for key in REASONING_KEYS:
+        if isinstance(message.get(key), str):
+            return message[key]
+    content = message.get("content") or ""
+    return content.split(THINK_END)[0].split("<think>")[-1] if THINK_END in content else ""
+
+
+def without_reasoning(message) -> dict:
+    """The message as a reply without reasoning: no reasoning field, the content after `</think>`."""
+    message = {k: v for k, v in message.items() if k not in REASONING_KEYS}
+    if THINK_END in message["content"]:
+        message["content"] = message["content"].split(THINK_END)[-1].lstrip("\n")
+    return message
+
+
+def reasoning_end(text, start, end, reasoning, special=()) -> int:
+    """Where the reasoning the template rendered in `text[start:end]` (an assistant turn's trained span, which the
+    reasoning opens) ends: after `</think>` and the whitespace after it, or after the reasoning text and the special
+    token that closes it (harmony's `<|end|>` of the analysis channel); `start` when the span holds none."""
+    think = text.find(THINK_END, start, end)
+    if think >= 0:
+        cut = think + len(THINK_END)
+        while cut < end and text[cut].isspace():
+            cut += 1
+        return cut
+    found = text.find(reasoning.strip(), start, end) if reasoning.strip() else -1
+    if found < 0:
+        return start
+    cut = found + len(reasoning.strip())
+    closing = next((t for t in special if text.startswith(t, cut)), "")
+    return min(end, cut + len(closing))
 
 
 class ChatTokenizer:
@@ -80,19 +122,26 @@ class ChatTokenizer:
     full rendering, reaches back to the end of the generation prompt before it,
     and is extended by the template's end-of-turn text or the special token
     that closes it (harmony's `<|end|>`, where the last turn has `<|return|>`).
+    That is the single row (conversation); conversation_rows, what training reads, gives such a template's
+    conversation one row per assistant turn instead. reasoning=mask takes each turn's reasoning out of its
+    mask, reasoning=drop out of the turn.
     """
 
-    def __init__(self, tokenizer, vocab_size: int):
+    def __init__(self, tokenizer, vocab_size: int, reasoning: str = "train"):
+        if reasoning not in REASONING_MODES:
+            raise ValueError(f"reasoning {reasoning!r}: choose one of {REASONING_MODES} (train the reasoning span, "
+                             "keep it in the context without loss, or remove it)")
         self.tok = tokenizer
         self.vocab_size = vocab_size
+        self.reasoning = reasoning
         self._turn_suffix = None
         self._generation_prompt = None
         self._special = sorted((t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
                                 if t.special), key=len, reverse=True)
 
-    def _render(self, messages, generation_prompt=False, tools=None) -> str:
+    def _render(self, messages, generation_prompt=False, tools=None, template_kwargs=None) -> str:
         return self.tok.apply_chat_template(messages, tools=tools, tokenize=False,
-                                            add_generation_prompt=generation_prompt)
+                                            add_generation_prompt=generation_prompt, **(template_kwargs or {}))
 
     def generation_prompt(self) -> str:
         """The text add_generation_prompt appends, e.g. '<|im_start|>assistant\n' or harmony's '<|start|>assistant'."""
@@ -113,7 +162,7 @@ class ChatTokenizer:
             self._turn_suffix = text[text.index(marker) + len(marker):] if marker in text else ""
         return self._turn_suffix
 
-    def _assistant_spans(self, messages, text, tools=None):
+    def _assistant_spans(self, messages, text, tools=None, template_kwargs=None):
         spans, cursor = [], 0
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
@@ -122,8 +171,8 @@ class ChatTokenizer:
                 cursor = found + len(m["content"]) if found >= 0 else cursor
                 continue
             try:
-                head = self._render(messages[:i], generation_prompt=True, tools=tools)
-                upto = self._render(messages[: i + 1], tools=tools)
+                head = self._render(messages[:i], generation_prompt=True, tools=tools, template_kwargs=template_kwargs)
+                upto = self._render(messages[: i + 1], tools=tools, template_kwargs=template_kwargs)
             except Exception:  # templates reject partial chats in their own ways: use the search below
                 head = upto = None
             if head is not None and text.startswith(upto) and upto.startswith(head) and len(upto) > len(head):
@@ -150,8 +199,9 @@ class ChatTokenizer:
             cursor = end
         return spans
 
-    def conversation(self, turns, tools=None) -> Example:
-        """`tools`: the function definitions the chat template renders (a record's "tools"), or None."""
+    def _messages(self, turns, tools):
+        """Checked chat messages of a record's turns, the reasoning of each assistant turn removed under
+        reasoning=drop."""
         if not isinstance(turns, list) or not turns:
             raise BadLine("'conversations' must be a non-empty list of {role, content} objects")
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
@@ -175,6 +225,8 @@ class ChatTokenizer:
                 message.update((k, t[k]) for k in REASONING_KEYS if isinstance(t.get(k), str))
                 if isinstance(t.get("tool_calls"), list):  # rendered by the template, trained as the reply
                     message["tool_calls"] = t["tool_calls"]
+                if self.reasoning == "drop":
+                    message = without_reasoning(message)
             for key, value in message.items():
                 problem = None if key == "tool_calls" else text_problem(value)
                 if problem:
@@ -184,14 +236,76 @@ class ChatTokenizer:
             raise Skip("no assistant turn")
         if not getattr(self.tok, "is_fast", False):
             raise ValueError("conversations need a fast (Rust) tokenizer for character offsets; the target's is slow")
-        text = on_text("the chat template", self._render, messages, tools=tools)
-        spans = self._assistant_spans(messages, text, tools)
+        return messages
+
+    def _template_kwargs(self, record_kwargs):
+        """The chat template's keywords: the record's `chat_template_kwargs` (regenerate writes its --thinking
+        switch there), and under reasoning=drop the template's thinking switch off where it has one."""
+        if record_kwargs is not None and not (isinstance(record_kwargs, dict) and all(isinstance(k, str)
+                                                                                    for k in record_kwargs)):
+            raise BadLine("'chat_template_kwargs' must be an object of keyword -> value")
+        kwargs = dict(record_kwargs or {})
+        if self.reasoning == "drop":
+            try:
+                kwargs.update(thinking_switch(self.tok, False))
+            except ValueError:  # no switch: the template renders no reasoning of its own
+                pass
+        return kwargs
+
+    def _example(self, text, spans, messages) -> Example:
+        """Tokens of `text`, the loss mask on the character `spans` of the assistant turns `messages` (reasoning=mask:
+        less each turn's reasoning)."""
         enc = on_text("the tokenizer", self.tok, text, add_special_tokens=False, return_offsets_mapping=True)
         starts = np.array([s for s, _ in enc["offset_mapping"]], dtype=np.int64)
         mask = np.zeros(len(starts), dtype=bool)
-        for a, b in spans:
+        for (a, b), m in zip(spans, messages):
+            if self.reasoning == "mask":
+                a = reasoning_end(text, a, b, reasoning_of(m), self._special)
             mask |= (starts >= a) & (starts < b)
         return Example(np.asarray(enc["input_ids"], dtype=np.int32), mask)
+
+    def conversation(self, turns, tools=None, template_kwargs=None) -> Example:
+        """One row: the whole conversation rendered once, every assistant turn trained as the template renders it.
+        `tools`: the function definitions the chat template renders (a record's "tools"), or None;
+        `template_kwargs`: the record's chat_template_kwargs."""
+        messages = self._messages(turns, tools)
+        kwargs = self._template_kwargs(template_kwargs)
+        text = on_text("the chat template", self._render, messages, tools=tools, template_kwargs=kwargs)
+        spans = self._assistant_spans(messages, text, tools, kwargs)
+        return self._example(text, spans, [m for m in messages if m["role"] == "assistant"])
+
+    def conversation_rows(self, turns, tools=None, template_kwargs=None) -> List[Example]:
+        """The rows a conversation trains as: one row when the template renders every assistant turn in the full
+        conversation as it renders it last (the prefix property), else one row per assistant turn i, the
+        conversation up to it rendered with turn i last and only turn i trained. A template that re-renders
+        earlier turns (Qwen3's drops their reasoning) then trains each turn in the context the target served it
+        in: the prompt of turn i, then what the target generated."""
+        messages = self._messages(turns, tools)
+        kwargs = self._template_kwargs(template_kwargs)
+        text = on_text("the chat template", self._render, messages, tools=tools, template_kwargs=kwargs)
+        turns_at = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        try:
+            per_turn = any(not text.startswith(self._render(messages[: i + 1], tools=tools, template_kwargs=kwargs))
+                           for i in turns_at[:-1])
+        except Exception:  # a template that refuses a partial chat: the single row's search handles it
+            per_turn = False
+        if not per_turn:
+            return [self._example(text, self._assistant_spans(messages, text, tools, kwargs),
+                                  [messages[i] for i in turns_at])]
+        rows = []
+        for i in turns_at:
+            sub = messages[: i + 1]
+            sub_text = on_text("the chat template", self._render, sub, tools=tools, template_kwargs=kwargs)
+            try:
+                head = self._render(messages[:i], generation_prompt=True, tools=tools, template_kwargs=kwargs)
+            except Exception:  # a template that refuses this partial chat: the search below
+                head = None
+            if head is not None and sub_text.startswith(head) and len(sub_text) > len(head):  # after turn i's prompt
+                span = (len(head), len(sub_text))
+            else:  # the search of the single row (a template that renders a last turn otherwise)
+                span = self._assistant_spans(sub, sub_text, tools, kwargs)[-1]
+            rows.append(self._example(sub_text, [span], [sub[-1]]))
+        return rows
 
     def text(self, text) -> Example:
         if not isinstance(text, str):
@@ -212,14 +326,22 @@ class ChatTokenizer:
             raise BadLine("'loss_mask' must hold only 0 and 1")
         return Example(np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=bool))
 
+    def rows(self, record) -> List[Example]:
+        """The training rows of a record: conversation_rows for a conversation, else its one Example."""
+        if isinstance(record, dict) and "conversations" in record and not any(k in record for k in MEDIA_KEYS):
+            return self.conversation_rows(record["conversations"], record.get("tools"),
+                                          record.get("chat_template_kwargs"))
+        return [self.record(record)]
+
     def record(self, record) -> Example:
+        """A record as one row (conversations rendered once: see conversation_rows for the rows training reads)."""
         if not isinstance(record, dict):
             raise BadLine("a line must be a JSON object")
         media = [k for k in MEDIA_KEYS if k in record]
         if media:
             raise BadLine(f"the record holds {media[0]!r}; {IMAGES_UNSUPPORTED}")
         if "conversations" in record:
-            return self.conversation(record["conversations"], record.get("tools"))
+            return self.conversation(record["conversations"], record.get("tools"), record.get("chat_template_kwargs"))
         if "text" in record:
             return self.text(record["text"])
         if "input_ids" in record:
@@ -276,7 +398,7 @@ def read_examples(path, tokenizer: ChatTokenizer, max_seq_len, skip_bad=False, r
             continue
         stats.lines += 1
         try:
-            ex = tokenizer.record(read())
+            rows = tokenizer.rows(read())
         except (BadLine, NoPreset, TextError) as e:
             if not skip_bad:
                 raise BadLine(f"{where}: {e}; fix the line or pass --skip-bad to skip such lines") from None
@@ -285,17 +407,18 @@ def read_examples(path, tokenizer: ChatTokenizer, max_seq_len, skip_bad=False, r
         except Skip as e:
             stats.skipped[str(e)] += 1
             continue
-        if len(ex.input_ids) > max_seq_len:
-            ex = Example(ex.input_ids[:max_seq_len], ex.loss_mask[:max_seq_len])
-            stats.truncated += 1
-        if len(ex.input_ids) == 0:
-            stats.skipped["empty after tokenization"] += 1
-            continue
-        if not ex.loss_mask.any():
-            stats.skipped["no loss tokens (after truncation)"] += 1
-            continue
-        examples.append(ex)
-        stats.sequences += 1
+        for ex in rows:
+            if len(ex.input_ids) > max_seq_len:
+                ex = Example(ex.input_ids[:max_seq_len], ex.loss_mask[:max_seq_len])
+                stats.truncated += 1
+            if len(ex.input_ids) == 0:
+                stats.skipped["empty after tokenization"] += 1
+                continue
+            if not ex.loss_mask.any():
+                stats.skipped["no loss tokens (after truncation)"] += 1
+                continue
+            examples.append(ex)
+            stats.sequences += 1
     if record_no == 0:
         raise ValueError(f"{path} is empty: expected one JSON record a line (or dataset rows)")
     return examples, stats, digest.hexdigest()

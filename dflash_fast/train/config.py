@@ -120,6 +120,8 @@ class DataConfig:
     jsonl: str = ""
     split: str = "train"  # a Hugging Face dataset's split (data.jsonl)
     max_samples: int = 0  # read only the first N records of data.jsonl; 0: all
+    # an assistant turn's reasoning in data.jsonl: train | mask (in the context, no loss) | drop (extract --reasoning)
+    reasoning: str = "train"
     online: OnlineConfig = dataclasses.field(default_factory=OnlineConfig)
     seq_len: int = 3072  # T: tokens per packed row
     num_anchors: int = 512  # A: blocks per row
@@ -474,6 +476,10 @@ def _check_rows(d: DataConfig, m: ModelConfig) -> None:
     _check(0 <= d.val_fraction < 1, f"data.val_fraction={d.val_fraction} must be in [0, 1)")
     _check(d.num_workers >= 0, f"data.num_workers={d.num_workers} must be >= 0")
     _check(d.max_samples >= 0, f"data.max_samples={d.max_samples} must be >= 0 (0: every record)")
+    from dflash_fast.target.records import REASONING_MODES
+
+    _check(d.reasoning in REASONING_MODES,
+           f"data.reasoning={d.reasoning!r} is not one of {', '.join(REASONING_MODES)} (docs/training.md)")
     _check(d.noise_std >= 0, f"data.noise_std={d.noise_std} must be >= 0")
 
 

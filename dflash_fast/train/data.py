@@ -61,6 +61,7 @@ def extraction_options(cfg: TrainConfig) -> ExtractOptions:
         engine="vllm" if d.source == "vllm" else "hf",
         split=d.split,
         max_samples=d.max_samples or None,
+        reasoning=d.reasoning,
     )
 
 

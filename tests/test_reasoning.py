@@ -1,0 +1,237 @@
+"""Reasoning data: `regenerate --thinking on|off` through the template's switch, gpt-oss replies split into their
+analysis / final channels and rendered back, `data.reasoning: train|mask|drop`, and one training row per assistant
+turn where the template drops earlier turns' reasoning (Qwen3's), so that training contexts are serving contexts."""
+import json
+
+import pytest
+from tiny_targets import make_tiny_target, make_tokenizer, write_jsonl
+from transformers import AutoTokenizer
+
+from dflash_fast import cli
+from dflash_fast.errors import ConfigError
+from dflash_fast.extract import regenerate as regen
+from dflash_fast.target.harmony import split_channels
+from dflash_fast.target.prompts import decode_reply
+from dflash_fast.target.records import ChatTokenizer, read_examples
+
+# Qwen3's chat template as it treats reasoning (written after the published one): `reasoning_content` or the text
+# before `</think>`; assistant turns after the last user turn render `<think>...</think>` (the last one always),
+# earlier ones their answer only; enable_thinking=false prefills an empty think block in the generation prompt.
+QWEN3_TEMPLATE = (
+    "{%- set ns = namespace(last_query=-1) -%}"
+    "{%- for m in messages %}{% if m['role'] == 'user' %}{% set ns.last_query = loop.index0 %}{% endif %}"
+    "{% endfor -%}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'assistant' -%}"
+    "{%- set content = m['content'] -%}{%- set reasoning = '' -%}"
+    "{%- if m['reasoning_content'] is defined and m['reasoning_content'] is string -%}"
+    "{%- set reasoning = m['reasoning_content'] -%}"
+    "{%- elif '</think>' in content -%}"
+    "{%- set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') -%}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}"
+    "{%- endif -%}"
+    "{%- if loop.index0 > ns.last_query and (loop.last or reasoning) -%}"
+    "{{ '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}"
+    "{%- else -%}{{ '<|im_start|>assistant\\n' + content }}{%- endif -%}"
+    "{{ '<|im_end|>\\n' }}"
+    "{%- else -%}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif -%}"
+    "{%- endif -%}"
+)
+HARMONY_REPLY = ("<|channel|>analysis<|message|>the token<|end|><|start|>assistant<|channel|>final<|message|>"
+                 "anchor slot<|return|>")
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    tok = make_tokenizer(tmp_path_factory.mktemp("qwen3_tok"))
+    tok.chat_template = QWEN3_TEMPLATE
+    return tok
+
+
+@pytest.fixture(scope="module")
+def harmony(tmp_path_factory):
+    return make_tokenizer(tmp_path_factory.mktemp("harmony_tok"), chat_format="harmony")
+
+
+def trained(tok, ex):
+    return tok.decode([t for t, m in zip(ex.input_ids.tolist(), ex.loss_mask) if m])
+
+
+def render(tok, messages, **kwargs):
+    return tok.apply_chat_template(messages, tokenize=False, **kwargs)
+
+
+TWO_TURNS = [{"role": "user", "content": "hidden"},
+             {"role": "assistant", "content": "<think>\nthe token\n</think>\n\nanchor slot"},
+             {"role": "user", "content": "layer"},
+             {"role": "assistant", "content": "<think>\nthe block\n</think>\n\nblock loss"}]
+
+
+def test_a_template_that_drops_earlier_reasoning_trains_each_turn_in_its_serving_context(qwen3):
+    rows = ChatTokenizer(qwen3, len(qwen3)).conversation_rows(TWO_TURNS)
+    assert len(rows) == 2
+    for row, turn in zip(rows, (1, 3)):
+        # Serving turn `turn`: the template renders the chat so far with the generation prompt, the target generates
+        # its reasoning and answer. The row is exactly that prompt (no loss) followed by what it generated (loss).
+        prompt = qwen3(render(qwen3, TWO_TURNS[:turn], add_generation_prompt=True), add_special_tokens=False)
+        ids = row.input_ids.tolist()
+        assert ids[:len(prompt["input_ids"])] == prompt["input_ids"]
+        assert not row.loss_mask[:len(prompt["input_ids"])].any() and row.loss_mask[len(prompt["input_ids"]):].all()
+        assert trained(qwen3, row) == TWO_TURNS[turn]["content"] + "<|im_end|>\n"
+    # Rendered once, the conversation holds the first turn without the reasoning the target generated before its
+    # answer: that context is not the one turn 3 was served in, and the first turn's reasoning would never train.
+    whole = render(qwen3, TWO_TURNS)
+    first_turn_served = qwen3.decode(rows[0].input_ids.tolist())
+    assert not whole.startswith(first_turn_served) and "the token" not in whole
+    single = ChatTokenizer(qwen3, len(qwen3)).conversation(TWO_TURNS)
+    assert trained(qwen3, single) == "anchor slot<|im_end|>\n<think>\nthe block\n</think>\n\nblock loss<|im_end|>\n"
+
+
+def test_a_template_that_keeps_every_turn_as_served_stays_one_row(tmp_path):
+    tok = make_tokenizer(tmp_path)  # plain ChatML: every turn is rendered as it was generated
+    chat = ChatTokenizer(tok, len(tok))
+    [row] = chat.conversation_rows(TWO_TURNS)
+    single = chat.conversation(TWO_TURNS)
+    assert row.input_ids.tolist() == single.input_ids.tolist() and row.loss_mask.tolist() == single.loss_mask.tolist()
+
+
+def test_reasoning_train_mask_drop_decide_the_reasoning_spans_loss_and_presence(qwen3):
+    inline = TWO_TURNS[:2]
+    field = [inline[0], {"role": "assistant", "reasoning_content": "the token", "content": "anchor slot"}]
+    by_mode = {mode: ChatTokenizer(qwen3, len(qwen3), mode).conversation_rows(inline) for mode in ("train", "mask",
+                                                                                                      "drop")}
+    [train], [mask], [drop] = by_mode["train"], by_mode["mask"], by_mode["drop"]
+    assert trained(qwen3, train) == "<think>\nthe token\n</think>\n\nanchor slot<|im_end|>\n"
+    # mask: the same tokens in the context, the reasoning without loss.
+    assert mask.input_ids.tolist() == train.input_ids.tolist() and trained(qwen3, mask) == "anchor slot<|im_end|>\n"
+    # drop: no reasoning at all; the template's switch off, so its empty think block is the prompt's, as it serves.
+    text = qwen3.decode(drop.input_ids.tolist())
+    assert "the token" not in text and text.endswith("assistant\n<think>\n\n</think>\n\nanchor slot<|im_end|>\n")
+    assert trained(qwen3, drop) == "anchor slot<|im_end|>\n"
+    for mode in ("train", "mask", "drop"):  # reasoning_content reads as the inline <think> part
+        [a], [b] = ChatTokenizer(qwen3, len(qwen3), mode).conversation_rows(field), by_mode[mode]
+        assert a.input_ids.tolist() == b.input_ids.tolist() and a.loss_mask.tolist() == b.loss_mask.tolist()
+    with pytest.raises(ValueError, match="reasoning 'keep': choose one of"):
+        ChatTokenizer(qwen3, len(qwen3), "keep")
+
+
+def test_mask_keeps_gpt_oss_analysis_in_the_context_and_trains_the_final_channel(harmony):
+    turns = [{"role": "user", "content": "hidden state"},
+             {"role": "assistant", "thinking": "the token", "content": "anchor slot"}]
+    [train] = ChatTokenizer(harmony, len(harmony)).conversation_rows(turns)
+    [mask] = ChatTokenizer(harmony, len(harmony), "mask").conversation_rows(turns)
+    assert trained(harmony, train) == HARMONY_REPLY and mask.input_ids.tolist() == train.input_ids.tolist()
+    assert trained(harmony, mask) == "<|start|>assistant<|channel|>final<|message|>anchor slot<|return|>"
+
+
+def test_a_gpt_oss_conversation_trains_each_turn_as_generated_after_the_history_the_template_keeps(harmony):
+    turns = [{"role": "user", "content": "hidden state"},
+             {"role": "assistant", "thinking": "the token", "content": "anchor slot"},
+             {"role": "user", "content": "token layer"},
+             {"role": "assistant", "thinking": "the block", "content": "block loss"}]
+    rows = ChatTokenizer(harmony, len(harmony)).conversation_rows(turns)
+    assert [trained(harmony, row) for row in rows] == [HARMONY_REPLY, HARMONY_REPLY.replace(
+        "the token", "the block").replace("anchor slot", "block loss")]
+    second = harmony.decode(rows[1].input_ids.tolist())
+    assert second.startswith(render(harmony, turns[:3], add_generation_prompt=True))
+    assert "<|channel|>final<|message|>anchor slot<|end|>" in second and "the token" not in second
+
+
+def test_a_gpt_oss_reply_splits_into_its_channels_and_renders_back_to_the_generated_tokens(harmony):
+    generated = harmony(HARMONY_REPLY, add_special_tokens=False)["input_ids"]
+    reply = decode_reply(harmony, generated)
+    assert reply == {"thinking": "the token", "content": "anchor slot"}
+    turns = [{"role": "user", "content": "hidden state"}, {"role": "assistant", **reply}]
+    [row] = ChatTokenizer(harmony, len(harmony)).conversation_rows(turns)
+    ids = row.input_ids.tolist()
+    assert ids[-len(generated):] == generated and row.loss_mask.sum() == len(generated)  # exactly what it generated
+    # Cut at the token budget inside the analysis; a tool call (commentary channel) is not split.
+    assert split_channels("<|channel|>analysis<|message|>the to") == {"thinking": "the to", "content": ""}
+    assert split_channels("<|channel|>commentary to=functions.f <|constrain|>json<|message|>{}<|call|>") is None
+    assert split_channels("anchor slot") is None
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    return make_tiny_target(tmp_path_factory.mktemp("gpt_oss"), arch="gpt_oss", num_layers=2)
+
+
+def test_regenerate_writes_gpt_oss_channels_and_the_thinking_switch_extraction_renders_with(gpt_oss, tmp_path,
+                                                                                            monkeypatch):
+    tok = AutoTokenizer.from_pretrained(gpt_oss)
+    generated = tok(HARMONY_REPLY, add_special_tokens=False)["input_ids"]
+    prompts = []
+    monkeypatch.setattr(regen, "generate_batch", lambda _model, batch, *_a, **_k: prompts.extend(batch)
+                        or [generated] * len(batch))
+    data = write_jsonl(tmp_path / "p.jsonl", [{"conversations": [{"role": "user", "content": "hidden state"}]}])
+    out = tmp_path / "regen.jsonl"
+    assert cli.main(["regenerate", "--target", gpt_oss, "--data", str(data), "--out", str(out), "--thinking", "off",
+                     "--device", "cpu"]) == 0
+    [record] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert "Reasoning: low" in tok.decode(prompts[0])
+    assert record["conversations"][-1] == {"role": "assistant", "thinking": "the token", "content": "anchor slot"}
+    assert record["chat_template_kwargs"] == {"reasoning_effort": "low"} and record["sampling"]["thinking"] == "off"
+    # Extraction renders the record with the switch it was generated under: the row is the prompt the target saw,
+    # then exactly the tokens it generated.
+    [row], _, _ = read_examples(out, ChatTokenizer(tok, len(tok)), 512)
+    assert row.input_ids.tolist() == prompts[0] + generated and row.loss_mask.sum() == len(generated)
+
+
+def test_regenerate_thinking_sets_qwen3s_switch_and_extraction_keeps_it(tmp_path, monkeypatch):
+    target = make_tiny_target(tmp_path / "qwen3", arch="qwen3", num_layers=2)
+    tok = AutoTokenizer.from_pretrained(target)
+    tok.chat_template = QWEN3_TEMPLATE
+    tok.save_pretrained(target)
+    replies = {"off": "anchor slot<|im_end|>", "on": "<think>\nthe token\n</think>\n\nanchor slot<|im_end|>"}
+    prompts = []
+    monkeypatch.setattr(regen, "generate_batch", lambda _model, batch, *_a, **_k: prompts.extend(batch)
+                        or [answer] * len(batch))
+    data = write_jsonl(tmp_path / "p.jsonl", [{"conversations": [{"role": "user", "content": "hidden"}]}])
+    for thinking in ("off", "on"):
+        prompts.clear()
+        answer = tok(replies[thinking], add_special_tokens=False)["input_ids"]
+        out = tmp_path / f"{thinking}.jsonl"
+        regen.regenerate(target, str(data), str(out), thinking=thinking, device="cpu", progress=False)
+        [record] = [json.loads(line) for line in out.read_text().splitlines()]
+        assert record["chat_template_kwargs"] == {"enable_thinking": thinking == "on"}
+        assert tok.decode(prompts[0]).endswith("<think>\n\n</think>\n\n" if thinking == "off" else "assistant\n")
+        [row], _, _ = read_examples(out, ChatTokenizer(tok, len(tok)), 512)
+        ids, generated = row.input_ids.tolist(), prompts[0] + answer  # the template ends the turn with "\n" after it
+        assert ids[:len(generated)] == generated and tok.decode(ids[len(generated):]) == "\n"
+        if thinking == "off":  # the prefilled empty think block is the prompt's, not trained
+            assert trained(tok, row) == "anchor slot<|im_end|>\n"
+    with pytest.raises(ValueError, match="thinking 'maybe': choose on or off"):
+        regen.regenerate(target, str(data), str(tmp_path / "x.jsonl"), thinking="maybe")
+
+
+def test_data_reasoning_reaches_the_extraction_and_a_bad_value_is_one_config_error(monkeypatch, tmp_path):
+    from dflash_fast.train import data as data_module
+    from dflash_fast.train.config import load_config
+
+    seen = {}
+    monkeypatch.setattr(data_module, "OnlineSource", lambda _t, _j, options, **_: seen.update(options=options))
+    base = ["data.source=online", "model.target=t", f"data.jsonl={tmp_path}", f"output_dir={tmp_path}"]
+    data_module.open_source(load_config("configs/tiny.yaml", base + ["data.reasoning=mask"]))
+    assert seen["options"].reasoning == "mask"
+    assert load_config("configs/tiny.yaml", base).data.reasoning == "train"
+    with pytest.raises(ConfigError, match="data.reasoning='keep' is not one of train, mask, drop"):
+        load_config("configs/tiny.yaml", base + ["data.reasoning=keep"])
+
+
+def test_extract_reasoning_flag_is_part_of_the_job(qwen3, tmp_path):
+    from dflash_fast.extract.plan import ExtractOptions, plan_job
+
+    target = make_tiny_target(tmp_path / "t", arch="qwen3", num_layers=2)
+    qwen3.save_pretrained(target)
+    data = write_jsonl(tmp_path / "d.jsonl", [{"conversations": TWO_TURNS}])
+    jobs = {mode: plan_job(target, str(data), None, ExtractOptions(reasoning=mode, num_tapped=1), "cpu", 0, 1)
+            for mode in ("train", "mask")}
+    assert "reasoning" not in jobs["train"].identity and jobs["mask"].identity["reasoning"] == "mask"
+    assert jobs["train"].id != jobs["mask"].id and jobs["train"].stats.sequences == 2
+    masked = [trained(qwen3, ex) for ex in jobs["mask"].examples]
+    assert masked == ["anchor slot<|im_end|>\n", "block loss<|im_end|>\n"]
+    with pytest.raises(ValueError, match="choose one of"):
+        ExtractOptions(reasoning="keep")
