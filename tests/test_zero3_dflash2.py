@@ -1,7 +1,8 @@
 """DFlash2 (SPEC §9) under DeepSpeed ZeRO-3 on the CPU (gloo): its convolutions' base kernels and the selector's
 codebooks are parameters its modules read outside their own forward, so ZeRO-3 must gather them there. One launch
 of 2 ranks trains with ZeRO-1, -2 and -3 (parameters really partitioned: no persistence threshold), as
-tests/test_trainer.py does for DFlash; the three must give the same losses and the same weights."""
+tests/test_trainer.py does for DFlash; the three must give the same losses and the same weights. With Muon, one
+rank in this process under ZeRO-1 and partitioned ZeRO-3."""
 import json
 import os
 import subprocess
@@ -9,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from test_trainer import REPO, TINY_YAML, losses, records, settings, tiny  # noqa: F401 (tiny is a fixture)
+from test_trainer import REPO, TINY_YAML, losses, records, run, settings, tiny  # noqa: F401 (tiny is a fixture)
 
 from dflash_fast.train.checkpoint import load_drafter_for_export
 from dflash_fast.train.distributed import free_port
@@ -51,3 +52,20 @@ def test_dflash2_trains_alike_under_zero_1_2_and_partitioned_3(tiny, tmp_path): 
             torch.testing.assert_close(other[name], w, rtol=1e-4, atol=1e-5, msg=f"ZeRO-{stage} {name}")
     assert any(name.startswith("candidate_selector.") for name in weights[0])
     assert any(name.endswith("attention_conv.base_kernel") for name in weights[0])
+
+
+def test_dflash2_with_muon_trains_alike_under_zero_1_and_partitioned_3(tiny, tmp_path):  # noqa: F811
+    """DFlash2's default recipe is Muon, which takes its [2, taps, H] base kernels and [V, r] codebooks too: one
+    rank in this process, ZeRO-1 against ZeRO-3 with every parameter partitioned, the same losses."""
+    got = {}
+    for stage in (1, 3):
+        zero = {"stage": stage, **({"stage3_param_persistence_threshold": 0} if stage == 3 else {})}
+        (tmp_path / f"zero{stage}.json").write_text(json.dumps({"zero_optimization": zero}))
+        out = str(tmp_path / f"run{stage}")
+        with torch._dynamo.config.patch(disable=True):  # DeepSpeed compiles its Muon update; eager is the same math
+            run(tiny, out, deepspeed=str(tmp_path / f"zero{stage}.json"), optimizer__kind="muon",
+                optimizer__grad_clip=0.0, schedule__steps=3, **DFLASH2)
+        got[stage] = losses(out)
+    assert sorted(got[1]) == [1, 2, 3]
+    for step, loss in got[1].items():
+        assert got[3][step] == pytest.approx(loss, rel=1e-5), f"step {step}"
