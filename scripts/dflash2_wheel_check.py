@@ -1,6 +1,8 @@
 """DFlash2's pieces against speculators 0.9.0 itself (issue #39: the loop twin of tests/oracles.py checked once
 against the wheel): the convolution, the training candidates, the candidate scores and the selector's loss (decay and
-D-PACE) on the same random float64 tensors. speculators is not a dependency; read its wheel unpacked:
+D-PACE) on the same random float64 tensors; and the unary loss under D-PACE, the weighting of the DSpark and DFlash2
+defaults (`loss.kind=kl`, `loss.weighting=dpace`), against its losses/utils.py (issue #39: which confidence).
+speculators is not a dependency; read its wheel unpacked:
 
     pip download speculators==0.9.0 --no-deps -d /tmp/spec && unzip -q /tmp/spec/*.whl -d /tmp/spec/whl
     python scripts/dflash2_wheel_check.py /tmp/spec/whl
@@ -68,6 +70,45 @@ def main(wheel_dir: str) -> None:
                                                       per_position_loss_weight=weighting, dpace_alpha=0.3)
         got_loss = selector_loss(ours, hidden, lm_head, prev, top, label, weights, mask.sum(), dpace).loss.detach()
         print(f"selector loss, {weighting}: speculators {want_loss.item():.7f}, ours {got_loss.item():.7f}")
+    unary_dpace(gen, n, b, mask, j)
+
+
+def unary_dpace(gen: torch.Generator, n: int, b: int, mask: torch.Tensor, j: torch.Tensor, alpha: float = 0.3) -> None:
+    """The unary loss under D-PACE against speculators' dpace_loss_decay (losses/utils.py). Its confidence is
+    exp(-elementwise loss) of the loss it weights; its trainer accepts D-PACE only with --loss-fn ce
+    (train/config/schema.py `_validate_dpace`), where that is exp(-CE) against the teacher argmax, ours (SPEC §5)
+    for every kind. For `kl` (our DSpark and DFlash2 default, refused by its trainer) the script shows both: our
+    gradient equals its KL weighted by the CE confidence, and differs from its function fed the KL."""
+    from functools import partial
+
+    from speculators.losses import dpace_loss_decay, loss_function
+    from speculators.losses.eager import ce_loss, kl_div_loss  # its utils' are the fused (GPU) ones
+
+    from dflash_fast.drafter.eager import DPace, Teacher, lm_head_loss
+
+    v, h = 41, 16
+    last, lm_head = torch.randn(n, h, generator=gen, dtype=torch.float64), torch.randn(v, h, generator=gen,
+                                                                                      dtype=torch.float64)
+    # a drafter near its teacher: confidences spread over (0, 1), where exp(-KL) and exp(-CE) part
+    hidden = (last + 0.3 * torch.randn(n, h, generator=gen, dtype=torch.float64)).requires_grad_(True)
+    norm = lambda x: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    logits, targets = lambda: (norm(hidden) @ lm_head.T)[None], (norm(last) @ lm_head.T)[None]
+    pos, m = j[None].double(), mask[None].double()
+    ce_confidence = lambda pos_idx, elementwise_loss: dpace_loss_decay(  # noqa: ARG005 (its decay_fn's signature)
+        pos_idx, m, b, alpha, elementwise_loss=ce_loss(logits(), targets).detach() * m)
+    teacher = Teacher(last=last, final_norm_weight=torch.ones(h, dtype=torch.float64))
+    for kind, fn in (("ce", ce_loss), ("kl", kl_div_loss)):
+        ours = lm_head_loss(hidden, torch.ones(h, dtype=torch.float64), lm_head, mask.double(), kind, mask.sum(),
+                            1e-6, teacher, DPace(alpha, b))
+        got = torch.autograd.grad(ours.loss, hidden)[0]
+        theirs = {"exp(-CE)": ce_confidence,
+                  "exp(-loss)": partial(dpace_loss_decay, loss_mask=m, block_size=b, dpace_alpha=alpha)}
+        for name, decay_fn in theirs.items():
+            theirs_loss = loss_function(logits(), targets, m, pos, loss_fn=fn, decay_fn=decay_fn)
+            want = torch.autograd.grad(theirs_loss, hidden)[0]
+            err = (got.double() - want).abs().max() / want.abs().max()
+            print(f"unary {kind} + D-PACE: d loss / d h, ours against speculators with confidence {name}: "
+                  f"max relative difference {err:.3g}")
 
 
 if __name__ == "__main__":

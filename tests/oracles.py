@@ -300,12 +300,16 @@ def dspark_block_heads(heads, prev: Sequence[int], hidden: torch.Tensor):
 
 
 def dspark_batch_loss(batch, hidden: torch.Tensor, heads, block_size: int, gamma: float, sample_from_anchor: bool,
-                      final_norm_weight, lm_head, eps: float, alpha: float):
+                      final_norm_weight, lm_head, eps: float, alpha: float, dpace_alpha: Optional[float] = None):
     """SPEC §8 `kl` loss of a batch -> (loss, confidence BCE, {(r, i, j): (biased logits [V], acceptance,
     confidence logit)}). hidden: [R, A*B, H] normed drafter states; the teacher of the token at p is the
-    target at p - 1; acceptance = sum_v min(q_v, p_v); BCE weighted with the decay, / trained slots."""
+    target at p - 1; acceptance = sum_v min(q_v, p_v); BCE weighted with the decay, / trained slots.
+    dpace_alpha given: the `kl` terms take D-PACE weights per block (`dpace_weight_loops`) from the confidence
+    exp(-CE) of the biased logits against the teacher's argmax (SPEC §5); the BCE keeps the decay (speculators)."""
+    r_count, a_count = batch["anchors"].shape
     slots = list(trained_slots(batch, block_size, sample_from_anchor))
-    loss = bce = 0.0
+    terms, confidence, decay = {}, {}, {}
+    bce = 0.0
     seen = {}
     for r, i, j, p in slots:
         a = int(batch["anchors"][r, i])
@@ -314,13 +318,21 @@ def dspark_batch_loss(batch, hidden: torch.Tensor, heads, block_size: int, gamma
         bias, conf = dspark_block_heads(heads, prev, block)
         logits = lm_head.double() @ block[j].double() + bias[j]
         teacher = teacher_logits(batch["last"][r, p - 1], final_norm_weight, lm_head, eps)
-        w = position_weight(j, gamma, sample_from_anchor)
-        loss = loss + w * soft_cross_entropy(teacher, logits)
+        w = decay[r, i, j] = position_weight(j, gamma, sample_from_anchor)
+        terms[r, i, j] = soft_cross_entropy(teacher, logits)
+        confidence[r, i, j] = float(torch.exp(-hard_cross_entropy(int(teacher.argmax()), logits.detach())))
         acceptance = torch.minimum(torch.softmax(logits, 0), torch.softmax(teacher, 0)).sum().detach()
         if conf is not None:
             sigma = torch.sigmoid(conf[j])
             bce = bce - w * (acceptance * torch.log(sigma) + (1 - acceptance) * torch.log(1 - sigma))
         seen[(r, i, j)] = (logits, acceptance, None if conf is None else conf[j])
+    weights = decay
+    if dpace_alpha is not None:
+        keys = [(r, i, j) for r in range(r_count) for i in range(a_count) for j in range(block_size)]
+        w = dpace_weight_loops([confidence.get(k, 0.0) for k in keys], [k in confidence for k in keys],
+                               dpace_alpha, block_size)
+        weights = dict(zip(keys, w))
+    loss = sum(weights[k] * terms[k] for k in terms)
     count = max(len(slots), 1)
     return loss / count + alpha * bce / count, bce / count, seen
 

@@ -42,21 +42,27 @@ def oracle_heads(d):
 ORACLE_BATCH = dict(anchors=((1, 6, 11, 14),), valid=((True, True, True, True),))
 
 
+# Every head with the decay; the default head (configs/tiny_dspark.yaml: vanilla, kl, D-PACE) with D-PACE too.
+ORACLE_CASES = [(head, "decay") for head in HEAD_TYPES] + [("vanilla", "dpace")]
+
+
 @pytest.mark.parametrize("backend", ["eager", "triton"])
 @pytest.mark.parametrize("sample_from_anchor", [True, False], ids=["from_anchor", "dflash_alignment"])
-@pytest.mark.parametrize("head_type", HEAD_TYPES)
-def test_dspark_loss_heads_and_gradients_equal_speculators_semantics(head_type, sample_from_anchor, backend):
-    """The Triton run folds the Markov bias into the fused lm_head loss (kernels/lm_head_loss.py, HAS_BIAS)."""
+@pytest.mark.parametrize("head_type, weighting", ORACLE_CASES, ids=[f"{h}-{w}" for h, w in ORACLE_CASES])
+def test_dspark_loss_heads_and_gradients_equal_speculators_semantics(head_type, weighting, sample_from_anchor, backend):
+    """The Triton run folds the Markov bias into the fused lm_head loss (kernels/lm_head_loss.py, HAS_BIAS).
+    D-PACE: the weights from exp(-CE) of the biased logits against the teacher argmax, the BCE on the decay."""
     d = dspark_drafter(head_type, sample_from_anchor)
     batch = random_batch(t=20, **ORACLE_BATCH)
     with ops.backend(f"lm_head_loss={backend}"):
-        out = d(batch, "kl", gamma=3.0, confidence_alpha=0.7)
+        out = d(batch, "kl", gamma=3.0, confidence_alpha=0.7, weighting=weighting, dpace_alpha=0.3)
     out.loss.backward()
     got = {name: p.grad.clone() for name, p in d.named_parameters()}
     d.zero_grad()
     hidden = rms_norm(d.batch_states(batch), d.norm.weight, EPS)
     want, want_bce, slots = dspark_batch_loss(batch, hidden, oracle_heads(d), B, 3.0, sample_from_anchor,
-                                              d.target_norm, d.lm_head, EPS, 0.7)
+                                              d.target_norm, d.lm_head, EPS, 0.7,
+                                              dpace_alpha=0.3 if weighting == "dpace" else None)
     want.backward()
     torch.testing.assert_close(out.loss.double(), want.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(out.confidence_loss.double(), want_bce.detach(), rtol=1e-5, atol=1e-6)

@@ -25,6 +25,14 @@ here op by op (Q = R*A*B block rows, e = the compute dtype's bytes):
     attention                  q, out [Q, Hq*D]; k, v of the blocks [Q, Hkv*D] and of the context [R*T, Hkv*D]
     SwiGLU MLP                 gate, silu(gate), up and their product [Q, I]
 
+DFlash2 (SPEC §9, dflash_fast/drafter/dflash2.py) adds, per layer and per sublayer, the convolutions in torch: each of
+conv_in and conv_out saves, per tap, the shifted input and the coefficients base + delta broadcast to [Q, H]; the
+sublayer's projections save conv_in's output besides the normed input (the kernel projection's input): (8 taps + 2)
+[Q, H] a layer. Its selector, after the loss: a second norm of the final states (its fp32 input and normed rows
+and the output the selector reads), the [Q, K, H] gathered lm_head rows of the candidates and their [Q, K, r]
+successor codes, the [Q, r] predecessor codes, projection and their product, the candidate ids, the K-way
+log-softmax; in the backward the two codebooks' [V, r] index gradients at once (transient).
+
 With activation checkpointing (model.activation_checkpointing) a layer keeps only its input [Q, H]; the layer
 the backward is in recomputes its saved tensors, so one layer's worth of them is resident at a time.
 
@@ -143,7 +151,9 @@ def training_states(cfg: DrafterConfig, setup: Setup) -> Dict[str, int]:
     states over the ranks, 2 the gradients too, 3 the weights too), and its frozen embedding and lm_head."""
     shapes = trainable_shapes(cfg)
     params = sum(math.prod(s) for s in shapes.values())
-    matrices = sum(math.prod(s) for s in shapes.values() if len(s) == 2)
+    # Muon takes every tensor of two or more dimensions (DeepSpeed's use_muon, optim.check_muon): DFlash2's
+    # [2, taps, H] base kernels and [V, r] codebooks too.
+    matrices = sum(math.prod(s) for s in shapes.values() if len(s) >= 2)
     e, w, stage = setup.dtype_bytes, setup.world_size, setup.zero_stage
     master = 4 * params if e < 4 else 0
     if setup.optimizer == "muon":
@@ -185,7 +195,27 @@ def layer_block_bytes(cfg: DrafterConfig, q: int, e: int) -> int:
     queries = (4 + e) * q * qd + 4 * q * cfg.num_attention_heads + 2 * e * q * qd + 4 * q * cfg.num_attention_heads
     keys = (4 + e) * q * kvd + 4 * q * cfg.num_key_value_heads + 2 * e * q * kvd
     mlp = 4 * e * q * cfg.intermediate_size
-    return norms + queries + keys + mlp
+    conv = (8 * cfg.conv_kernel_size + 2) * e * q * h if cfg.conv_kernel_size else 0  # DFlash2 (module docstring)
+    return norms + queries + keys + mlp + conv
+
+
+def selector_bytes(cfg: DrafterConfig, q: int, e: int) -> int:
+    """What DFlash2's candidate selector saves for the backward over Q block rows (module docstring): the second
+    norm's fp32 input, normed rows and output (4 + 2e bytes an entry of [Q, H]) and rstd; per candidate the gathered
+    lm_head row [H] and successor code [r] in the compute dtype, its id (int64) and log-softmax (fp32); the [Q, r]
+    predecessor codes, hidden projection and their product; per row the previous token, the label's index and the
+    draft (int64), recall and hit (bool), its weight (fp32). 0 without a selector."""
+    if not cfg.selector_rank:
+        return 0
+    h, r, k = cfg.hidden_size, cfg.selector_rank, cfg.selector_top_k
+    return q * ((4 + 2 * e) * h + 4 + 3 * e * r + 3 * 8 + 2 + 4) + q * k * ((h + r) * e + 8 + 4)
+
+
+def selector_backward_bytes(cfg: DrafterConfig, e: int) -> int:
+    """The selector's backward (transient): the two codebooks' index gradients [V, r] at once (their whole shape,
+    before they are added into the gradients); the [Q, K, r] and [Q, H] gradients before them are smaller and freed
+    by then (a model of the peak, checked in tests/test_memory_dflash2.py)."""
+    return 2 * e * cfg.selector_rank * cfg.vocab_size
 
 
 def layer_context_bytes(cfg: DrafterConfig, tokens: int, e: int) -> int:
@@ -292,6 +322,9 @@ def step_memory(cfg: DrafterConfig, step: Step, setup: Setup) -> Plan:
         "loss kernel chunk": loss_workspace(cfg, q, tokens, setup),
         "one layer's backward": layer_backward_bytes(cfg, q, tokens, e),
     }
+    if cfg.selector_rank:
+        resident["DFlash2 selector (saved)"] = selector_bytes(cfg, q, e)
+        transient["DFlash2 selector's backward"] = selector_backward_bytes(cfg, e)
     return Plan(resident, transient, setup)
 
 
