@@ -678,8 +678,12 @@ def topk_from_tiles(logits: torch.Tensor, tile_max: torch.Tensor, k: int) -> tor
     if tiles <= k:
         return logits.topk(k, dim=-1).indices
     best = tile_max.t().topk(k, dim=-1).indices  # [C, k] tiles
+    if v % LOGITS_BLOCK_V == 0:  # whole tiles (V = 151936 is 1187 of them): the k tiles of each row, [C, k, BLOCK_V]
+        values = logits.view(c, tiles, LOGITS_BLOCK_V)[torch.arange(c, device=logits.device)[:, None], best]
+        top = values.flatten(1).topk(k, dim=-1).indices
+        return best.gather(1, top // LOGITS_BLOCK_V) * LOGITS_BLOCK_V + top % LOGITS_BLOCK_V
     ids = (best[:, :, None] * LOGITS_BLOCK_V + torch.arange(LOGITS_BLOCK_V, device=logits.device)).flatten(1)
-    values = logits.gather(1, ids.clamp(max=v - 1)).masked_fill(ids >= v, float("-inf"))  # [C, k x BLOCK_V]
+    values = logits.gather(1, ids.clamp(max=v - 1)).masked_fill(ids >= v, float("-inf"))  # a ragged last tile
     return ids.gather(1, values.topk(k, dim=-1).indices)
 
 
@@ -854,12 +858,12 @@ def lm_head_loss_forward(h, norm_weight, lm_head_weight, weights, kind, normaliz
     markov.w2), d loss.
 
     Arguments (types, shapes) as in `lm_head_loss`. Returns (loss [], kl [] or None, draft_argmax [N],
-    teacher_argmax [N], alpha [N] fp32, topk_ids [N, topk] or None, grads): alpha is each row's acceptance
-    estimate (`LossOutput`, the DSpark confidence target); topk_ids each row's `topk` best logits' ids, taken from
-    the chunk's logits buffer (DFlash2's unary candidates: [C, V] at a time, never [N, V]), only the tiles whose
-    maxima can hold them read (`topk_from_tiles`); grads the gradients
-    of h [N, H], norm_weight [H], lm_head_weight [V, H], markov.e [N, r], markov.w2 [V, r], each None when not
-    flagged.
+    teacher_argmax [N], alpha [N] fp32, topk_ids [N, topk] or None, topk_logits [N, topk] fp32 or None, grads):
+    alpha is each row's acceptance estimate (`LossOutput`, the DSpark confidence target); topk_ids each row's `topk`
+    best logits' ids, taken from the chunk's logits buffer (DFlash2's unary candidates: [C, V] at a time, never
+    [N, V]), only the tiles whose maxima can hold them read (`topk_from_tiles`), and topk_logits their logits; grads
+    the gradients of h [N, H], norm_weight [H], lm_head_weight [V, H], markov.e [N, r], markov.w2 [V, r], each None
+    when not flagged.
     """
     check_loss_inputs(h, norm_weight, lm_head_weight, weights, kind, teacher, dpace, markov)
     check_device("lm_head_loss", h, lm_head_weight)
@@ -885,6 +889,7 @@ def lm_head_loss_forward(h, norm_weight, lm_head_weight, weights, kind, normaliz
     draft_argmax = torch.empty(n, dtype=torch.int64, device=device)
     teacher_argmax = torch.empty(n, dtype=torch.int64, device=device)
     topk_ids = torch.empty(n, topk, dtype=torch.int64, device=device) if topk else None
+    topk_logits = torch.empty(n, topk, dtype=torch.float32, device=device) if topk else None
     grad_h = torch.empty_like(h) if need_grads[0] else None
     grad_norm = torch.zeros(hid, dtype=torch.float32, device=device) if need_grads[1] else None
     grad_head = torch.zeros(v, hid, dtype=torch.float32, device=device) if need_grads[2] else None
@@ -908,6 +913,7 @@ def lm_head_loss_forward(h, norm_weight, lm_head_weight, weights, kind, normaliz
         lse, argmax, tile_max = logits_forward(acts, weight, logits, n_store, chunk_markov)
         if topk_ids is not None:
             topk_ids[lo:hi] = topk_from_tiles(logits[:c], tile_max[:, :c], topk)
+            topk_logits[lo:hi] = logits[:c].gather(1, topk_ids[lo:hi])
         target = chunk_target(kind, teacher, chunk, lse, argmax, v)
         dlogits = dlogits_buf[:c] if need_any else None
         sums = None
@@ -959,7 +965,7 @@ def lm_head_loss_forward(h, norm_weight, lm_head_weight, weights, kind, normaliz
         grad_e,
         None if grad_w2 is None else grad_w2.to(markov.w2.dtype),
     )
-    return loss, kl, draft_argmax, teacher_argmax, alpha, topk_ids, grads
+    return loss, kl, draft_argmax, teacher_argmax, alpha, topk_ids, topk_logits, grads
 
 
 def lm_head_loss_backward(grad_loss: torch.Tensor, grads):
@@ -970,21 +976,22 @@ def lm_head_loss_backward(grad_loss: torch.Tensor, grads):
 class LmHeadLossFunction(torch.autograd.Function):
     """The gradients come out of the forward (the loss is the final scalar); backward scales them.
     Arguments: h, norm_weight, lm_head_weight, markov.e, markov.w2 (None without DSpark's Markov bias), topk, then
-    the rest of `lm_head_loss`'s. Outputs: loss, kl, draft_argmax, teacher_argmax, alpha, topk_ids ([N, 0] without
-    topk)."""
+    the rest of `lm_head_loss`'s. Outputs: loss, kl, draft_argmax, teacher_argmax, alpha, topk_ids, topk_logits
+    ([N, 0] without topk)."""
 
     @staticmethod
     def forward(ctx, h, norm_weight, lm_head_weight, e, w2, topk, *rest):
         markov = None if e is None else Markov(e, w2)
-        loss, kl, draft_argmax, teacher_argmax, alpha, topk_ids, grads = lm_head_loss_forward(
+        loss, kl, draft_argmax, teacher_argmax, alpha, topk_ids, topk_logits, grads = lm_head_loss_forward(
             h, norm_weight, lm_head_weight, *rest, markov=markov, need_grads=tuple(ctx.needs_input_grad[:5]),
             topk=topk,
         )
         ctx.grads = grads
         kl = kl if kl is not None else loss.new_zeros(())
         topk_ids = topk_ids if topk_ids is not None else draft_argmax.new_empty(draft_argmax.shape[0], 0)
-        ctx.mark_non_differentiable(kl, draft_argmax, teacher_argmax, alpha, topk_ids)
-        return loss, kl, draft_argmax, teacher_argmax, alpha, topk_ids
+        topk_logits = topk_logits if topk_logits is not None else alpha.new_empty(alpha.shape[0], 0)
+        ctx.mark_non_differentiable(kl, draft_argmax, teacher_argmax, alpha, topk_ids, topk_logits)
+        return loss, kl, draft_argmax, teacher_argmax, alpha, topk_ids, topk_logits
 
     @staticmethod
     def backward(ctx, grad_loss, *_):
@@ -1011,18 +1018,19 @@ def lm_head_loss(
     weights or None; markov: DSpark's Markov bias (`dflash_fast.drafter.eager.Markov`: e [N, r], w2 [V, r]), folded
     into the lm_head GEMM as r more columns, with gradients for e and w2. Semantics and kinds exactly as
     `dflash_fast.drafter.eager.lm_head_loss`; logits are accumulated in fp32. topk > 0 (DFlash2's unary candidates, SPEC
-    §9): each row's top-`topk` ids, from each chunk's logits as the pass computes them.
+    §9): each row's top-`topk` ids and their logits (fp32, no gradient), from each chunk's logits as the pass
+    computes them.
     """
     e, w2 = (markov.e, markov.w2) if markov is not None else (None, None)
     grad_inputs = [t for t in (h, norm_weight, lm_head_weight, e, w2) if t is not None]
     rest = (weights, kind, normalizer, eps, teacher, dpace)
     if torch.is_grad_enabled() and any(t.requires_grad for t in grad_inputs):
-        loss, kl, draft_argmax, teacher_argmax, alpha, topk_ids = LmHeadLossFunction.apply(
+        loss, kl, draft_argmax, teacher_argmax, alpha, topk_ids, topk_logits = LmHeadLossFunction.apply(
             h, norm_weight, lm_head_weight, e, w2, topk, *rest
         )
     else:  # the autograd Function would still see requires_grad under no_grad and compute gradients
-        loss, kl, draft_argmax, teacher_argmax, alpha, topk_ids, _ = lm_head_loss_forward(
+        loss, kl, draft_argmax, teacher_argmax, alpha, topk_ids, topk_logits, _ = lm_head_loss_forward(
             h, norm_weight, lm_head_weight, *rest, markov=markov, topk=topk
         )
     return LossOutput(loss, kl if has_kl(kind) else None, draft_argmax, teacher_argmax, alpha,
-                      topk_ids if topk else None)
+                      *((topk_ids, topk_logits) if topk else ()))

@@ -344,8 +344,9 @@ class DFlashDrafter(nn.Module):
             loss = loss + confidence_alpha * confidence_loss
         sel, draft = None, out.draft_argmax
         if selector is not None:  # the draft is the selector's pick (SPEC §9): acc_j and tau_offline are the selector's
-            sel = selector_loss(selector, self.norm(x).reshape(n, -1), self.lm_head, prev_ids, out.topk_ids,
-                                teacher_argmax, weights.reshape(n), targets.slot_mask.sum(), dpace)
+            hidden = ops.rms_norm(x.reshape(n, -1), self.norm.weight, self.norm.eps)
+            sel = selector_loss(selector, hidden, self.lm_head, prev_ids, out.topk_ids,
+                                teacher_argmax, weights.reshape(n), targets.slot_mask.sum(), dpace, out.topk_logits)
             loss, draft = loss + selector_alpha * sel.loss, sel.draft
         return DrafterOutput(loss, out.kl, draft.view(r, a, b), teacher_argmax.view(r, a, b),
                              targets.slot_mask, out.alpha.view(r, a, b), cfg.first_slot, confidence_loss, confidence,
