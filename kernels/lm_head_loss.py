@@ -671,20 +671,21 @@ def topk_from_tiles(logits: torch.Tensor, tile_max: torch.Tensor, k: int) -> tor
     a tile holding one of the row's k largest values has its maximum at least that value, and fewer than k other
     tiles can have a larger maximum (each holds a value above it), so the k largest tile maxima cover the top-k
     (the same values; equal values may be taken in another order than torch.topk over the row takes them).
-    Reads C x k x LOGITS_BLOCK_V logits and the C x tiles maxima instead of the C x V row: 1/74 of it at
-    V = 151936, k = 16."""
+    Reads C x k x LOGITS_BLOCK_V logits (and a ragged last tile's) and the C x tiles maxima instead of the C x V
+    row: 1/74 of it at V = 151936 (1187 whole tiles), k = 16."""
     c, v = logits.shape
-    tiles = tile_max.shape[0]
+    tiles, width = tile_max.shape[0], LOGITS_BLOCK_V
     if tiles <= k:
         return logits.topk(k, dim=-1).indices
-    best = tile_max.t().topk(k, dim=-1).indices  # [C, k] tiles
-    if v % LOGITS_BLOCK_V == 0:  # whole tiles (V = 151936 is 1187 of them): the k tiles of each row, [C, k, BLOCK_V]
-        values = logits.view(c, tiles, LOGITS_BLOCK_V)[torch.arange(c, device=logits.device)[:, None], best]
-        top = values.flatten(1).topk(k, dim=-1).indices
-        return best.gather(1, top // LOGITS_BLOCK_V) * LOGITS_BLOCK_V + top % LOGITS_BLOCK_V
-    ids = (best[:, :, None] * LOGITS_BLOCK_V + torch.arange(LOGITS_BLOCK_V, device=logits.device)).flatten(1)
-    values = logits.gather(1, ids.clamp(max=v - 1)).masked_fill(ids >= v, float("-inf"))  # a ragged last tile
-    return ids.gather(1, values.topk(k, dim=-1).indices)
+    whole = v // width  # whole tiles; a ragged last one (v % width ids) is always read: it is narrower than a tile
+    best = tile_max[:whole].t().topk(k, dim=-1).indices  # [C, k]: with the ragged tile, a superset of the k best
+    rows = torch.arange(c, device=logits.device)[:, None]
+    values = logits[:, : whole * width].view(c, whole, width)[rows, best].flatten(1)  # [C, k x width]
+    if whole < tiles:
+        values = torch.cat([values, logits[:, whole * width :]], 1)
+    top = values.topk(k, dim=-1).indices
+    in_tiles = best.gather(1, (top // width).clamp(max=k - 1)) * width + top % width
+    return torch.where(top < k * width, in_tiles, top - k * width + whole * width)
 
 
 def dlogits_backward(
