@@ -1,7 +1,9 @@
-"""DFlash2's unary top-K out of the fused lm_head pass (kernels/lm_head_loss.py `topk_from_tiles`): each row's top-K
-read from only the K vocabulary tiles with the largest tile maxima, equal to torch.topk over the whole row, and the
-fused pass's ids equal to the eager twin's on shapes where the tile path runs (more tiles than K, a ragged last tile),
-its loss and gradients unchanged."""
+"""DFlash2's head on the fused path against its eager twins, on odd shapes: the unary top-K out of the lm_head pass
+(kernels/lm_head_loss.py `topk_from_tiles`: each row's top-K read from only the K vocabulary tiles with the largest
+tile maxima, equal to torch.topk over the whole row; the pass's ids and logits equal to the eager twin's where the
+tile path runs, loss and gradients unchanged), the selector's loss from the pass's unary logits (dflash2
+`CandidateUnary`: embedding_bag backward) against the gathered-rows twin, and the Triton RMSNorm with autograd
+(kernels/_common.py `rms_norm`, the selector's input on the Triton path) against the eager norm."""
 import pytest
 import torch
 from dflash_fast.kernels._common import rms_norm as triton_rms_norm
