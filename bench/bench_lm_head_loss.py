@@ -92,7 +92,8 @@ def dflash2_step(x, fused: bool):
                       topk=SELECTOR_TOP_K)
         hidden = norm(x["h"], x["norm_weight"], EPS)
         sel = selector_loss(selector, hidden, x["lm_head_weight"], prev, out.topk_ids, out.teacher_argmax,
-                            x["weights"], torch.tensor(n), None, out.topk_logits if fused else None)
+                            x["weights"], torch.tensor(n, device=x["h"].device), None,
+                            out.topk_logits if fused else None)
         loss = out.loss + sel.loss
         loss.backward()
         return loss.detach()
