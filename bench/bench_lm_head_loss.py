@@ -2,6 +2,7 @@
 
     python bench/bench_lm_head_loss.py                # N=8192, H=4096, V=151936, bf16, GPU
     python bench/bench_lm_head_loss.py --smoke        # tiny fp32 shapes on CPU (interpreter), for CI
+    python bench/bench_lm_head_loss.py --dflash2      # DFlash2's head instead: kl + the selector (K = 16, r = H / 16)
 
 Kinds: `kl` against the full teacher (lm_head(final_norm(last))) and `ce` with stored
 labels (no teacher matmul). `triton` is kernels/lm_head_loss.py (logits of 1024-row chunks
@@ -12,6 +13,12 @@ LigerFusedLinearJSD(jsd_beta=0) (forward KL) for `kl` and
 LigerFusedLinearCrossEntropyLoss for `ce`; both get the normed states
 and include the norm in the timing (their loss is a plain token mean, so the `loss`
 column compares eager and triton only). Results: <out>/lm_head_loss.{json,md,png}.
+
+--dflash2: DFlash2's head (SPEC §9) as DFlashDrafter.loss runs it, `kl` plus the candidate selector's loss and its
+backward: `triton` is the fused pass with topk = K (the unary top-K and their logits out of the chunk's tiles), the
+Triton RMSNorm for the selector's input and the selector scoring those logits (their gradient by one embedding_bag);
+`eager` is eager.lm_head_loss with topk = K, the torch norm and the selector over the K gathered lm_head rows. No peer
+trains this head (Liger has no top-K). Results: <out>/lm_head_dflash2.{json,md,png}.
 """
 import argparse
 import os
@@ -31,6 +38,8 @@ from dflash_fast.drafter.eager import Teacher  # noqa: E402
 
 EPS = 1e-6
 KINDS = {"kl": ("kl", False), "ce (stored labels)": ("ce", True)}
+SELECTOR_TOP_K = 16  # DFlash2's defaults: K = 16, r = 256 at H = 4096
+SELECTOR_RANK_PER_H = 1 / 16
 
 
 def make_inputs(n, hid, v, dtype, device):
@@ -57,6 +66,37 @@ def ours_or_eager(fn, x, kind, stored_labels):
         out = fn(x["h"], x["norm_weight"], x["lm_head_weight"], x["weights"], kind, x["h"].shape[0], EPS, teacher)
         out.loss.backward()
         return out.loss.detach()
+
+    return step
+
+
+def dflash2_step(x, fused: bool):
+    """One forward + backward of DFlash2's head (kl + the selector's K-way CE, selector_alpha 1) on x's rows."""
+    from dflash_fast.kernels import _common
+
+    from dflash_fast.drafter.dflash2 import CandidateSelector, selector_loss
+
+    n, hid = x["h"].shape
+    v = x["lm_head_weight"].shape[0]
+    torch.manual_seed(0)
+    selector = CandidateSelector(v, hid, max(1, int(hid * SELECTOR_RANK_PER_H)), SELECTOR_TOP_K)
+    selector = selector.to(x["h"].device, x["h"].dtype)
+    prev = torch.roll(x["labels"], 1)
+    teacher = Teacher(last=x["last"], final_norm_weight=x["final_norm_weight"])
+    loss_fn, norm = (lm_head_loss, _common.rms_norm) if fused else (eager.lm_head_loss, eager.rms_norm)
+
+    def step():
+        x["h"].grad = x["norm_weight"].grad = None
+        selector.zero_grad()
+        out = loss_fn(x["h"], x["norm_weight"], x["lm_head_weight"], x["weights"], "kl", n, EPS, teacher,
+                      topk=SELECTOR_TOP_K)
+        hidden = norm(x["h"], x["norm_weight"], EPS)
+        sel = selector_loss(selector, hidden, x["lm_head_weight"], prev, out.topk_ids, out.teacher_argmax,
+                            x["weights"], torch.tensor(n, device=x["h"].device), None,
+                            out.topk_logits if fused else None)
+        loss = out.loss + sel.loss
+        loss.backward()
+        return loss.detach()
 
     return step
 
@@ -108,6 +148,8 @@ def main(argv=None):
     parser.add_argument("--n", type=int, default=8192)
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--dflash2", action="store_true", help="DFlash2's head (kl + the candidate selector), "
+                        "triton vs eager, into lm_head_dflash2.json")
     args = parser.parse_args(argv)
     if args.smoke:
         device, dtype, (n, hid, v), warmup, rep = "cpu", torch.float32, (64, 64, 1000), 1, 2
@@ -116,6 +158,8 @@ def main(argv=None):
     else:
         parser.error("the full benchmark needs a CUDA GPU; use --smoke on CPU")
     x = make_inputs(n, hid, v, dtype, device)
+    if args.dflash2:
+        return dflash2_rows(x, n, hid, v, dtype, warmup, rep, args.out)
     rows = []
     for label, (kind, stored_labels) in KINDS.items():
         impls = {
@@ -147,6 +191,21 @@ def main(argv=None):
                     row["peak_vs_eager"] = peak / eager_row["peak_mb"]
             rows.append(row)
     print(write_results("lm_head_loss", rows, args.out, plot={"x": "kind", "y": "ms", "group": "impl"}))
+
+
+def dflash2_rows(x, n, hid, v, dtype, warmup, rep, out):
+    base = {"kind": f"kl + DFlash2 selector (K = {SELECTOR_TOP_K})", "N": n, "H": hid, "V": v,
+            "dtype": str(dtype).replace("torch.", "")}
+    rows = []
+    for impl, fused in (("eager", False), ("triton", True)):
+        loss, ms, peak, note = measure(dflash2_step(x, fused), warmup, rep)
+        rows.append({**base, "impl": impl, "ms": ms, "peak_mb": peak, "loss": loss, "note": note})
+    eager_row, row = rows
+    if eager_row["ms"] and row["ms"]:
+        row["speedup_vs_eager"] = eager_row["ms"] / row["ms"]
+        if row["peak_mb"] is not None and eager_row["peak_mb"]:
+            row["peak_vs_eager"] = row["peak_mb"] / eager_row["peak_mb"]
+    print(write_results("lm_head_dflash2", rows, out, plot={"x": "kind", "y": "ms", "group": "impl"}))
 
 
 if __name__ == "__main__":

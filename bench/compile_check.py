@@ -377,7 +377,10 @@ def lm_head_loss_cases(mod, s, dtype) -> Dict[str, Callable[[], None]]:
     """Every loss kind (the full teacher's `last` is the row's T positions, which the A*B slots index, as the
     drafter passes it); D-PACE weights (no kernel of their own, checked with kl); a trainable lm_head (its
     weight-gradient GEMM; the drafter's head is frozen); DSpark's Markov bias (the logits GEMM's HAS_BIAS
-    columns, r = H / 16, and the de / dW2 GEMMs).
+    columns, r = H / 16, and the de / dW2 GEMMs); DFlash2's selector (SPEC §9): the pass with topk = 16 (its top-K
+    is host code over the kernels' outputs: no kernel of its own) and the selector's input norm by the Triton
+    RMSNorm with autograd (kernels/_common.py rms_norm: its backward is the HAS_SCALE=False variant, which the loss
+    never launches).
 
     Every launch happens in the forward, which computes the gradients; the backward only scales them
     (no kernel), so it is not run: at V = 151936 it would write gigabytes of host memory for nothing.
@@ -385,7 +388,7 @@ def lm_head_loss_cases(mod, s, dtype) -> Dict[str, Callable[[], None]]:
     n, h, v, t = s["A"] * s["B"], s["H"], s["V"], s["T"]
     index = torch.linspace(0, t - 1, n).long()
 
-    def step(kind, with_labels=True, train_head=False, dpace=False, markov=False):
+    def step(kind, with_labels=True, train_head=False, dpace=False, markov=False, topk=0):
         teacher = mod.Teacher(last=_empty(t, h, dtype=dtype), final_norm_weight=_empty(h, dtype=dtype), index=index)
         if kind in ("ce", "ce_data") and with_labels:
             teacher = mod.Teacher(labels=torch.randint(0, v, (n,)))
@@ -405,7 +408,15 @@ def lm_head_loss_cases(mod, s, dtype) -> Dict[str, Callable[[], None]]:
             mod.DPace(0.5, s["B"]) if dpace else None,
             mod.Markov(_empty(n, h // 16, dtype=dtype, grad=True), _empty(v, h // 16, dtype=dtype, grad=True))
             if markov else None,
+            topk=topk,
         )
+
+    def dflash2_selector():
+        from dflash_fast.kernels import _common
+
+        step("kl", topk=16)
+        y = _common.rms_norm(_empty(n, h, dtype=dtype, grad=True), _empty(h, dtype=dtype, grad=True), EPS)
+        y.backward(torch.empty_like(y))
 
     return {
         "kl": lambda: step("kl"),
@@ -417,6 +428,7 @@ def lm_head_loss_cases(mod, s, dtype) -> Dict[str, Callable[[], None]]:
         "kl, lm_head trained": lambda: step("kl", train_head=True),
         **{kind: (lambda kind=kind: step(kind)) for kind in ("tv", "lk", "lk_hybrid", "rkl", "jsd")},
         "kl, DSpark Markov bias": lambda: step("kl", markov=True),
+        "kl, DFlash2 selector": dflash2_selector,
     }
 
 

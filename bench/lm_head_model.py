@@ -3,6 +3,8 @@
     python bench/lm_head_model.py                 # reference shapes: N = 8192 and 32768, every loss kind
     python bench/lm_head_model.py --small         # small shapes, what tests/test_lm_head_model.py runs
     python bench/lm_head_model.py --rows 1 --cases 'DSpark|^kl$'   # N = 8192 only: kl and DSpark (docs/dspark.md)
+    python bench/lm_head_model.py --rows 1 --cases 'DFlash2|^kl$'  # kl and DFlash2 (docs/dflash2.md)
+    python bench/lm_head_model.py --medium --cases 'DFlash2|^kl$'  # small rows, V = 65536: DFlash2's CI test
     .venv36/bin/python bench/lm_head_model.py     # the same under Triton 3.6
 
 Nothing here is a measurement. The model runs the kernel module's own host code on CPU tensors with every
@@ -28,6 +30,15 @@ dense kinds (`tv`, `lk`, `lk_hybrid`, `rkl`, `jsd`) need the teacher's logits as
 GEMMs as `kl` (their extra row pass over the chunk's stored logits is HBM traffic, no GEMM);
 `kl(DSpark)` is `kl` with DSpark's Markov bias of rank r = H / 16 (256 at H = 4096) folded into the GEMM,
 with gradients for e and W2: 3 + 3 r / H units.
+`kl(DFlash2)` is `kl` with DFlash2's selector (SPEC §9, r = H / 16, K = 16) as the drafter runs it: the lm_head
+pass with `topk=K` (each row's unary top-K and their logits from its chunk, only the K tiles with the largest maxima
+read), the selector's input norm(h) by the Triton RMSNorm, then in torch its K-way loss over the candidates (unary
+logits from the pass, the transition) and the backward of that loss to h and the selector's weights (the unary part
+by one embedding_bag over the K lm_head rows; lm_head frozen): 3 units (the selector's own GEMMs are K / V and r / V
+of a unit); its extra bytes are mostly torch ops (host_gb). Its convolutions are no part of the lm_head call:
+`--cases` matching DFlash2 also writes <out>/lm_head_model_<triton>_dflash2_conv.{json,md}, the bytes one
+sublayer's conv_in + conv_out (DFlash2's default taps 2, group 16) move forward and forward + backward, counted from
+their torch ops like the host ops here, in [N, H] passes.
 Each launch takes the fastest config the model finds among those that compile without spills (the
 autotuner's pick if the model were the GPU). Results: <out>/lm_head_model_<triton>.{json,md} (one row
 per case) and <out>/lm_head_model_<triton>_kernels.{json,md} (one row per kernel and config).
@@ -58,13 +69,18 @@ from dflash_fast.store.format import torch_dtype  # noqa: E402
 H200 = dict(flops=790e12, hbm=4.3e12, sms=132, l2=50 << 20, smem_per_sm=233472, regs=65536, warps=64, blocks=32)
 REFERENCE = dict(H=4096, V=151936, B=16, A=512, T=3072, docs=4, rows=(1, 4))
 SMALL = dict(H=256, V=4099, B=16, A=32, T=192, docs=2, rows=(1,))
+# SMALL's rows with a vocabulary of 512 whole tiles: DFlash2's top-K reads k / 512 of each row (k / 1187 at the
+# reference), so its bytes against kl's are checked in CI where they mean what they mean at the reference.
+MEDIUM = dict(SMALL, V=65536)
 TOPK = 8
 EPS = 1e-6
 # The floor of PERF.md in GEMM units, per case.
 DENSE = ("tv", "lk", "lk_hybrid", "rkl", "jsd")  # scored against the full teacher, as kl
 MARKOV_RANK_PER_H = 1 / 16  # DSpark's default r = 256 at H = 4096
+SELECTOR_TOP_K = 16  # DFlash2's default K (its rank: r = H / 16 as DSpark's, 256 at H = 4096)
+CONV_TAPS, CONV_GROUP = 2, 16  # DFlash2's default convolution
 FLOOR = {"kl": 3, "ce(teacher argmax)": 3, "ce(labels)": 2, "ce_data": 2, "kl_topk": 2, **{kind: 3 for kind in DENSE},
-         "kl(DSpark)": 3 + 3 * MARKOV_RANK_PER_H}
+         "kl(DSpark)": 3 + 3 * MARKOV_RANK_PER_H, "kl(DFlash2)": 3}
 
 
 # ---------------------------------------------------------------- what each launch costs
@@ -336,6 +352,7 @@ class HostOps(TorchDispatchMode):
              "as_strided", "alias", "detach", "reshape", "unbind", "split", "chunk", "narrow", "diagonal", "unfold",
              "lift_fresh"}
     GATHERS = {"gather", "index", "index_select", "take", "take_along_dim"}
+    BAGS = {"_embedding_bag", "_embedding_bag_forward_only", "embedding_bag"}  # sum K gathered rows per output row
     FACTORIES = {"empty", "empty_like", "empty_strided", "new_empty", "zeros", "zeros_like", "new_zeros", "ones",
                  "ones_like", "full", "full_like", "new_full", "new_ones", "arange", "scalar_tensor", "zero_", "fill_"}
 
@@ -359,6 +376,11 @@ class HostOps(TorchDispatchMode):
             if name in self.GATHERS:  # reads what it gathers (and the index), not its whole source
                 ins = ins[1:]
                 self.bytes += sum(t.numel() * t.element_size() for t in outs)
+            elif name in self.BAGS:  # weight [V, H], ids [N, K]: reads N K rows of H (and ids, weights), writes [N, H]
+                weight, ids = ins[0], ins[1]
+                self.bytes += ids.numel() * weight.shape[1] * weight.element_size()
+                ins = ins[1:]
+                outs = outs[:1]
             self.bytes += sum(t.numel() * t.element_size() for t in ins + outs)
         for t in outs:
             self._track(t, view=name in self.VIEWS)
@@ -430,7 +452,7 @@ def case_call(mod, kind: str, s: Dict, rows: int, dtype, dpace: bool) -> Callabl
     n, h, v = rows * s["A"] * s["B"], s["H"], s["V"]
     mask, index = training_rows(s, rows)
     empty = lambda *shape, dt=dtype: torch.empty(shape, dtype=dt)  # noqa: E731
-    if kind in ("kl", "kl(DSpark)", "ce(teacher argmax)") + DENSE:
+    if kind in ("kl", "kl(DSpark)", "kl(DFlash2)", "ce(teacher argmax)") + DENSE:
         teacher = Teacher(last=empty(rows * s["T"], h), final_norm_weight=empty(h), index=index)
     elif kind in ("ce(labels)", "ce_data"):
         teacher = Teacher(labels=torch.zeros(n, dtype=torch.long))
@@ -443,11 +465,68 @@ def case_call(mod, kind: str, s: Dict, rows: int, dtype, dpace: bool) -> Callabl
     if kind == "kl(DSpark)":  # e and W2 train: the drafter's case
         r = int(h * MARKOV_RANK_PER_H)
         markov, need = Markov(empty(n, r), empty(v, r)), (True, True, False, True, True)
+    if kind == "kl(DFlash2)":
+        return dflash2_call(mod, args, s, dtype)
     return lambda: mod.lm_head_loss_forward(*args, weighting, markov, need_grads=need)
 
 
+def dflash2_call(mod, args, s: Dict, dtype) -> Callable[[], object]:
+    """DFlash2's head as DFlashDrafter.loss runs it on the Triton path: the fused pass with topk = K, the selector's
+    input norm(h) by the Triton RMSNorm (ops.rms_norm), then the selector's loss (dflash2.selector_loss: candidates,
+    their unary logits from the pass, the transition, the K-way CE) and its backward, in torch."""
+    from dflash_fast.kernels import _common  # imported for the GPU by compile_check.import_kernels_for_gpu
+
+    from dflash_fast.drafter.dflash2 import CandidateSelector, selector_loss
+
+    h, norm_weight, lm_head, weights, kind, normalizer, eps, teacher = args
+    n = h.shape[0]
+    selector = CandidateSelector(s["V"], s["H"], int(s["H"] * MARKOV_RANK_PER_H), SELECTOR_TOP_K).to(dtype)
+    x = h.clone().requires_grad_(True)
+    prev = torch.zeros(n, dtype=torch.long)
+
+    def call():
+        out = mod.lm_head_loss_forward(x.detach(), norm_weight, lm_head, weights, kind, normalizer, eps, teacher,
+                                       need_grads=(True, True, False, False, False), topk=SELECTOR_TOP_K)
+        teacher_argmax, topk_ids, topk_logits = out[3], out[5], out[6]
+        hidden = _common.rms_norm(x, norm_weight, eps)
+        sel = selector_loss(selector, hidden, lm_head, prev, topk_ids, teacher_argmax, weights,
+                            torch.tensor(normalizer), None, topk_logits)
+        sel.loss.backward()
+        return out, sel.draft
+
+    return call
+
+
+def conv_rows(s: Dict, rows: int, dtype) -> List[Dict]:
+    """DFlash2's convolutions around one sublayer (conv_in before it, conv_out after it, one kernel projection), at
+    N = rows x A x B slots: the bytes their torch ops move (HostOps: every op's inputs read and outputs written once),
+    forward and forward + backward, in [N, H] passes of the activation dtype (the projection's GEMM and its weight
+    gradient included). The issue's budget: one extra [N, H]
+    read and write per convolution, 4 passes for the two of a sublayer forward (8 with their backward)."""
+    from dflash_fast.drafter.dflash2 import DynamicConv
+
+    n, hid = rows * s["A"] * s["B"], s["H"]
+    conv = DynamicConv(hid, s["B"], CONV_TAPS, CONV_GROUP).to(dtype)
+    x = torch.zeros(1, n, hid, dtype=dtype, requires_grad=True)
+    passes = n * hid * torch.empty((), dtype=dtype).element_size()
+    out = []
+    for label, backward in (("forward", False), ("forward + backward", True)):
+        host = HostOps()
+        with host:
+            y, delta = conv.prepare(x)
+            z = conv.finish(y, delta)  # the sublayer between them is the identity here (no op of its own)
+            if backward:
+                z.backward(torch.zeros_like(z))
+        moved = host.bytes
+        out.append(dict(case=f"conv_in + conv_out, {label}", N=n, H=hid, taps=CONV_TAPS, group=CONV_GROUP,
+                        gb=round(moved / 1e9, 3), bytes=int(moved), nh_passes=round(moved / passes, 2),
+                        budget_passes=8 if backward else 4, ms=round(moved / H200["hbm"] * 1e3, 3)))
+        x.grad = None
+    return out
+
+
 CASES = [("kl", False), ("ce(teacher argmax)", False), ("ce(labels)", False), ("ce_data", False), ("kl_topk", False),
-         ("kl", True), ("kl(DSpark)", False)] + [(kind, False) for kind in DENSE]
+         ("kl", True), ("kl(DSpark)", False), ("kl(DFlash2)", False)] + [(kind, False) for kind in DENSE]
 
 
 def model_case(mod, recorder: LaunchRecorder, kind, dpace, s, rows, dtype, kernel_rows: List[Dict]) -> Dict:
@@ -526,6 +605,7 @@ def model_case(mod, recorder: LaunchRecorder, kind, dpace, s, rows, dtype, kerne
         hbm_gb=round(totals["hbm"] / 1e9, 2),
         hbm_bytes=int(totals["hbm"]),
         host_gb=round(host.bytes / 1e9, 3),
+        host_bytes=int(host.bytes),
         ms=round(seconds * 1e3, 2),
         floor_ms=round(floor_s * 1e3, 2),
         vs_floor=round(seconds / floor_s, 3),
@@ -539,6 +619,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=os.path.join("bench", "results"), help="results folder (default bench/results)")
     p.add_argument("--small", action="store_true", help="small shapes (the CI test): H=256, V=4099, A=32, T=192")
+    p.add_argument("--medium", action="store_true", help="the small shapes with V=65536 (DFlash2's CI test)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--cases", default="", help="regex over the case labels ('kl', 'ce(labels)', 'kl, D-PACE', ...)")
     p.add_argument("--rows", type=int, nargs="+", help="training rows per call, N = rows x A x B (default: reference "
@@ -554,7 +635,7 @@ def main(argv=None) -> List[Dict]:
     args = parse_args(argv)
     torch.set_num_threads(1)
     kernel_sha256 = cc._sha256(os.path.join(cc.KERNELS_DIR, "lm_head_loss.py"))  # the source the rows belong to
-    s = SMALL if args.small else REFERENCE
+    s = MEDIUM if args.medium else SMALL if args.small else REFERENCE
     (mod,) = [m for m in cc.import_kernels_for_gpu(H200["sms"]) if m.__name__.endswith("lm_head_loss")]
     recorder = LaunchRecorder(cc.CompileRecorder(90, "all"))
     recorder.install()
@@ -583,9 +664,16 @@ def main(argv=None) -> List[Dict]:
         kernel_sha256=kernel_sha256,
         ptxas=str(cc.get_ptxas(90).path),
     )
-    name = f"lm_head_model_{triton.__version__}" + ("_small" if args.small else "")
+    name = f"lm_head_model_{triton.__version__}" + ("_medium" if args.medium else "_small" if args.small else "")
     print(write_results(name, rows, args.out, meta=meta))
     write_results(name + "_kernels", kernel_rows, args.out, meta=meta)
+    if re.search(args.cases, "kl(DFlash2)"):
+        conv = [row for r in args.rows or s["rows"] for row in conv_rows(s, r, dtype)]
+        print(write_results(name + "_dflash2_conv", conv, args.out, meta=dict(
+            shapes=meta["shapes"], dtype=args.dtype,
+            budget="one extra [N, H] read and write per convolution (issue 39)",
+            counted="the torch ops of DynamicConv.prepare + finish (dflash_fast/drafter/dflash2.py), the sublayer "
+                    "between them left out; not a measurement")))
     return rows
 
 

@@ -203,3 +203,27 @@ def rms_norm_backward(
         num_warps=warps,
     )
     return dx, dw.sum(0).to(weight.dtype)
+
+
+class RmsNormFunction(torch.autograd.Function):
+    """The Triton RMSNorm with autograd: x [..., H], weight [H] -> y [..., H] (x.dtype). One read and one write of
+    x forward, reads of x and dy and one write of dx backward (the eager twin, target.norm.rms_norm in torch, makes
+    fp32 copies of x on both sides)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        y, rstd = rms_norm_forward(rows, weight, eps)
+        ctx.save_for_backward(rows, weight, rstd)
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        rows, weight, rstd = ctx.saved_tensors
+        dx, dw = rms_norm_backward(rows, weight.float(), rstd, dy.reshape(rows.shape))
+        return dx.view(dy.shape), dw.to(weight.dtype), None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm_forward with its gradient (RmsNormFunction): x [..., H], weight [H] -> [..., H]."""
+    return RmsNormFunction.apply(x, weight, eps)

@@ -623,9 +623,10 @@ def chunk_plan(n: int, rows: int, index: Optional[torch.Tensor], num_teacher: in
 
 def logits_forward(
     acts: torch.Tensor, weight: torch.Tensor, logits: torch.Tensor, n_store: int, markov: Optional[Markov] = None
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Passes 2-3: normed rows acts [M, H] -> logits[:n_store] = acts[:n_store] @ W^T (fp32), plus
-    markov.e @ markov.w2^T on the first len(markov.e) rows, and lse and first argmax [M] of every row."""
+    markov.e @ markov.w2^T on the first len(markov.e) rows, and lse and first argmax [M] of every row, and each
+    (vocab tile, row)'s maximum [cdiv(V, LOGITS_BLOCK_V), M] (what `topk_from_tiles` reads)."""
     m, hid = acts.shape
     e, w2 = (markov.e, markov.w2) if markov is not None else (acts, weight)
     v = weight.shape[0]
@@ -661,7 +662,30 @@ def logits_forward(
     _softmax_merge_fwd_kernel[(triton.cdiv(m, block_m),)](
         part_max, part_sum, part_arg, lse, argmax, m, v, tiles, BLOCK_M=block_m, BLOCK_T=block_t
     )
-    return lse, argmax
+    return lse, argmax, part_max
+
+
+def topk_from_tiles(logits: torch.Tensor, tile_max: torch.Tensor, k: int) -> torch.Tensor:
+    """Each row's top-k ids [C, k] (best first) of logits [C, V] (fp32) from its tile maxima tile_max [tiles, C]
+    (tiles of LOGITS_BLOCK_V ids, `logits_forward`): only the row's k tiles with the largest maxima are read. Exact:
+    a tile holding one of the row's k largest values has its maximum at least that value, and fewer than k other
+    tiles can have a larger maximum (each holds a value above it), so the k largest tile maxima cover the top-k
+    (the same values; equal values may be taken in another order than torch.topk over the row takes them).
+    Reads C x k x LOGITS_BLOCK_V logits (and a ragged last tile's) and the C x tiles maxima instead of the C x V
+    row: 1/74 of it at V = 151936 (1187 whole tiles), k = 16."""
+    c, v = logits.shape
+    tiles, width = tile_max.shape[0], LOGITS_BLOCK_V
+    if tiles <= k:
+        return logits.topk(k, dim=-1).indices
+    whole = v // width  # whole tiles; a ragged last one (v % width ids) is always read: it is narrower than a tile
+    best = tile_max[:whole].t().topk(k, dim=-1).indices  # [C, k]: with the ragged tile, a superset of the k best
+    rows = torch.arange(c, device=logits.device)[:, None]
+    values = logits[:, : whole * width].view(c, whole, width)[rows, best].flatten(1)  # [C, k x width]
+    if whole < tiles:
+        values = torch.cat([values, logits[:, whole * width :]], 1)
+    top = values.topk(k, dim=-1).indices
+    in_tiles = best.gather(1, (top // width).clamp(max=k - 1)) * width + top % width
+    return torch.where(top < k * width, in_tiles, top - k * width + whole * width)
 
 
 def dlogits_backward(
@@ -835,11 +859,12 @@ def lm_head_loss_forward(h, norm_weight, lm_head_weight, weights, kind, normaliz
     markov.w2), d loss.
 
     Arguments (types, shapes) as in `lm_head_loss`. Returns (loss [], kl [] or None, draft_argmax [N],
-    teacher_argmax [N], alpha [N] fp32, topk_ids [N, topk] or None, grads): alpha is each row's acceptance
-    estimate (`LossOutput`, the DSpark confidence target); topk_ids each row's `topk` best logits' ids, taken from
-    the chunk's logits buffer (DFlash2's unary candidates: [C, V] at a time, never [N, V]); grads the gradients
-    of h [N, H], norm_weight [H], lm_head_weight [V, H], markov.e [N, r], markov.w2 [V, r], each None when not
-    flagged.
+    teacher_argmax [N], alpha [N] fp32, topk_ids [N, topk] or None, topk_logits [N, topk] fp32 or None, grads):
+    alpha is each row's acceptance estimate (`LossOutput`, the DSpark confidence target); topk_ids each row's `topk`
+    best logits' ids, taken from the chunk's logits buffer (DFlash2's unary candidates: [C, V] at a time, never
+    [N, V]), only the tiles whose maxima can hold them read (`topk_from_tiles`), and topk_logits their logits; grads
+    the gradients of h [N, H], norm_weight [H], lm_head_weight [V, H], markov.e [N, r], markov.w2 [V, r], each None
+    when not flagged.
     """
     check_loss_inputs(h, norm_weight, lm_head_weight, weights, kind, teacher, dpace, markov)
     check_device("lm_head_loss", h, lm_head_weight)
@@ -865,6 +890,7 @@ def lm_head_loss_forward(h, norm_weight, lm_head_weight, weights, kind, normaliz
     draft_argmax = torch.empty(n, dtype=torch.int64, device=device)
     teacher_argmax = torch.empty(n, dtype=torch.int64, device=device)
     topk_ids = torch.empty(n, topk, dtype=torch.int64, device=device) if topk else None
+    topk_logits = torch.empty(n, topk, dtype=torch.float32, device=device) if topk else None
     grad_h = torch.empty_like(h) if need_grads[0] else None
     grad_norm = torch.zeros(hid, dtype=torch.float32, device=device) if need_grads[1] else None
     grad_head = torch.zeros(v, hid, dtype=torch.float32, device=device) if need_grads[2] else None
@@ -885,9 +911,10 @@ def lm_head_loss_forward(h, norm_weight, lm_head_weight, weights, kind, normaliz
         n_store = acts.shape[0] if dense else c
         logits = logits_buf[:n_store]
         chunk_markov = None if markov is None else Markov(markov.e[lo:hi], markov.w2)
-        lse, argmax = logits_forward(acts, weight, logits, n_store, chunk_markov)
+        lse, argmax, tile_max = logits_forward(acts, weight, logits, n_store, chunk_markov)
         if topk_ids is not None:
-            topk_ids[lo:hi] = logits[:c].topk(topk, dim=-1).indices
+            topk_ids[lo:hi] = topk_from_tiles(logits[:c], tile_max[:, :c], topk)
+            topk_logits[lo:hi] = logits[:c].gather(1, topk_ids[lo:hi])
         target = chunk_target(kind, teacher, chunk, lse, argmax, v)
         dlogits = dlogits_buf[:c] if need_any else None
         sums = None
@@ -939,7 +966,7 @@ def lm_head_loss_forward(h, norm_weight, lm_head_weight, weights, kind, normaliz
         grad_e,
         None if grad_w2 is None else grad_w2.to(markov.w2.dtype),
     )
-    return loss, kl, draft_argmax, teacher_argmax, alpha, topk_ids, grads
+    return loss, kl, draft_argmax, teacher_argmax, alpha, topk_ids, topk_logits, grads
 
 
 def lm_head_loss_backward(grad_loss: torch.Tensor, grads):
@@ -950,21 +977,22 @@ def lm_head_loss_backward(grad_loss: torch.Tensor, grads):
 class LmHeadLossFunction(torch.autograd.Function):
     """The gradients come out of the forward (the loss is the final scalar); backward scales them.
     Arguments: h, norm_weight, lm_head_weight, markov.e, markov.w2 (None without DSpark's Markov bias), topk, then
-    the rest of `lm_head_loss`'s. Outputs: loss, kl, draft_argmax, teacher_argmax, alpha, topk_ids ([N, 0] without
-    topk)."""
+    the rest of `lm_head_loss`'s. Outputs: loss, kl, draft_argmax, teacher_argmax, alpha, topk_ids, topk_logits
+    ([N, 0] without topk)."""
 
     @staticmethod
     def forward(ctx, h, norm_weight, lm_head_weight, e, w2, topk, *rest):
         markov = None if e is None else Markov(e, w2)
-        loss, kl, draft_argmax, teacher_argmax, alpha, topk_ids, grads = lm_head_loss_forward(
+        loss, kl, draft_argmax, teacher_argmax, alpha, topk_ids, topk_logits, grads = lm_head_loss_forward(
             h, norm_weight, lm_head_weight, *rest, markov=markov, need_grads=tuple(ctx.needs_input_grad[:5]),
             topk=topk,
         )
         ctx.grads = grads
         kl = kl if kl is not None else loss.new_zeros(())
         topk_ids = topk_ids if topk_ids is not None else draft_argmax.new_empty(draft_argmax.shape[0], 0)
-        ctx.mark_non_differentiable(kl, draft_argmax, teacher_argmax, alpha, topk_ids)
-        return loss, kl, draft_argmax, teacher_argmax, alpha, topk_ids
+        topk_logits = topk_logits if topk_logits is not None else alpha.new_empty(alpha.shape[0], 0)
+        ctx.mark_non_differentiable(kl, draft_argmax, teacher_argmax, alpha, topk_ids, topk_logits)
+        return loss, kl, draft_argmax, teacher_argmax, alpha, topk_ids, topk_logits
 
     @staticmethod
     def backward(ctx, grad_loss, *_):
@@ -991,18 +1019,19 @@ def lm_head_loss(
     weights or None; markov: DSpark's Markov bias (`dflash_fast.drafter.eager.Markov`: e [N, r], w2 [V, r]), folded
     into the lm_head GEMM as r more columns, with gradients for e and w2. Semantics and kinds exactly as
     `dflash_fast.drafter.eager.lm_head_loss`; logits are accumulated in fp32. topk > 0 (DFlash2's unary candidates, SPEC
-    §9): each row's top-`topk` ids, from each chunk's logits as the pass computes them.
+    §9): each row's top-`topk` ids and their logits (fp32, no gradient), from each chunk's logits as the pass
+    computes them.
     """
     e, w2 = (markov.e, markov.w2) if markov is not None else (None, None)
     grad_inputs = [t for t in (h, norm_weight, lm_head_weight, e, w2) if t is not None]
     rest = (weights, kind, normalizer, eps, teacher, dpace)
     if torch.is_grad_enabled() and any(t.requires_grad for t in grad_inputs):
-        loss, kl, draft_argmax, teacher_argmax, alpha, topk_ids = LmHeadLossFunction.apply(
+        loss, kl, draft_argmax, teacher_argmax, alpha, topk_ids, topk_logits = LmHeadLossFunction.apply(
             h, norm_weight, lm_head_weight, e, w2, topk, *rest
         )
     else:  # the autograd Function would still see requires_grad under no_grad and compute gradients
-        loss, kl, draft_argmax, teacher_argmax, alpha, topk_ids, _ = lm_head_loss_forward(
+        loss, kl, draft_argmax, teacher_argmax, alpha, topk_ids, topk_logits, _ = lm_head_loss_forward(
             h, norm_weight, lm_head_weight, *rest, markov=markov, topk=topk
         )
     return LossOutput(loss, kl if has_kl(kind) else None, draft_argmax, teacher_argmax, alpha,
-                      topk_ids if topk else None)
+                      *((topk_ids, topk_logits) if topk else ()))

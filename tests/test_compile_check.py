@@ -80,12 +80,15 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
 def test_no_bf16_config_of_the_loss_spills_for_any_kind_at_the_reference_shape(tmp_path):
     """Every autotune config that the autotuner keeps for every loss kind's kernels (the row pass's variants above
     all: its (1, 1024) tile spilled 4-8 bytes for lk and rkl under Triton 3.9) and for DSpark's Markov bias
-    compiles for sm_90 without spills in bf16: the autotuner may pick any of them."""
+    compiles for sm_90 without spills in bf16: the autotuner may pick any of them. DFlash2's selector adds the
+    Triton RMSNorm's backward without a row scale (its input norm, kernels/_common.py rms_norm)."""
     rows = run_compile_check(tmp_path, "--ops", "lm_head_loss", "--dtypes", "bf16", "--shapes", "reference",
-                             "--configs", "all", "--cases", " kl$|kl_topk| tv$| lk$|lk_hybrid|rkl|jsd|DSpark")
+                             "--configs", "all", "--cases", " kl$|kl_topk| tv$| lk$|lk_hybrid|rkl|jsd|DSpark|DFlash2")
     assert {r["variant"].split("KIND=")[-1] for r in rows if r["kernel"] == "_dlogits_bwd_kernel"} >= {
         "kl", "tv", "lk", "lk_hybrid", "rkl", "jsd"}
     assert any("HAS_MARKOV=True" in r["variant"] for r in rows if r["kernel"] == "_matmul_bwd_kernel")
+    assert any("HAS_SCALE=False" in r["variant"] and "DFlash2" in r["case"] for r in rows
+               if r["kernel"] == "_rms_norm_bwd_kernel"), "the DFlash2 selector's norm backward was not compiled"
     spills = [f"{r['kernel']} {r['case']} {r['variant']} {r['config']} w{r['warps']}: {r['spill_store_bytes']} bytes"
               for r in rows if r["status"] != "ok"]
     assert not spills, "\n".join(spills)

@@ -116,11 +116,48 @@ class CandidateSelector(nn.Module):
         return torch.einsum("nr,nkr->nk", context, self.successor_codebook[candidate_ids])
 
     def scores(self, hidden: torch.Tensor, lm_head: torch.Tensor, prev_ids: torch.Tensor,
-               candidate_ids: torch.Tensor) -> torch.Tensor:
+               candidate_ids: torch.Tensor, unary: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The candidates' scores [N, K] fp32: their unary logits hidden . lm_head[c] (from the K gathered lm_head
-        rows only, never [N, V]) plus the transition. hidden [N, H]; lm_head [V, H]; prev_ids [N]; ids [N, K]."""
-        unary = torch.einsum("nh,nkh->nk", hidden, lm_head[candidate_ids].to(hidden.dtype))
+        rows only, never [N, V]) plus the transition. hidden [N, H]; lm_head [V, H]; prev_ids [N]; ids [N, K].
+        unary [N, K] fp32 (no gradient): those logits as the fused lm_head pass computed them (`candidate_unary`:
+        no [N, K, H] gather forward, none backward)."""
+        if unary is None:
+            unary = torch.einsum("nh,nkh->nk", hidden, lm_head[candidate_ids].to(hidden.dtype))
+        else:
+            unary = candidate_unary(hidden, lm_head, candidate_ids, unary)
         return unary.float() + self.transition(hidden, prev_ids, candidate_ids).float()
+
+
+class CandidateUnary(torch.autograd.Function):
+    """unary[n, k] = hidden[n] . lm_head[ids[n, k]], its value given (the fused lm_head pass's logits of the ids);
+    backward: d hidden[n] = sum_k g[n, k] lm_head[ids[n, k]] by one embedding_bag (the K rows read, no [N, K, H]
+    tensor), and for a trained lm_head d lm_head[ids[n, k]] += g[n, k] hidden[n]. The eager twin is the einsum of
+    `CandidateSelector.scores` over the gathered rows."""
+
+    @staticmethod
+    def forward(ctx, hidden, lm_head, ids, unary):
+        ctx.save_for_backward(hidden, lm_head, ids)
+        return unary.float()
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, lm_head, ids = ctx.saved_tensors
+        grad_hidden = grad_head = None
+        if ctx.needs_input_grad[0]:
+            grad_hidden = F.embedding_bag(ids, lm_head, per_sample_weights=grad.to(lm_head.dtype),
+                                          mode="sum").to(hidden.dtype)
+        if ctx.needs_input_grad[1]:
+            rows = (grad[:, :, None] * hidden[:, None, :].float()).flatten(0, 1)
+            grad_head = torch.zeros_like(lm_head, dtype=torch.float32).index_add_(0, ids.flatten(), rows)
+            grad_head = grad_head.to(lm_head.dtype)
+        return grad_hidden, grad_head, None, None
+
+
+def candidate_unary(hidden: torch.Tensor, lm_head: torch.Tensor, ids: torch.Tensor,
+                    unary: torch.Tensor) -> torch.Tensor:
+    """hidden [N, H], lm_head [V, H], ids [N, K], unary [N, K] (hidden . lm_head[ids], computed) -> unary [N, K] fp32
+    with the gradient of hidden . lm_head[ids] (CandidateUnary)."""
+    return CandidateUnary.apply(hidden, lm_head, ids, unary.detach())
 
 
 def training_candidates(topk_ids: torch.Tensor, label: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -158,13 +195,22 @@ def selector_loss(
     weights: torch.Tensor,
     normalizer: torch.Tensor,
     dpace: Optional[DPace] = None,
+    topk_logits: Optional[torch.Tensor] = None,
 ) -> SelectorOutput:
     """The selector's loss on N slots: hidden [N, H] (norm(x)), lm_head [V, H], prev_ids [N], unary topk_ids [N, K],
     label [N] (the teacher argmax), weights [N] (decay x mask, or the mask under D-PACE), normalizer (the trained
     slot count). Under D-PACE (speculators' compute_selector_loss) the weights come from the selector's own
-    confidence exp(-CE_j) on its K candidates."""
+    confidence exp(-CE_j) on its K candidates. topk_logits [N, K] fp32 (the lm_head loss's, no gradient): the
+    candidates' unary logits taken from it (the injected label's from its one lm_head row), not from K gathered
+    rows; equal up to rounding, the same gradients."""
     ids, index, contains = training_candidates(topk_ids, label)
-    scores = selector.scores(hidden, lm_head, prev_ids, ids)
+    unary = None
+    if topk_logits is not None:
+        with torch.no_grad():
+            label_logit = torch.einsum("nh,nh->n", hidden, lm_head[label].to(hidden.dtype)).float()
+            unary = topk_logits.float().clone()
+            unary[:, -1] = torch.where(contains, unary[:, -1], label_logit)
+    scores = selector.scores(hidden, lm_head, prev_ids, ids, unary)
     ce = F.cross_entropy(scores, index, reduction="none")
     w = weights.float()
     if dpace is not None:
@@ -173,7 +219,8 @@ def selector_loss(
     with torch.no_grad():
         hit = contains & (scores.argmax(-1) == index)
         serving = scores.clone()  # the unary top-K's scores: the K-th candidate's where the label replaced it
-        replaced = selector.scores(hidden, lm_head, prev_ids, topk_ids[:, -1:])[:, 0]
+        replaced = selector.scores(hidden, lm_head, prev_ids, topk_ids[:, -1:],
+                                   None if topk_logits is None else topk_logits[:, -1:])[:, 0]
         serving[:, -1] = torch.where(contains, serving[:, -1], replaced)
         draft = topk_ids.gather(1, serving.argmax(-1, keepdim=True))[:, 0]
     return SelectorOutput(loss, contains, hit, draft)

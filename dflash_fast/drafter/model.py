@@ -31,7 +31,6 @@ from dflash_fast.drafter.dspark import ConfidenceHead, MarkovHead
 from dflash_fast.drafter.eager import DENSE_KINDS, DPace, Markov, Teacher, needs_last
 from dflash_fast.drafter.layers import DecoderLayer, RMSNorm, Rope
 from dflash_fast.drafter.weights import check_drafter_fits_target, load_frozen_tensors
-from dflash_fast.errors import UserError
 
 
 def resolve_mask_token_id(vocab_size: int, mask_token_id: Optional[int] = None, tokenizer=None) -> int:
@@ -345,8 +344,9 @@ class DFlashDrafter(nn.Module):
             loss = loss + confidence_alpha * confidence_loss
         sel, draft = None, out.draft_argmax
         if selector is not None:  # the draft is the selector's pick (SPEC §9): acc_j and tau_offline are the selector's
-            sel = selector_loss(selector, self.norm(x).reshape(n, -1), self.lm_head, prev_ids, out.topk_ids,
-                                teacher_argmax, weights.reshape(n), targets.slot_mask.sum(), dpace)
+            hidden = ops.rms_norm(x.reshape(n, -1), self.norm.weight, self.norm.eps)
+            sel = selector_loss(selector, hidden, self.lm_head, prev_ids, out.topk_ids,
+                                teacher_argmax, weights.reshape(n), targets.slot_mask.sum(), dpace, out.topk_logits)
             loss, draft = loss + selector_alpha * sel.loss, sel.draft
         return DrafterOutput(loss, out.kl, draft.view(r, a, b), teacher_argmax.view(r, a, b),
                              targets.slot_mask, out.alpha.view(r, a, b), cfg.first_slot, confidence_loss, confidence,
@@ -408,15 +408,12 @@ class DFlashDrafter(nn.Module):
         logits = F.linear(hidden_normed, self.lm_head.to(x.dtype))
         first = self.config.first_slot
         features = hidden_normed[first:]
-        if self.candidate_selector is not None and draw is not None:
-            raise UserError("sampled drafts (eval --temperature > 0) from a DFlash2 drafter's selector are not "
-                            "built yet: evaluate it at --temperature 0")
-        draw = draw or (lambda slot_logits: slot_logits.argmax(-1))
-        if self.candidate_selector is not None:
-            guesses = self.selector_walk(hidden_normed, logits, anchor_token)
+        if self.candidate_selector is not None:  # greedy without a draw: the best score, not the argmax of a row
+            guesses = self.selector_walk(hidden_normed, logits, anchor_token, draw)
         elif self.markov_head is None:
-            guesses = draw(logits[first:])
+            guesses = (draw or _argmax)(logits[first:])
         else:
+            draw = draw or _argmax
             head, shift = self.markov_head, int(self.config.sample_from_anchor)
             tokens = [torch.tensor(anchor_token, device=dev)]  # tokens[m]: the token at position T + m
             state, e_prevs = hidden_normed.new_zeros(head.rank), []
@@ -433,17 +430,29 @@ class DFlashDrafter(nn.Module):
             return guesses
         return guesses, torch.sigmoid(self.confidence_head(features).float())
 
-    def selector_walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_token: int) -> torch.Tensor:
-        """SPEC §9 greedy inference of one block: hidden [B, H] (norm(x)), unary logits [B, V] -> the drafted tokens
-        [drafted_tokens]. Slot by slot, the best score among the slot's unary top-K, `prev` being the token drafted
-        for the position before the slot's own (the anchor's token for the first slot)."""
+    def selector_walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_token: int, draw=None) -> torch.Tensor:
+        """SPEC §9 inference of one block: hidden [B, H] (norm(x)), unary logits [B, V] -> the drafted tokens
+        [drafted_tokens]. Slot by slot over the slot's unary top-K, `prev` being the token drafted for the position
+        before the slot's own (the anchor's token for the first slot): greedy takes the best score; `draw` (logits
+        [1, V] -> token [1]) is handed the scores at the K candidates' ids and -inf elsewhere, vLLM's cached
+        draft logits (spec_decode/dflash2 `_cache_draft_logits_kernel`), so a DraftSampler draws from and records
+        q = softmax(score / T) over the K candidates, and the next slot's prev is the token it drew."""
         selector, shift = self.candidate_selector, int(self.config.sample_from_anchor)
         tokens = [torch.tensor(anchor_token, device=logits.device)]  # tokens[m]: the token at position T + m
         for k in range(self.config.first_slot, self.config.block_size):
             ids = logits[k].topk(selector.top_k).indices[None]  # [1, K]
             scores = selector.scores(hidden[k][None], self.lm_head, tokens[k + shift - 1][None], ids)
-            tokens.append(ids[0, scores[0].argmax()])
+            if draw is None:
+                tokens.append(ids[0, scores[0].argmax()])
+            else:
+                candidate_logits = scores.new_full((1, logits.shape[-1]), float("-inf")).scatter(1, ids, scores)
+                tokens.append(draw(candidate_logits)[0])
         return torch.stack(tokens[1:])
+
+
+def _argmax(slot_logits: torch.Tensor) -> torch.Tensor:
+    """The greedy draw of `propose`: logits [n, V] -> tokens [n]."""
+    return slot_logits.argmax(-1)
 
 
 def slot_metrics(out: DrafterOutput) -> Dict[str, torch.Tensor]:

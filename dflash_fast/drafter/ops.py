@@ -101,3 +101,11 @@ def anchored_attention(*args, **kwargs):
 
 def lm_head_loss(*args, **kwargs) -> eager.LossOutput:
     return _impl("lm_head_loss")(*args, **kwargs)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The drafter's final norm where the lm_head loss does not fuse it (DFlash2's selector input, SPEC §9): the
+    Triton RMSNorm of kernels/_common.py when lm_head_loss runs Triton, else its eager twin. x [..., H] -> [..., H]."""
+    if backend_of("lm_head_loss") == "triton":
+        return importlib.import_module("dflash_fast.kernels._common").rms_norm(x, weight, eps)
+    return eager.rms_norm(x, weight, eps)
