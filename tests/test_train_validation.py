@@ -37,7 +37,8 @@ def tiny(tmp_path_factory):
     write_jsonl(root / "data.jsonl", sample_records(30))
     extract(target, root / "data.jsonl", root / "store", layer_ids=[1, 2], dtype="fp32", max_seq_len=64, progress=False)
     write_jsonl(root / "prompts.jsonl", PROMPTS)
-    return SimpleNamespace(target=str(target), store=str(root / "store"), prompts=str(root / "prompts.jsonl"))
+    return SimpleNamespace(target=str(target), store=str(root / "store"), prompts=str(root / "prompts.jsonl"),
+                           data=str(root / "data.jsonl"))
 
 
 def settings(tiny, out, **extra):
@@ -143,6 +144,26 @@ def test_a_deliberately_bad_drafter_warns_at_the_end_of_its_run(tiny, tmp_path, 
     assert result["offline"]["tau_offline"] > 3 and result["real"]["tau"] < 2 and result["diverged"]
     assert result["warning"].startswith(f"real tau {result['real']['tau']:.3f} (4 prompts) is far from")
     assert f"WARNING: {result['warning']}" in capsys.readouterr().out
+
+
+def test_online_runs_decode_with_the_jobs_own_target(tiny, tmp_path, monkeypatch):
+    """data.source=online: the target already in the job decodes (no second copy loaded), its prefetched forwards
+    held off meanwhile, and the row still equals `dflash-fast eval` on the checkpoint."""
+    def no_second_target(*_args, **_kwargs):
+        raise AssertionError("an online run must decode with the job's own target")
+
+    monkeypatch.setattr(validation, "load_model", no_second_target)
+    out = str(tmp_path / "online")
+    train(load_config(TINY_YAML, settings(tiny, out, data__source="online", data__store="", data__jsonl=tiny.data,
+                                          model__target=tiny.target, model__layer_ids="1,2",
+                                          data__online__max_seq_len=64, data__online__dtype="fp32",
+                                          schedule__steps=4, validation__decode_every=2)),
+          real_acceptance=RealAcceptance)
+    decoded = records(out, "decode")
+    assert [r["step"] for r in decoded] == [2, 4]
+    greedy = evaluate(tiny.target, tiny.prompts, os.path.join(out, "checkpoints", "step00000004"),
+                      max_new_tokens=12, baseline=False, progress=False)
+    assert decoded[-1]["tau"] == greedy["tau"] and decoded[-1]["tau_offline_prompts"] == greedy["tau_offline"]
 
 
 def test_real_decoding_needs_prompts_and_the_script_that_hands_over_the_evaluator(tiny, tmp_path):
