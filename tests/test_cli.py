@@ -63,7 +63,7 @@ def test_user_errors_of_every_command_end_in_one_error_line_with_exit_1(tmp_path
         assert message in one_error_line(capsys.readouterr().err), argv
 
 
-def open_store_only(cfg, _device_memory=None):
+def open_store_only(cfg, _device_memory=None, _real_acceptance=None):
     """trainer.train as far as its first data error: the store (no process group, no DeepSpeed engine)."""
     HiddenStateStore(cfg.data.store)
 

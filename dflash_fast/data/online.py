@@ -65,6 +65,10 @@ class OnlineSource:
     def __getitem__(self, item: int) -> Dict[str, torch.Tensor]:
         return self.run([item])[item]
 
+    def exclusive(self) -> threading.Lock:
+        """Held, the target runs no prefetched forward (evaluate/validation.py decodes with the same model)."""
+        return self._lock
+
     def run(self, items: Sequence[int]) -> Dict[int, Dict[str, torch.Tensor]]:
         """Documents `items` through the target, longest first, in forwards of at most `batch_tokens` padded tokens
         (extraction's plan_batches) -> item -> per-token tensors exactly as `store[item]` holds them (host memory)."""

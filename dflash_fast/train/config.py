@@ -194,6 +194,18 @@ class CheckpointConfig:
 class ValidationConfig:
     every: int = 0  # steps between validations on the held-out split; 0 = only at the end
     max_batches: int = 0  # per rank and validation; 0 = the whole split
+    # Real acceptance while training (docs/training.md): block speculative decoding of held-out prompts with the
+    # drafter being trained, by `dflash-fast eval`'s loop on rank 0 (dflash_fast/evaluate/validation.py).
+    prompts: str = ""  # prompts as `dflash-fast eval --data` reads them (JSONL or a dataset); "" = no real decoding
+    decode_every: int = 0  # steps between real decodings; 0 = only at the end (with validation.prompts)
+    num_prompts: int = 8  # the first N prompts
+    max_new_tokens: int = 64  # new tokens per prompt
+    temperature: float = 0.0  # > 0: also decode sampled at this temperature (SPEC §10), seeded by validation.seed
+    seed: int = 0
+    thinking: str = ""  # on | off: the chat template's thinking switch (eval --thinking); "": the template's default
+    # At the end: warn when real drafted tokens per block, tau - 1, differ from the offline estimate's,
+    # tau_offline - 1, by more than this fraction of the offline one (docs/troubleshooting.md)
+    max_gap: float = 0.5
 
 
 @dataclasses.dataclass
@@ -554,5 +566,19 @@ def _check_schedule_and_outputs(cfg: TrainConfig) -> None:
         cfg.validation.every == 0 or cfg.data.val_fraction > 0,
         f"validation.every={cfg.validation.every} needs a held-out split: set data.val_fraction > 0",
     )
+    _check_real_acceptance(cfg.validation)
     _check(cfg.precision in PRECISIONS, f"precision={cfg.precision!r} is not one of {PRECISIONS}")
     _check(cfg.export_dtype in EXPORT_DTYPES, f"export_dtype={cfg.export_dtype!r} is not one of {EXPORT_DTYPES}")
+
+
+def _check_real_acceptance(v: ValidationConfig) -> None:
+    v.thinking = {"true": "on", "false": "off"}.get(v.thinking.lower(), v.thinking)  # YAML reads `on` as true
+    _check(v.decode_every == 0 or bool(v.prompts),
+           f"validation.decode_every={v.decode_every} needs held-out prompts: set validation.prompts=FILE (the "
+           f"formats `dflash-fast eval --data` reads)")
+    _check(v.decode_every >= 0, f"validation.decode_every={v.decode_every} must be >= 0 (0: only at the end)")
+    _check(v.num_prompts >= 1 and v.max_new_tokens >= 1,
+           f"validation.num_prompts={v.num_prompts} and validation.max_new_tokens={v.max_new_tokens} must be >= 1")
+    _check(v.temperature >= 0, f"validation.temperature={v.temperature} must be >= 0 (0: greedy only)")
+    _check(v.thinking in ("", "on", "off"), f"validation.thinking={v.thinking!r} is not on, off or empty")
+    _check(v.max_gap > 0, f"validation.max_gap={v.max_gap} must be > 0 (0.5: warn past a 50% gap)")

@@ -139,14 +139,16 @@ def progress_bar(total: int, initial: int, enabled: bool):
     return tqdm(total=total, initial=initial, disable=not enabled, unit="step", dynamic_ncols=True, file=sys.stdout)
 
 
-def show_step(bar, sums: Sums, seconds: float) -> None:
-    """One step on the bar: its loss, tau_offline and tokens per second."""
+def show_step(bar, sums: Sums, seconds: float, tau: Optional[float] = None) -> None:
+    """One step on the bar: its loss, tau_offline, the newest real `tau` (validation.prompts) and tokens per
+    second."""
     step_metrics = sums.metrics(False)
     bar.update(1)
     bar.set_postfix(
         {
             "loss": f"{step_metrics['loss']:.3f}",
             "tau_offline": f"{step_metrics['tau_offline'] or 0:.2f}",
+            **({} if tau is None else {"tau": f"{tau:.2f}"}),
             "tok/s": f"{sums['tokens'] / seconds:.0f}",
         },
         refresh=False,

@@ -3,8 +3,10 @@
     store ──make_loader──▶ micro-batches ──drafter (DeepSpeed engine)──▶ loss ──backward──▶ AdamW or Muon (ZeRO 0-3)
     (data.source=online: JSONL ──the target's forward in this process, one micro-batch ahead──▶ micro-batches)
       every step:     metrics summed over micro-batches and ranks, then divided (SPEC §6)
-      every N steps:  JSONL record, validation on the held-out split, checkpoint
-      at the end:     checkpoint, validation, export (gated, dflash_fast/serve/export.py) into OUT/export
+      every N steps:  JSONL record, validation on the held-out split, checkpoint; real acceptance (validation.prompts:
+                      the evaluator's decoding, handed in by train.py: dflash_fast/evaluate/validation.py)
+      at the end:     checkpoint, validation, real acceptance beside the offline estimates, export (gated,
+                      dflash_fast/serve/export.py) into OUT/export
 
 One optimizer step is `schedule.grad_accum` micro-batches of `data.batch_rows`
 rows on each rank. Its loss is the weighted mean over ALL valid slots of the
@@ -31,6 +33,7 @@ Run directory `output_dir` (OUT):
     OUT/export/                      the gated export (speculators layout, or zlab when only it serves the drafter)
     OUT/tensorboard/                 with logging.tensorboard=true
     OUT/provenance.json              config, code version and commit, data identity, target config hash (trackers.py)
+    OUT/validation.json              with validation.prompts: offline estimates vs real tau at the end
 
 Without a launcher (`python train.py ...`) the run is a world of one process;
 under `deepspeed` (or `torchrun`) every rank runs it. `train(cfg)` runs one job
@@ -42,7 +45,7 @@ import os
 import signal
 import sys
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -103,8 +106,11 @@ class NonFiniteLoss(UserError):
 class Trainer:
     """Builds everything from a validated config; `run()` trains, checkpoints, validates and exports."""
 
-    def __init__(self, cfg: TrainConfig, rank: int, world_size: int, device_memory: Optional[int] = None):
-        """`device_memory`: the bytes the memory plan must fit (default: the GPU's; a CPU run has no limit)."""
+    def __init__(self, cfg: TrainConfig, rank: int, world_size: int, device_memory: Optional[int] = None,
+                 real_acceptance: Optional[Callable[["Trainer"], Any]] = None):
+        """`device_memory`: the bytes the memory plan must fit (default: the GPU's; a CPU run has no limit).
+        `real_acceptance(trainer)` (validation.prompts; train.py hands evaluate/validation.py's): called after
+        each step as `.after_step(trainer, stopping)` and once at the end as `.finish(trainer)`."""
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.out_dir = cfg.output_dir
         self.checkpoints_dir = os.path.join(self.out_dir, "checkpoints")
@@ -147,6 +153,7 @@ class Trainer:
             self._resume(*resume)
         self._log_setup(manifest, num_params, optimizer_line)
         self.metrics = open_outputs(cfg, manifest, self.data_identity, self.step, rank, world_size)
+        self.real = real_acceptance(self) if cfg.validation.prompts else None
 
     # ---- output
 
@@ -307,7 +314,7 @@ class Trainer:
                 f"grad norm {grad_norm}): stopped without saving; {resume_hint(self.last_checkpoint, self.sharing)}"
             )
         self.window.add(sums, times, seconds)
-        show_step(bar, sums, seconds)
+        show_step(bar, sums, seconds, self.real and self.real.tau)
         if self.step % cfg.logging.every == 0 or self.step == self.total_steps:
             epoch, index = self.stream.position
             fraction = epoch + index / self.stream.per_epoch
@@ -316,6 +323,8 @@ class Trainer:
         if cfg.validation.every and self.step % cfg.validation.every == 0:
             self.validate()
             self.validated_step = self.step
+        if self.real is not None:  # after the step's timings: validation never counts into them
+            self.real.after_step(self, stopping=bool(sums["stop"]))
         return sums
 
     def run(self) -> Dict:
@@ -337,6 +346,8 @@ class Trainer:
                 self.save()
             if cfg.data.val_fraction > 0 and self.validated_step != self.step:
                 self.validate()
+            if self.real is not None:
+                self.real.finish(self)
             export = self.export() if cfg.export else None
             return {"step": self.step, "interrupted": False, "checkpoint": self.last_checkpoint, "export": export}
         finally:
@@ -347,15 +358,19 @@ class Trainer:
                 signal.signal(s, handler)
 
 
-def train(cfg: TrainConfig, device_memory: Optional[int] = None) -> Dict:
-    """Run one training job (this process is one rank); see Trainer.run for the result."""
+def train(cfg: TrainConfig, device_memory: Optional[int] = None, real_acceptance=None) -> Dict:
+    """Run one training job (this process is one rank); see Trainer.run for the result, Trainer for
+    `real_acceptance`."""
+    if cfg.validation.prompts and real_acceptance is None:  # train/ cannot import the evaluator (docs/layout.md)
+        raise ConfigError(f"validation.prompts={cfg.validation.prompts} decodes with dflash_fast.evaluate, which "
+                          f"train.py hands the trainer: run `deepspeed train.py` (or `python train.py`)")
     if not dist.is_initialized():  # DeepSpeed's start-up loads its JIT-built ops: a stale build lock hangs it
         first = os.environ.get("RANK", "0") == "0"
         check_build_locks(say=lambda line: print(f"[dflash-fast] {line}", file=sys.stderr) if first else None)
     quiet_deepspeed()
     rank, world_size = init_distributed()
     with output_lock(cfg.output_dir, rank):  # one run writes an output directory at a time
-        return Trainer(cfg, rank, world_size, device_memory).run()
+        return Trainer(cfg, rank, world_size, device_memory, real_acceptance).run()
 
 
 def plan(cfg: TrainConfig, device_memory: Optional[int] = None) -> str:
@@ -427,9 +442,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return p.parse_intermixed_args(argv)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
+def main(argv: Optional[Sequence[str]] = None, real_acceptance=None) -> None:
     """The process entry point: a user error ends it in one `error: ...` line, exit 2 (config) or 1 (data, a
-    non-finite loss); other exceptions keep their traceback (dflash_fast/errors.py)."""
+    non-finite loss); other exceptions keep their traceback (dflash_fast/errors.py). `real_acceptance`: see
+    Trainer (train.py passes dflash_fast.evaluate.validation.RealAcceptance)."""
     args = parse_args(argv)
     overrides = list(args.overrides) + (["checkpoint.resume=latest"] if args.resume else [])
 
@@ -442,7 +458,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             if int(os.environ.get("RANK", "0")) == 0:
                 print(text)
             return
-        train(cfg, device_memory)
+        train(cfg, device_memory, real_acceptance)
 
     ours = not dist.is_initialized()  # a caller's group (several runs in one process) is the caller's to destroy
     try:
