@@ -59,8 +59,9 @@ def test_a_dflash2_layers_saved_tensors_match_the_model(taps):
 
 
 @pytest.mark.parametrize("top_k", [2, 8])
-def test_the_selectors_saved_tensors_match_the_model_with_the_candidate_gather(top_k):
-    """The selector's saved tensors, the [Q, K, H] gather of the candidates' lm_head rows the largest at K = 8."""
+def test_the_selectors_saved_tensors_match_the_model_without_a_candidate_gather(top_k):
+    """The selector's saved tensors on the fused path grow by [Q, r] codes a candidate, never by [Q, K, H] rows
+    (the candidates' unary logits come from the lm_head pass)."""
     dflash = measure(config(1))[0]
     cfg = dflash2_config(1, rank=8, top_k=top_k)
     within(measure(cfg)[0] - dflash, selector_bytes(cfg, Q, 4), f"the selector's saved tensors, K = {top_k}")

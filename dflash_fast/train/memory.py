@@ -28,9 +28,10 @@ here op by op (Q = R*A*B block rows, e = the compute dtype's bytes):
 DFlash2 (SPEC §9, dflash_fast/drafter/dflash2.py) adds, per layer and per sublayer, the convolutions in torch: each of
 conv_in and conv_out saves, per tap, the shifted input and the coefficients base + delta broadcast to [Q, H]; the
 sublayer's projections save conv_in's output besides the normed input (the kernel projection's input): (8 taps + 2)
-[Q, H] a layer. Its selector, after the loss: a second norm of the final states (its fp32 input and normed rows
-and the output the selector reads), the [Q, K, H] gathered lm_head rows of the candidates and their [Q, K, r]
-successor codes, the [Q, r] predecessor codes, projection and their product, the candidate ids, the K-way
+[Q, H] a layer. Its selector, after the loss (the fused path): the Triton norm of the final states (its input rows,
+kept for its backward, the normed rows the selector reads and their rstd), the candidates' ids and [Q, K, r] successor codes (their unary logits come from
+the lm_head pass and their gradient through one embedding_bag: no [Q, K, H] gather), the [Q, r] predecessor codes,
+projection and their product, the K-way
 log-softmax; in the backward the two codebooks' [V, r] index gradients at once (transient).
 
 With activation checkpointing (model.activation_checkpointing) a layer keeps only its input [Q, H]; the layer
@@ -200,15 +201,17 @@ def layer_block_bytes(cfg: DrafterConfig, q: int, e: int) -> int:
 
 
 def selector_bytes(cfg: DrafterConfig, q: int, e: int) -> int:
-    """What DFlash2's candidate selector saves for the backward over Q block rows (module docstring): the second
-    norm's fp32 input, normed rows and output (4 + 2e bytes an entry of [Q, H]) and rstd; per candidate the gathered
-    lm_head row [H] and successor code [r] in the compute dtype, its id (int64) and log-softmax (fp32); the [Q, r]
-    predecessor codes, hidden projection and their product; per row the previous token, the label's index and the
-    draft (int64), recall and hit (bool), its weight (fp32). 0 without a selector."""
+    """What DFlash2's candidate selector saves for the backward over Q block rows on the fused path (module
+    docstring): the Triton norm's input rows (the final states, kept for its backward) and output (2e bytes an
+    entry of [Q, H]) and rstd; per candidate its successor code [r]
+    in the compute dtype, its id (int64) and log-softmax (fp32); the [Q, r] predecessor codes, hidden projection and
+    their product; per row the previous token, the label's index and the draft (int64), recall and hit (bool), its
+    weight (fp32). No [Q, K, H] rows: the candidates' unary logits come from the lm_head pass (CandidateUnary). 0
+    without a selector."""
     if not cfg.selector_rank:
         return 0
     h, r, k = cfg.hidden_size, cfg.selector_rank, cfg.selector_top_k
-    return q * ((4 + 2 * e) * h + 4 + 3 * e * r + 3 * 8 + 2 + 4) + q * k * ((h + r) * e + 8 + 4)
+    return q * (2 * e * h + 4 + 3 * e * r + 3 * 8 + 2 + 4) + q * k * (r * e + 8 + 4)
 
 
 def selector_backward_bytes(cfg: DrafterConfig, e: int) -> int:
