@@ -28,10 +28,10 @@ here op by op (Q = R*A*B block rows, e = the compute dtype's bytes):
 DFlash2 (SPEC §9, dflash_fast/drafter/dflash2.py) adds, per layer and per sublayer, the convolutions in torch: each of
 conv_in and conv_out saves, per tap, the shifted input and the coefficients base + delta broadcast to [Q, H]; the
 sublayer's projections save conv_in's output besides the normed input (the kernel projection's input): (8 taps + 2)
-[Q, H] a layer. Its selector, after the loss (the fused path): the Triton norm of the final states (its input rows,
-kept for its backward, the normed rows the selector reads and their rstd), the candidates' ids and [Q, K, r] successor codes (their unary logits come from
-the lm_head pass and their gradient through one embedding_bag: no [Q, K, H] gather), the [Q, r] predecessor codes,
-projection and their product, the K-way
+[Q, H] a layer. Its selector, after the loss (the fused path): the Triton norm of the final states (its
+input rows, kept for its backward, the normed rows the selector reads and their rstd), the candidates' ids and
+[Q, K, r] successor codes (their unary logits come from the lm_head pass and their gradient through one
+embedding_bag: no [Q, K, H] gather), the [Q, r] predecessor codes, projection and their product, the K-way
 log-softmax; in the backward the two codebooks' [V, r] index gradients at once (transient).
 
 With activation checkpointing (model.activation_checkpointing) a layer keeps only its input [Q, H]; the layer
