@@ -15,6 +15,8 @@ import sys
 import time
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 if os.environ.get("DFLASH_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm")
@@ -151,6 +153,23 @@ def test_states_from_two_vllm_serve_replicas_equal_the_vllm_store_and_no_file_is
     assert runner.files_read == len(items) + 2  # every document, and one probe per replica at connect
     assert all(r.alive for r in runner.replicas)
     assert leftovers(replicas) == [], "the transfer files must be removed once read"
+
+
+def test_our_cpu_connectors_fp8_is_the_fp8_hs_connectors_writes(tmp_path):
+    """SyncHiddenStatesConnector's `"fp8": true` (the CPU's FP8 transfer) writes hs_connectors.fp8_utils'
+    quantization bit for bit, and the reader gives back what FP8Transfer would."""
+    from test_vllm_serve_transfer import hs_connectors_fp8
+
+    from dflash_fast.extract.vllm_connector import quantize_fp8
+    from dflash_fast.extract.vllm_serve import FP8_SCALES, read_hidden_states
+
+    hidden = torch.randn(6, 3, 16) * torch.logspace(-2, 3, 6)[:, None, None]
+    fp8, scale = quantize_fp8(hidden)
+    want_fp8, want_scale = hs_connectors_fp8(hidden)
+    assert torch.equal(fp8.view(torch.uint8), want_fp8.view(torch.uint8)) and torch.equal(scale, want_scale)
+    path = str(tmp_path / "req.safetensors")
+    save_file({"hidden_states": fp8, FP8_SCALES: scale, "token_ids": torch.arange(6)}, path)
+    assert torch.equal(read_hidden_states(path, torch.float32, 1.0)[0], want_fp8.float() * want_scale)
 
 
 @pytest.mark.parametrize("option, value, match", [
