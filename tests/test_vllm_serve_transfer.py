@@ -91,3 +91,14 @@ def test_data_source_vllm_serve_config_errors_name_the_key(overrides, match):
 
 def test_several_servers_parse_from_one_override():
     assert parse_servers("http://a:8000, http://b:8000/") == ["http://a:8000", "http://b:8000/"]
+
+
+def test_the_memory_plan_counts_our_lm_head_on_the_trainer_and_no_vllm_share():
+    from dflash_fast.evaluate.quickstart import TARGET
+    from dflash_fast.train.config import OnlineConfig
+    from dflash_fast.train.memory import online_target
+
+    served = online_target(TARGET, torch.float32, OnlineConfig(), 3, "vllm_serve", limit=int(141e9))
+    in_process = online_target(TARGET, torch.float32, OnlineConfig(), 3, "vllm", limit=int(141e9))
+    assert served.engine_bytes == 0 and in_process.engine_bytes > 0
+    assert served.weight_bytes == in_process.weight_bytes == (2048 + 1) * 128 * 4  # lm_head [V, H] and the norm
