@@ -186,7 +186,7 @@ class ServedVllmRunner(VllmRunner):
             with urllib.request.urlopen(request, timeout=self.timeout_s) as reply:
                 return json.loads(reply.read())
         except urllib.error.HTTPError as e:
-            text = e.read()[:500].decode(errors="replace")
+            text = " ".join(e.read()[:500].decode(errors="replace").split())
             if e.code == 401:
                 raise UserError(f"vllm serve at {replica.url} refused the API key (HTTP 401): set "
                                 "data.online.api_key to its --api-key") from None
@@ -257,6 +257,7 @@ class ServedVllmRunner(VllmRunner):
             return replica
 
     def _drop(self, replica: Replica, why: str) -> None:
+        why = " ".join(why.split())[:300]  # one line, whatever the server said
         with self._lock:
             if replica.alive:
                 replica.alive, replica.why = False, why
