@@ -260,7 +260,7 @@ def test_online_resume_after_kill_9_equals_an_uninterrupted_run(tiny, tmp_path):
     (["data.source=online", "data.jsonl=x.jsonl"], r"data.source=online needs model.target"),
     (["data.source=online", "model.target=t"], r"data.source=online needs data.jsonl=FILE"),
     (["data.source=online", "model.target=t", "data.jsonl=x", "data.online.dtype=int8"], r"data.online.dtype='int8'"),
-    (["data.source=disk"], r"data.source='disk' is not one of \('store', 'online', 'vllm'\)"),
+    (["data.source=disk"], r"data.source='disk' is not one of \('store', 'online', 'vllm', 'vllm_serve'\)"),
     (["data.source=vllm", "data.jsonl=x.jsonl"], r"data.source=vllm needs model.target"),
     (["data.online.max_seq_len=1", "data.source=online", "model.target=t", "data.jsonl=x"], r"max_seq_len=1"),
 ])

@@ -39,11 +39,12 @@ class OnlineSource:
     an `address`, served by `dflash-fast serve-target` there (serve_target.py: only the forwards move).
     """
 
-    def __init__(self, target: str, jsonl: str, options: ExtractOptions, device=None, address: str = ""):
+    def __init__(self, target: str, jsonl: str, options: ExtractOptions, device=None, address: str = "",
+                 served: Optional[Dict] = None):
         # Every record, as a one-rank extraction reads them: training ranks split rows, not records.
         self.job = plan_job(target, jsonl, None, options, device, rank=0, world_size=1)
         # A served target (`dflash-fast serve-target` at `address`) runs the forwards, else this process does.
-        self.runner = make_runner(self.job, address)
+        self.runner = make_runner(self.job, address, served)
         self.layout = self.job.layout
         self.lengths = np.asarray([len(e.input_ids) for e in self.job.examples], dtype=np.int64)
         if not len(self.lengths):

@@ -89,7 +89,8 @@ def load_engine(target: str, aux_ids: Sequence[int], scratch: str, dtype: torch.
             "kv_connector": name,
             "kv_connector_module_path": module,
             "kv_role": "kv_producer",
-            "kv_connector_extra_config": {"shared_storage_path": scratch},
+            # this process reads each file after the step that writes it: no lock files
+            "kv_connector_extra_config": {"shared_storage_path": scratch, "use_synchronization_lock": False},
         },
     )
     if on_gpu:
@@ -123,6 +124,14 @@ class VllmRunner(TargetRunner):
             raise UserError("--engine vllm runs one engine for the whole job: launch it without torchrun / deepspeed "
                             "and spread a large target with --tensor-parallel-size")
         max_model_len = engine_max_model_len(job.examples, job.options.max_seq_len, job.config.get_text_config())
+        self.load_head(job)
+        self.scratch = tempfile.mkdtemp(prefix="dflash-vllm-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        weakref.finalize(self, shutil.rmtree, self.scratch, ignore_errors=True)
+        self.llm = load_engine(job.target, self.aux_ids, self.scratch, job.compute_dtype, max_model_len,
+                               job.options.tensor_parallel_size, job.options.trust_remote_code)
+
+    def load_head(self, job: Job) -> None:
+        """The target's final norm and lm_head (alone), the facts a runner records, our ids in vLLM's numbering."""
         model, self.norm, self.norm_name, self.lm_head = load_head(
             job.target, job.device, job.compute_dtype, job.options.trust_remote_code)
         self.model = model
@@ -136,10 +145,6 @@ class VllmRunner(TargetRunner):
         self.device = job.device
         self.batches_run = 0
         self.aux_ids, self.tapped, self.last = aux_layer_ids(self.layer_ids, self.num_layers)
-        self.scratch = tempfile.mkdtemp(prefix="dflash-vllm-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-        weakref.finalize(self, shutil.rmtree, self.scratch, ignore_errors=True)
-        self.llm = load_engine(job.target, self.aux_ids, self.scratch, job.compute_dtype, max_model_len,
-                               job.options.tensor_parallel_size, job.options.trust_remote_code)
         self._logprobs = None
 
     def capture(self, examples: Sequence[Example], logprobs: bool = False) -> Tuple[List[torch.Tensor], List]:

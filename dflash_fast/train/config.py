@@ -28,7 +28,7 @@ SCHEDULES = ("cosine", "constant")
 PRECISIONS = ("auto", "bf16", "fp32")
 EXPORT_DTYPES = ("bf16", "fp16", "fp32")
 OPTIMIZERS = ("adamw", "muon")
-DATA_SOURCES = ("store", "online", "vllm")
+DATA_SOURCES = ("store", "online", "vllm", "vllm_serve")
 SHIPPED_CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
 ONLINE_DTYPES = ("bf16", "fp16", "fp32", "fp8")
 
@@ -105,6 +105,13 @@ class OnlineConfig:
     prefetch: bool = True  # run the next micro-batch's target forward on a side thread during this step
     # HOST:PORT of `dflash-fast serve-target` (same engine and settings): it runs the forwards; "": this process
     address: str = ""
+    # data.source=vllm_serve (extract/vllm_serve.py, docs/engine-target.md): `vllm serve` replicas launched with the
+    # hidden-state extraction flags, their --api-key, the hs_connectors transfer (file, fp8) and the seconds a
+    # replica may stay silent before its requests go to the others
+    servers: List[str] = dataclasses.field(default_factory=list)
+    api_key: str = ""
+    transfer: str = "file"
+    request_timeout_s: float = 120.0
 
 
 @dataclasses.dataclass
@@ -112,7 +119,8 @@ class DataConfig:
     """Where the hidden states come from and how they are cut into batches (dflash_fast.data.batches)."""
 
     # store: a directory written by `dflash-fast extract`; online: the target runs in the job; vllm: online, the
-    # target run by vLLM in the job (extract --engine vllm's runner; docs/engine-target.md)
+    # target run by vLLM in the job (extract --engine vllm's runner; docs/engine-target.md); vllm_serve: `vllm serve`
+    # replicas at data.online.servers run it (extract/vllm_serve.py)
     source: str = "store"
     store: str = ""  # source=store
     # source=online: what `dflash-fast extract --data` reads (same formats and loss masks): JSONL or a Hugging Face
@@ -437,6 +445,13 @@ def _check_data_source(d: DataConfig, m: ModelConfig) -> None:
             from dflash_fast.extract.remote import parse_address
 
             parse_address(n.address)
+        if d.source == "vllm_serve":
+            from dflash_fast.extract.vllm_serve import TRANSFERS, parse_servers
+
+            _check(bool(parse_servers(n.servers)), "data.source=vllm_serve needs data.online.servers=URL[,URL...] "
+                   "(the `vllm serve` replicas, e.g. http://10.0.0.5:8000)")
+            _check(n.transfer in TRANSFERS, f"data.online.transfer={n.transfer!r} is not one of {TRANSFERS}")
+            _check(n.request_timeout_s > 0, f"data.online.request_timeout_s={n.request_timeout_s} must be > 0")
 
 
 def _check_model(m: ModelConfig) -> None:

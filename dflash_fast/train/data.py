@@ -37,7 +37,9 @@ def open_source(cfg: TrainConfig):
                         "the target (`dflash-fast serve-target --engine vllm`, data.online.address=HOST:PORT) or "
                         "extract a store with `dflash-fast extract --engine vllm` (data.source=store)")
     try:
-        return OnlineSource(cfg.model.target, d.jsonl, extraction_options(cfg), address=n.address)
+        served = dict(servers=n.servers, api_key=n.api_key, transfer=n.transfer, timeout_s=n.request_timeout_s) \
+            if d.source == "vllm_serve" else None
+        return OnlineSource(cfg.model.target, d.jsonl, extraction_options(cfg), address=n.address, served=served)
     except (OSError, ValueError) as e:  # bad data or a missing file: exit 1, with the keys that named them
         raise ValueError(f"data.source={d.source} over data.jsonl={d.jsonl} with model.target={cfg.model.target}: "
                          f"{e}") from None
@@ -58,7 +60,7 @@ def extraction_options(cfg: TrainConfig) -> ExtractOptions:
         no_last=not (cfg.loss.kind == "auto" or needs_last(cfg.loss.kind, stored_labels=True)),
         skip_bad=n.skip_bad,
         parity_every=n.parity_every,
-        engine="vllm" if d.source == "vllm" else "hf",
+        engine="vllm" if d.source in ("vllm", "vllm_serve") else "hf",
         split=d.split,
         max_samples=d.max_samples or None,
         reasoning=d.reasoning,

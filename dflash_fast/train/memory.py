@@ -88,7 +88,8 @@ class OnlineTarget:
     vocab_size: int
     forward_tokens: int  # padded tokens of one forward (data.online: max(batch_tokens, max_seq_len))
     num_tapped: int  # K, the layer ids the forward keeps
-    engine: str = "hf"  # hf: the whole target runs here; vllm: vLLM runs it, we hold its lm_head and the capture
+    engine: str = "hf"  # hf: the whole target runs here; vllm (vllm_serve: served elsewhere): vLLM runs it, we hold
+    # its lm_head and the capture
     fp8: bool = False  # the taps are quantised to fp8 (data.online.dtype=fp8), through fp32 copies
     engine_bytes: int = 0  # vllm: the device share vLLM takes (gpu_memory_utilization of the device's bytes)
 
@@ -286,7 +287,7 @@ def online_forward_bytes(target: OnlineTarget, e: int, chunk: int = LOGIT_CHUNK)
     fp8 (fp8.quantize_fp8 of the taps [T, K, H], with the taps and `last` held): an fp32 copy of the taps (none
     when they are fp32 already), x / scale and its clamp, 12 (fp32: 8) bytes an entry beside them."""
     h, k, tokens = target.hidden_size, target.num_tapped, target.forward_tokens
-    if target.engine == "vllm":
+    if target.engine in ("vllm", "vllm_serve"):
         held = tokens * (2 * k + 1) * h * e  # the aux layers and the taps gathered out of them
         forward, after = held, tokens * (k + 1) * h * e
     else:
@@ -368,8 +369,9 @@ def online_target(target: str, dtype: torch.dtype, online: OnlineConfig, num_tap
     config = AutoConfig.from_pretrained(target)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     h, e = text.hidden_size, dtype.itemsize
-    if engine == "vllm":
-        loaded, share = (text.vocab_size + 1) * h * e, int(GPU_MEMORY_UTILIZATION * (limit or 0))
+    if engine in ("vllm", "vllm_serve"):  # vllm_serve: the engine is elsewhere, no share of this device
+        loaded = (text.vocab_size + 1) * h * e
+        share = int(GPU_MEMORY_UTILIZATION * (limit or 0)) if engine == "vllm" else 0
     else:
         loaded, share = weight_bytes(target, dtype) or 0, 0
     return OnlineTarget(loaded, text.num_hidden_layers, h, getattr(text, "intermediate_size", None) or 4 * h,
@@ -387,6 +389,8 @@ def run_plan(cfg: TrainConfig, drafter: DrafterConfig, ds: Dict, world_size: int
         online = online_target(target, dtype, cfg.data.online, len(manifest["layer_ids"]))
     elif cfg.data.source == "vllm" and not cfg.data.online.address:  # served elsewhere: nothing on this device
         online = online_target(target, dtype, cfg.data.online, len(manifest["layer_ids"]), "vllm", limit)
+    elif cfg.data.source == "vllm_serve":  # `vllm serve` elsewhere; here VllmRunner's lm_head, capture and teacher
+        online = online_target(target, dtype, cfg.data.online, len(manifest["layer_ids"]), "vllm_serve")
     setup = run_setup(cfg, ds, world_size, dtype.itemsize, needs_last(loss_kind, stored_labels=True),
                       Layout.from_manifest(manifest), online)
     return step_memory(drafter, step_of(cfg), setup)
