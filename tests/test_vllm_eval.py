@@ -1,0 +1,105 @@
+"""`dflash-fast eval --engine both` against the real vLLM: the public benchmarks asked of both engines (the same
+rendered prompts, mt-bench's second turn after each engine's own first answer, the thinking switch through the
+template) with the same output and acceptance at T = 0; and at T = 1, where the outputs differ draw by draw, the
+same acceptance distribution within the stated statistical tolerance (evaluate/vllm.py `agreement`), which a broken
+rule fails.
+
+Runs where vLLM is installed (.ci/run's second venv, docs/vllm.md); DFLASH_REQUIRE_VLLM=1 turns the skip into a
+failure there. The drafter is tests/test_vllm.py's: overfitted in-process to the embedded target's greedy replies.
+"""
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+if os.environ.get("DFLASH_REQUIRE_VLLM") != "1":
+    pytest.importorskip("vllm")
+
+from test_benchmarks import FIXTURES, QWEN3_THINKING  # noqa: E402 (vLLM's absence skips the module first)
+from test_vllm import NUM_PROMPTS, PROMPTS, TARGET, TAU_TOLERANCE, overfit  # noqa: E402
+
+from dflash_fast.cli import main  # noqa: E402
+from dflash_fast.evaluate import sampling  # noqa: E402
+from dflash_fast.evaluate import vllm as vllm_engine  # noqa: E402
+from dflash_fast.evaluate.evaluate import evaluate  # noqa: E402
+from dflash_fast.evaluate.plot import plot_benchmarks  # noqa: E402
+from dflash_fast.serve.export import export_drafter  # noqa: E402
+from dflash_fast.target.prompts import read_prompts  # noqa: E402
+
+# T = 1: each of the test's prompts asked RUNS_PER_PROMPT times (independent draws in each engine), NEW_TOKENS each
+RUNS_PER_PROMPT, NEW_TOKENS = 16, 24
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory):
+    return export_drafter(overfit("full"), str(tmp_path_factory.mktemp("vllm_eval") / "export"), TARGET,
+                          torch.float32, fmt="speculators")
+
+
+def test_both_engines_decode_the_benchmarks_turn_by_turn_with_the_same_output_at_t0(export, tmp_path):
+    target = tmp_path / "target"  # the embedded target with Qwen3's thinking switch in its template
+    shutil.copytree(TARGET, target)
+    (target / "chat_template.jinja").write_text(QWEN3_THINKING)
+    out = tmp_path / "both.json"
+    assert main(["eval", "--engine", "both", "--target", str(target), "--drafter", export,
+                 "--benchmark", "gsm8k,mt-bench", "--benchmark-dir", str(FIXTURES), "--thinking", "off",
+                 "--max-new-tokens", "16", "--no-offline", "--no-baseline", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    for engine in ("hf", "vllm"):
+        rows = report[engine]["benchmarks"]
+        assert report[engine]["thinking"] == "off"
+        assert [(r["benchmark"], r["prompts"], r["turns"], r["max_new_tokens"]) for r in rows] == [
+            ("gsm8k", 2, 2, 16), ("mt-bench", 2, 4, 16)]
+    for row in report["side_by_side"]["benchmarks"]:
+        # the same tokens on every turn: the second mt-bench turns were asked after the same first answers
+        assert row["outputs_identical"] == row["prompts"], row
+        assert abs(row["tau_difference"]) <= TAU_TOLERANCE, row
+    assert report["table"].startswith("ours / vLLM") and " / " in report["table"].splitlines()[-1]
+    assert (tmp_path / "both.md").read_text() == report["table"] + "\n"
+    assert plot_benchmarks([str(out)]) == [str(tmp_path / "benchmarks.png")]
+
+
+def repeated_prompts(path, times: int = RUNS_PER_PROMPT) -> str:
+    """The test's prompts, each `times` times: one run per (prompt, draw)."""
+    records = [p.record for p in read_prompts(PROMPTS, NUM_PROMPTS)]
+    with open(path, "w") as f:
+        for _ in range(times):
+            f.writelines(json.dumps(r) + "\n" for r in records)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def sampled(export, tmp_path_factory):
+    """(prompts file, our report, vLLM's report) at T = 1, no baseline."""
+    data = repeated_prompts(tmp_path_factory.mktemp("sampled") / "runs.jsonl")
+    ours = evaluate(TARGET, data, export, max_new_tokens=NEW_TOKENS, offline=False, baseline=False, progress=False,
+                    temperature=1.0, seed=0)
+    theirs = vllm_engine.evaluate_vllm(TARGET, data, export, max_new_tokens=NEW_TOKENS, baseline=False,
+                                       temperature=1.0, seed=0)
+    return data, ours, theirs
+
+
+def test_at_t1_both_engines_accept_with_the_same_distribution_within_the_stated_tolerance(sampled):
+    _, ours, theirs = sampled
+    agreement = vllm_engine.side_by_side(ours, theirs)["agreement"]
+    runs = NUM_PROMPTS * RUNS_PER_PROMPT
+    assert (agreement["runs_hf"], agreement["runs_vllm"]) == (runs, runs)
+    assert sum(s["same_output"] for s in vllm_engine.side_by_side(ours, theirs)["per_prompt"]) < runs, (
+        "the engines drew the same tokens on every run: the runs are not independent draws")
+    assert ours["tau"] > 1.05, f"the drafter is accepted too rarely at T = 1 for a test of anything: {ours['tau']}"
+    assert agreement["agree"], f"the engines' acceptance differs beyond {agreement['z_max']} standard errors: " + \
+        json.dumps(agreement["compared"], indent=1)
+
+
+def test_the_agreement_check_fails_for_a_broken_acceptance_rule(sampled, monkeypatch, tmp_path):
+    """Ours broken (every draft accepted, whatever p / q), on 2 of the runs per prompt (the effect is large): the
+    same comparison with vLLM's report disagrees. (vLLM left at draft_sample_method "greedy" is caught too, more
+    narrowly: docs/evaluation.md.)"""
+    _, _, theirs = sampled
+    data = repeated_prompts(tmp_path / "runs.jsonl", 2)
+    monkeypatch.setattr(sampling, "accept_probability", lambda p_x, _q_x: torch.ones_like(p_x))
+    broken = evaluate(TARGET, data, theirs["drafter"], max_new_tokens=NEW_TOKENS, offline=False, baseline=False,
+                      progress=False, temperature=1.0, seed=0)
+    assert vllm_engine.agreement(broken, theirs)["agree"] is False
