@@ -322,11 +322,24 @@ def test_engine_agreement_at_t1_holds_for_one_distribution_and_fails_for_a_shift
 
     for seed in range(20):
         same = agreement(sampled_report(0.5, 48, seed=seed), sampled_report(0.5, 48, seed=100 + seed))
-        assert same["agree"] and set(same["compared"]) == {"tau", "accepted@1", "accepted@2", "accepted@3"}, seed
+        assert same["agree"] and set(same["compared"]) == {"new_tokens", "tau", "accepted@1", "accepted@2",
+                                                           "accepted@3"}, seed
     shifted = agreement(sampled_report(0.5, 48), sampled_report(0.65, 48, seed=1))
     assert shifted["agree"] is False and shifted["compared"]["tau"]["z"] > 4
     assert two_sample([1.0, 1.0], [1.0, 1.0])["z"] == 0 and two_sample([1.0, 1.0], [2.0, 2.0])["z"] == float("inf")
     assert agreement(sampled_report(0.5, 1), sampled_report(0.5, 1))["agree"] is None, "one run has no spread"
+    few = agreement(sampled_report(0.5, 9), sampled_report(0.9, 9, seed=1))
+    assert few["agree"] is None and few["compared"]["tau"]["z"] > 4, "9 runs: the means reported, no verdict"
+    # `--engine both --benchmark` at T > 0: each benchmark row compared (the temperature is the run's, not the row's)
+    from dflash_fast.evaluate.vllm import side_by_side
+
+    def run(*rows):
+        return {"temperature": 1.0, "benchmarks": [dict(r, benchmark=f"b{i}", temperature=None)
+                                                    for i, r in enumerate(rows)]}
+
+    rows = side_by_side(run(sampled_report(0.5, 48), sampled_report(0.5, 48, seed=2)),
+                        run(sampled_report(0.5, 48, seed=1), sampled_report(0.65, 48, seed=3)))["benchmarks"]
+    assert [(r["benchmark"], r["agreement"]["agree"]) for r in rows] == [("b0", True), ("b1", False)]
 
 
 def test_the_side_by_side_table_holds_ours_then_vllms_value_in_each_cell():

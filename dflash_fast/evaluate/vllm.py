@@ -239,6 +239,7 @@ def vllm_architecture(export_dir: str) -> Dict:
 
 
 AGREEMENT_Z = 4.0  # two engines agree at T > 0 when every compared mean is within this many standard errors
+AGREEMENT_RUNS = 10  # fewer runs per engine: the means are reported, no verdict (the normal approximation needs more)
 
 
 def two_sample(a: Sequence[float], b: Sequence[float]) -> Dict:
@@ -259,10 +260,11 @@ def two_sample(a: Sequence[float], b: Sequence[float]) -> Dict:
 def agreement(hf: Dict, vllm: Dict, z_max: float = AGREEMENT_Z) -> Dict:
     """Whether the two engines' acceptance has the same distribution (T > 0, where outputs differ token by token).
 
-    The unit is one decoded prompt (a run: each engine draws every run independently): per run, its tau (mean n + 1
-    over its blocks) and, per drafted position j, the fraction of its blocks that accepted draft j. Each mean is
-    compared by two_sample; the engines agree when every |z| <= z_max. With z_max 4 and the normal approximation
-    (tens of runs per engine), a correct pair fails one comparison with probability ~6e-5, B comparisons ~6e-5 * B.
+    The unit is one decoded prompt (a run: each engine draws every run independently): per run, its output length
+    (new tokens), its tau (mean n + 1 over its blocks) and, per drafted position j, the fraction of its blocks that
+    accepted draft j. Each mean is compared by two_sample; the engines agree when every |z| <= z_max. With z_max 4
+    and the normal approximation (tens of runs per engine), a correct pair fails one comparison with probability
+    ~6e-5, B + 1 comparisons ~6e-5 * (B + 1). Below AGREEMENT_RUNS runs of either engine `agree` is None.
     The runs of one engine share prompts with the other's, so the unpaired standard error is conservative."""
     def runs(report):
         return [r["accepted"] for r in report["per_prompt"] if r.get("accepted")]
@@ -271,20 +273,25 @@ def agreement(hf: Dict, vllm: Dict, z_max: float = AGREEMENT_Z) -> Dict:
     if len(a) < 2 or len(b) < 2:
         return {"runs_hf": len(a), "runs_vllm": len(b), "agree": None, "z_max": z_max, "compared": {}}
     positions = len(hf["acceptance_by_position"])
-    compared = {"tau": two_sample([1 + sum(r) / len(r) for r in a], [1 + sum(r) / len(r) for r in b])}
+    # the output itself: its length per run (a lossless rule in both engines samples the target's own distribution)
+    compared = {"new_tokens": two_sample([len(r["tokens"]) for r in hf["per_prompt"]],
+                                         [len(r["tokens"]) for r in vllm["per_prompt"]]),
+                "tau": two_sample([1 + sum(r) / len(r) for r in a], [1 + sum(r) / len(r) for r in b])}
     for j in range(1, positions + 1):
         compared[f"accepted@{j}"] = two_sample([sum(n >= j for n in r) / len(r) for r in a],
                                                [sum(n >= j for n in r) / len(r) for r in b])
+    enough = min(len(a), len(b)) >= AGREEMENT_RUNS
     return {"runs_hf": len(a), "runs_vllm": len(b), "z_max": z_max, "compared": compared,
-            "agree": all(abs(c["z"]) <= z_max for c in compared.values())}
+            "agree": all(abs(c["z"]) <= z_max for c in compared.values()) if enough else None}
 
 
-def side_by_side(hf: Dict, vllm: Dict) -> Dict:
+def side_by_side(hf: Dict, vllm: Dict, temperature: Optional[float] = None) -> Dict:
     """Our evaluator's report against vLLM's on the same prompts: tau of each and their difference, per prompt the
-    two taus and whether the two speculative outputs are the same tokens, and at T > 0 the statistical `agreement`.
-    Benchmark reports: the same per benchmark, under `benchmarks`."""
+    two taus and whether the two speculative outputs are the same tokens, and at T > 0 (`temperature`, default the
+    report's) the statistical `agreement`. Benchmark reports: the same per benchmark, under `benchmarks`."""
+    temperature = hf.get("temperature", 0) if temperature is None else temperature
     if "benchmarks" in hf:
-        return {"benchmarks": [{"benchmark": a["benchmark"], **side_by_side(a, b)}
+        return {"benchmarks": [{"benchmark": a["benchmark"], **side_by_side(a, b, temperature)}
                                for a, b in zip(hf["benchmarks"], vllm["benchmarks"])]}
     rows = [{"prompt": i, "tau_hf": a["tau"], "tau_vllm": b["tau"], "same_output": a["tokens"] == b["tokens"]}
             for i, (a, b) in enumerate(zip(hf["per_prompt"], vllm["per_prompt"]))]
@@ -300,7 +307,7 @@ def side_by_side(hf: Dict, vllm: Dict) -> Dict:
         "greedy_mismatches_vllm": vllm.get("greedy_mismatches"),
         "per_prompt": rows,
     }
-    if hf.get("temperature", 0) > 0:
+    if temperature > 0:
         out["agreement"] = agreement(hf, vllm)
     return out
 
@@ -314,7 +321,10 @@ def _summary_line(s: Dict) -> str:
             f"the same speculative output on {s['outputs_identical']} of {s['prompts']} prompts; greedy mismatches "
             f"ours {s['greedy_mismatches_hf']}, vLLM {s['greedy_mismatches_vllm']}")
     agree = s.get("agreement")
-    if agree and agree["agree"] is not None:
+    if agree and agree["agree"] is None:
+        line += (f"; sampled: {agree['runs_hf']} / {agree['runs_vllm']} runs, too few for the statistical check "
+                 f"(>= {AGREEMENT_RUNS} each)")
+    elif agree:
         worst = max(agree["compared"].items(), key=lambda kv: abs(kv[1]["z"]))
         line += (f"; sampled: {'agree' if agree['agree'] else 'DISAGREE'} within {agree['z_max']:g} standard errors "
                  f"over {agree['runs_hf']} / {agree['runs_vllm']} runs (largest |z| {abs(worst[1]['z']):.2f}, "
