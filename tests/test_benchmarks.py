@@ -242,10 +242,113 @@ def test_eval_flags_data_or_benchmark_and_thinking_on_a_template_without_a_switc
     base = ["eval", "--target", TARGET, "--drafter", str(tmp_path)]
     assert main(base) == 2
     assert main(base + ["--data", "x.jsonl", "--benchmark", "gsm8k"]) == 2
-    assert main(base + ["--benchmark", "gsm8k", "--benchmark-dir", str(FIXTURES), "--engine", "vllm"]) == 2
     err = capsys.readouterr().err
     assert err.count("error: dflash-fast eval takes --data PROMPTS.jsonl or --benchmark NAME,...") == 2
-    assert "error: --benchmark and --thinking run with --engine hf" in err
     (tmp_path / "r.json").write_text(json.dumps({"tau": 2.0}))
     assert main(["plot", "--benchmarks", str(tmp_path / "r.json")]) == 1
     assert "no \"benchmarks\" rows" in capsys.readouterr().err
+
+
+def test_engine_vllm_asks_the_same_benchmark_prompts_turn_by_turn_with_the_thinking_switch_and_budgets(
+        tmp_path, monkeypatch):
+    """`eval --engine vllm --benchmark`, vLLM replaced by a recorder (tests/test_vllm_eval.py runs the real one): the
+    prompts it is asked are our encoder's (the thinking switch set through the template), mt-bench's second turn after
+    vLLM's own first answer, each benchmark at its budget; the plain engine is asked exactly the same prompts; one row
+    per benchmark, the markdown beside the JSON."""
+    import shutil
+
+    from dflash_fast.evaluate import vllm as vllm_engine
+
+    target = tmp_path / "target"
+    shutil.copytree(TARGET, target)
+    (target / "chat_template.jinja").write_text(QWEN3_THINKING)
+    tokenizer = AutoTokenizer.from_pretrained(str(target), local_files_only=True)
+    torch.manual_seed(0)
+    drafter = build_drafter(TARGET, [1, 3, 5], mask_token_id=3, num_layers=1, block_size=4).eval()
+    export_drafter(drafter, str(tmp_path / "export"), verifier=TARGET, dtype=torch.float32)
+    asked = []
+
+    def generate(llm, encoded, budget, _eos, _temperature=0.0, _top_p=1.0):
+        asked.append((llm, [tokenizer.decode(ids) for ids in encoded], budget))
+        answer = tokenizer.encode(" the answer", add_special_tokens=False)
+        metrics = types.SimpleNamespace(per_step_accepted=[1, 0])
+        return ([types.SimpleNamespace(outputs=[types.SimpleNamespace(spec_decode_metrics=metrics)])] * len(encoded),
+                [list(answer) for _ in encoded])
+
+    monkeypatch.setattr(vllm_engine, "import_vllm", lambda: types.SimpleNamespace(__version__="0.0-recorder"))
+    monkeypatch.setattr(vllm_engine, "load_engine", lambda _t, speculative, _d, _c, _r, seed: (
+        "spec" if speculative else "plain", seed))
+    monkeypatch.setattr(vllm_engine, "generate", generate)
+    out = tmp_path / "bench.json"
+    assert main(["eval", "--engine", "vllm", "--target", str(target), "--drafter", str(tmp_path / "export"),
+                 "--benchmark", "gsm8k,mt-bench", "--benchmark-dir", str(FIXTURES), "--num-prompts", "1",
+                 "--thinking", "off", "--seed", "7", "--out", str(out)]) == 0
+    spec = [a for a in asked if a[0] == ("spec", 7)]
+    assert [a[1:] for a in asked if a[0] == ("plain", 7)] == [a[1:] for a in spec], "the plain engine asked the same"
+    assert [(len(p), budget) for _, p, budget in spec] == [(1, 2048)] * 3
+    gsm8k, mt_first, mt_second = (p[0] for _, p, _ in spec)
+    assert gsm8k.endswith("\\boxed{}.<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    poem = load_suites("mt-bench", str(FIXTURES), 1)[0].conversations[0]
+    assert poem[0] in mt_first and poem[1] not in mt_first
+    assert mt_second.endswith(f"{poem[0]}<|im_end|>\n<|im_start|>assistant\n the answer<|im_end|>\n<|im_start|>user\n"
+                              f"{poem[1]}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    report = json.loads(out.read_text())
+    assert report["engine"] == "vllm 0.0-recorder" and report["thinking"] == "off" and report["block_size"] == 4
+    assert [(r["benchmark"], r["turns"], r["tau"], r["greedy_mismatches"]) for r in report["benchmarks"]] == [
+        ("gsm8k", 1, 1.5, 0), ("mt-bench", 2, 1.5, 0)]
+    assert (tmp_path / "bench.md").read_text() == report["table"] + "\n"
+
+
+def sampled_report(accept_rate, runs, blocks=12, positions=3, seed=0):
+    """A made-up report of `runs` sampled runs whose blocks accept each next draft with probability accept_rate."""
+    gen = random.Random(seed)
+    per_prompt = []
+    for _ in range(runs):
+        accepted = []
+        for _ in range(blocks):
+            n = 0
+            while n < positions and gen.random() < accept_rate:
+                n += 1
+            accepted.append(n)
+        per_prompt.append({"accepted": accepted, "tau": 1 + sum(accepted) / blocks, "tokens": [gen.random()]})
+    return {"per_prompt": per_prompt, "acceptance_by_position": [{}] * positions, "tau": None, "temperature": 1.0}
+
+
+def test_engine_agreement_at_t1_holds_for_one_distribution_and_fails_for_a_shifted_one():
+    """The statistical tolerance of `--engine both --temperature 1` (evaluate/vllm.py agreement): two reports drawn
+    from one acceptance distribution agree (20 pairs of seeds, each a 4-sigma test per compared mean), one whose
+    acceptance rate moved from 0.5 to 0.65 does not."""
+    from dflash_fast.evaluate.vllm import agreement, two_sample
+
+    for seed in range(20):
+        same = agreement(sampled_report(0.5, 48, seed=seed), sampled_report(0.5, 48, seed=100 + seed))
+        assert same["agree"] and set(same["compared"]) == {"new_tokens", "tau", "accepted@1", "accepted@2",
+                                                           "accepted@3"}, seed
+    shifted = agreement(sampled_report(0.5, 48), sampled_report(0.65, 48, seed=1))
+    assert shifted["agree"] is False and shifted["compared"]["tau"]["z"] > 4
+    assert two_sample([1.0, 1.0], [1.0, 1.0])["z"] == 0 and two_sample([1.0, 1.0], [2.0, 2.0])["z"] == float("inf")
+    assert agreement(sampled_report(0.5, 1), sampled_report(0.5, 1))["agree"] is None, "one run has no spread"
+    few = agreement(sampled_report(0.5, 9), sampled_report(0.9, 9, seed=1))
+    assert few["agree"] is None and few["compared"]["tau"]["z"] > 4, "9 runs: the means reported, no verdict"
+    # `--engine both --benchmark` at T > 0: each benchmark row compared (the temperature is the run's, not the row's)
+    from dflash_fast.evaluate.vllm import side_by_side
+
+    def run(*rows):
+        return {"temperature": 1.0, "benchmarks": [dict(r, benchmark=f"b{i}", temperature=None)
+                                                    for i, r in enumerate(rows)]}
+
+    rows = side_by_side(run(sampled_report(0.5, 48), sampled_report(0.5, 48, seed=2)),
+                        run(sampled_report(0.5, 48, seed=1), sampled_report(0.65, 48, seed=3)))["benchmarks"]
+    assert [(r["benchmark"], r["agreement"]["agree"]) for r in rows] == [("b0", True), ("b1", False)]
+
+
+def test_the_side_by_side_table_holds_ours_then_vllms_value_in_each_cell():
+    ours = {"benchmarks": [{"benchmark": "gsm8k", "tau": 2.5, "tau_zlab": 2.25, "prompts": 1, "turns": 1,
+                            "acceptance_by_position": [{"accepted": 0.75}]}]}
+    vllm = {"benchmarks": [dict(ours["benchmarks"][0], tau=2.0, acceptance_by_position=[{"accepted": 0.5}])]}
+    assert markdown_table(ours, vllm).splitlines()[2:] == [
+        "| tau (pooled) | 2.50 / 2.00 |",
+        "| tau_zlab (per-prompt mean, cut) | 2.25 / 2.25 |",
+        "| accepted @1 | 0.750 / 0.500 |",
+        "| prompts (turns) | 1 (1) / 1 (1) |",
+    ]

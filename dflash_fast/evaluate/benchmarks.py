@@ -248,15 +248,19 @@ def first_prompt(suites: List[Suite]) -> Prompt:
     return Prompt(0, {}, messages=[{"role": "user", "content": suite.conversations[0][0]}], where=suite.where[0])
 
 
-def benchmarks_report(suites: List[Suite], block_size: int, encode: Callable[[Prompt], List[int]], decode: Decode,
-                      answer: Callable[[List[int]], str], baseline: bool, max_new_tokens: Optional[int],
+def decode_suites(suites: List[Suite], block_size: int, encode: Callable[[Prompt], List[int]], decode: Decode,
+                  answer: Callable[[List[int]], str], max_new_tokens: Optional[int]) -> List[Tally]:
+    """Each suite decoded (decode_suite) into a Tally of its own, in order."""
+    return [decode_suite(suite, block_size, encode, decode, answer, max_new_tokens) for suite in suites]
+
+
+def benchmarks_report(suites: List[Suite], tallies: List[Tally], baseline: bool, max_new_tokens: Optional[int],
                       header: Dict) -> Dict:
-    """Each suite decoded (decode_suite) into one report row (report.report, plus `benchmark`, `file`, `dataset`,
-    `rendering`, `prompts`, `turns`) under `header` (the run's target, drafter, ...), with both tau definitions
-    named and the markdown table."""
+    """Each suite's tally (decode_suites, any engine) as one report row (report.report, plus `benchmark`, `file`,
+    `dataset`, `rendering`, `prompts`, `turns`) under `header` (the run's engine, target, drafter, ...), with both tau
+    definitions named and the markdown table."""
     rows = []
-    for suite in suites:
-        tally = decode_suite(suite, block_size, encode, decode, answer, max_new_tokens)
+    for suite, tally in zip(suites, tallies):
         table = BENCHMARKS[suite.name]
         rows.append(report(tally, baseline, benchmark=suite.name, file=suite.path, dataset=table.hub[0],
                            rendering=table.rendering, prompts=len(suite.conversations), turns=len(tally.results),
@@ -270,22 +274,29 @@ def _num(value, digits: int) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def markdown_table(report: Dict) -> str:
+def markdown_table(report: Dict, *others: Dict) -> str:
     """Benchmarks as columns, as the published tables: tau, tau_zlab, then the fraction of blocks that accepted
-    each drafted position, and the prompts (turns) measured."""
+    each drafted position, and the prompts (turns) measured. `others`: the same benchmarks measured another way
+    (vLLM's report of the same run): each cell then holds every report's value, joined by " / " in the order
+    given."""
+    reports = (report, *others)
     rows = report["benchmarks"]
-    positions = max((len(r["acceptance_by_position"]) for r in rows), default=0)
+    positions = max((len(r["acceptance_by_position"]) for rep in reports for r in rep["benchmarks"]), default=0)
     lines = ["| | " + " | ".join(r["benchmark"] for r in rows) + " |", "| --- |" + " ---: |" * len(rows)]
 
-    def line(label, cells):
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    def line(label, cell):
+        lines.append(f"| {label} | " + " | ".join(" / ".join(cell(rep["benchmarks"][i]) for rep in reports)
+                                                   for i in range(len(rows))) + " |")
 
-    line("tau (pooled)", [_num(r["tau"], 2) for r in rows])
-    line("tau_zlab (per-prompt mean, cut)", [_num(r.get("tau_zlab"), 2) for r in rows])
+    def accepted(j):
+        return lambda r: (_num(r["acceptance_by_position"][j]["accepted"], 3)
+                          if j < len(r["acceptance_by_position"]) else "-")
+
+    line("tau (pooled)", lambda r: _num(r["tau"], 2))
+    line("tau_zlab (per-prompt mean, cut)", lambda r: _num(r.get("tau_zlab"), 2))
     for j in range(positions):
-        line(f"accepted @{j + 1}", [_num(r["acceptance_by_position"][j]["accepted"], 3)
-                                    if j < len(r["acceptance_by_position"]) else "-" for r in rows])
-    line("prompts (turns)", [f"{r['prompts']} ({r['turns']})" for r in rows])
+        line(f"accepted @{j + 1}", accepted(j))
+    line("prompts (turns)", lambda r: f"{r['prompts']} ({r['turns']})")
     return "\n".join(lines)
 
 
@@ -311,12 +322,9 @@ def add_arguments(p) -> None:
 
 
 def check_flags(args) -> None:
-    """--data or --benchmark, one of them; benchmarks and --thinking run with --engine hf; --data's budget 128."""
+    """--data or --benchmark, one of them; --data's budget 128."""
     if (args.data is None) == (args.benchmark is None):
         raise ConfigError("dflash-fast eval takes --data PROMPTS.jsonl or --benchmark NAME,..., not both or neither")
-    if args.engine != "hf" and (args.benchmark or args.thinking):
-        raise ConfigError(f"--benchmark and --thinking run with --engine hf (our loop); leave --engine {args.engine} "
-                          "out")
     if args.benchmark_dir is not None and args.benchmark is None:
         raise ConfigError("--benchmark-dir is read only with --benchmark")
     if args.max_new_tokens is None and args.benchmark is None:

@@ -20,7 +20,7 @@ from dflash_fast.cli import call_with_flags
 from dflash_fast.drafter.model import DFlashDrafter, slot_metrics
 from dflash_fast.drafter.weights import load_frozen_tensors
 from dflash_fast.evaluate import benchmarks
-from dflash_fast.evaluate.benchmarks import benchmarks_report, first_prompt, load_suites
+from dflash_fast.evaluate.benchmarks import benchmarks_report, decode_suites, first_prompt, load_suites, markdown_table
 from dflash_fast.evaluate.decode import Proposer, Step, TargetRunner, greedy_generate, speculative_generate
 from dflash_fast.evaluate.report import Tally, mean_acceptance, report, summary
 from dflash_fast.evaluate.sampling import Sampler, add_sampling_arguments, check_sampling, make_sampler
@@ -226,11 +226,13 @@ def evaluate(
         if sampler is not None:  # the report of a seed does not depend on the warm-up's draws
             sampler.generator.manual_seed(seed)
     if suites is not None:
-        return benchmarks_report(
+        tallies = decode_suites(
             suites, proposal.block_size, encode,
             lambda ids, budget, tally: _decode_all(runner, ids, proposal, budget, eos, offline, baseline, progress,
                                                    sampler, tally),
-            lambda tokens: tokenizer.decode(tokens, skip_special_tokens=True), baseline, max_new_tokens,
+            lambda tokens: tokenizer.decode(tokens, skip_special_tokens=True), max_new_tokens)
+        return benchmarks_report(
+            suites, tallies, baseline, max_new_tokens,
             dict(engine="hf", target=target, drafter=name, device=str(runner.device),
                  dtype=str(model.dtype).replace("torch.", ""), block_size=proposal.block_size,
                  layer_ids=proposal.layer_ids, thinking=thinking, **sampling._asdict()))
@@ -295,10 +297,12 @@ def run(args) -> int:
         from dflash_fast.evaluate import vllm as vllm_engine  # vLLM is imported only here (it is an optional install)
 
         report = call_with_flags(vllm_engine.evaluate_vllm, args, baseline=not args.no_baseline)
-        text = summary(report)
+        text = report["table"] if args.benchmark else summary(report)
         if args.engine == "both":
             ours = call_with_flags(evaluate, args, offline=not args.no_offline, baseline=not args.no_baseline)
             report = {"side_by_side": vllm_engine.side_by_side(ours, report), "hf": ours, "vllm": report}
+            if args.benchmark:  # one table, each cell "ours / vLLM"
+                report["table"] = "ours / vLLM\n\n" + markdown_table(ours, report["vllm"])
             text = vllm_engine.summary(report)
     out = json.dumps(report, indent=2)
     if args.out:

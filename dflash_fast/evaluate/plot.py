@@ -190,21 +190,27 @@ def plot_recipes(path: str, out_dir: str = None) -> List[str]:
 
 def read_benchmarks(paths: List[str]) -> Tuple[List[str], List[Tuple[str, Dict[str, float]]]]:
     """`eval --benchmark` reports -> (benchmarks in first-seen order, [(series label, {benchmark: tau})]): two series
-    per report, `tau` and `tau_zlab`, labelled by the file's name when there are several."""
+    per report, `tau` and `tau_zlab`, labelled by the file's name when there are several; four for an `--engine both`
+    report (ours and vLLM's)."""
     names: List[str] = []
     series = []
     for path in paths:
         data = read_mapping(path, json.load, json.JSONDecodeError, ValueError, "JSON", "an eval --benchmark report")
-        rows = data.get("benchmarks")
-        if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) and "benchmark" in r for r in rows):
-            raise ValueError(f"{path}: no \"benchmarks\" rows; pass the JSON that `dflash-fast eval --benchmark ... "
-                             "--out REPORT.json` wrote")
         label = "" if len(paths) == 1 else os.path.splitext(os.path.basename(path))[0] + " "
-        for key, what in (("tau", "tau (pooled)"), ("tau_zlab", "tau_zlab (per-prompt mean)")):
-            values = {str(r["benchmark"]): float(r[key]) for r in rows if _number(r.get(key))}
-            if values:
-                series.append((label + what, values))
-        names += [str(r["benchmark"]) for r in rows if str(r["benchmark"]) not in names]
+        # `--engine both`: the engines' reports side by side, ours then vLLM's
+        parts = [(label, data)] if "benchmarks" in data else [
+            (label + engine, data.get(key)) for key, engine in (("hf", "ours "), ("vllm", "vLLM "))]
+        for prefix, part in parts:
+            rows = part.get("benchmarks") if isinstance(part, dict) else None
+            if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) and "benchmark" in r
+                                                                 for r in rows):
+                raise ValueError(f"{path}: no \"benchmarks\" rows; pass the JSON that `dflash-fast eval --benchmark "
+                                 "... --out REPORT.json` wrote")
+            for key, what in (("tau", "tau (pooled)"), ("tau_zlab", "tau_zlab (per-prompt mean)")):
+                values = {str(r["benchmark"]): float(r[key]) for r in rows if _number(r.get(key))}
+                if values:
+                    series.append((prefix + what, values))
+            names += [str(r["benchmark"]) for r in rows if str(r["benchmark"]) not in names]
     if not series:
         raise ValueError(f"{', '.join(paths)}: no benchmark has a tau (no verification block was run)")
     return names, series

