@@ -63,13 +63,13 @@ def test_decode_rows_every_k_steps_equal_dflash_fast_eval_on_the_checkpoint(tiny
     """validation.decode_every=3 over 7 steps decodes at 3, 6 and the end (7); each row is `dflash-fast eval`'s
     report on that step's checkpoint (greedy, and sampled at T = 1 with the same seed); the decodings' seconds
     (made long here) stay out of the step timings."""
-    real_decode = validation._decode_all
+    real_decode = validation.decode_all
 
     def slow(*args, **kwargs):
         time.sleep(1.0)
         return real_decode(*args, **kwargs)
 
-    monkeypatch.setattr(validation, "_decode_all", slow)
+    monkeypatch.setattr(validation, "decode_all", slow)
     out = str(tmp_path / "run")
     train(load_config(TINY_YAML, settings(tiny, out, schedule__steps=7, validation__decode_every=3,
                                           checkpoint__every=3, checkpoint__keep_last=3, validation__temperature=1.0,
@@ -80,7 +80,7 @@ def test_decode_rows_every_k_steps_equal_dflash_fast_eval_on_the_checkpoint(tiny
     timings = {r["step"]: r["step_time_ms"] for r in records(out, "train")}
     for r in decoded:
         assert r["seconds"] >= 2.0 and timings[r["step"]] < 1e3 * r["seconds"] - 1500, (r, timings)
-    monkeypatch.setattr(validation, "_decode_all", real_decode)
+    monkeypatch.setattr(validation, "decode_all", real_decode)
     for r in decoded:
         ckpt = os.path.join(out, "checkpoints", f"step{r['step']:08d}")
         greedy = evaluate(tiny.target, tiny.prompts, ckpt, max_new_tokens=12, baseline=False, progress=False)

@@ -114,7 +114,7 @@ class Proposal(NamedTuple):
     layer_ids: List[int]
 
 
-def _proposal(drafter, model, target: str, block_size: Optional[int], layer_ids,
+def make_proposal(drafter, model, target: str, block_size: Optional[int], layer_ids,
               sampler: Optional[Sampler] = None) -> Proposal:
     """What `evaluate` drafts with, from a DFlashDrafter (sampling its drafts through `sampler` when given), a path
     or a Proposer callable."""
@@ -137,7 +137,7 @@ def _proposal(drafter, model, target: str, block_size: Optional[int], layer_ids,
     raise TypeError(f"drafter must be a DFlashDrafter, a path or a proposer callable, not {type(drafter).__name__}")
 
 
-def _decode_all(runner: TargetRunner, encoded: List[List[int]], proposal: Proposal, max_new_tokens: int,
+def decode_all(runner: TargetRunner, encoded: List[List[int]], proposal: Proposal, max_new_tokens: int,
                 eos: Sequence[int], offline: bool, baseline: bool, progress: bool,
                 sampler: Optional[Sampler] = None, tally: Optional[Tally] = None) -> Tally:
     """Speculative decoding of every prompt (into `tally` when given); with `baseline` the target's own loop too
@@ -211,7 +211,7 @@ def evaluate(
     model = load_model(target, device, dtype, trust_remote_code)
     name = drafter if isinstance(drafter, str) else getattr(drafter, "__name__", type(drafter).__name__)
     sampler = make_sampler(sampling, model.device)
-    proposal = _proposal(drafter, model, target, block_size, layer_ids, sampler)
+    proposal = make_proposal(drafter, model, target, block_size, layer_ids, sampler)
     runner = TargetRunner(model, proposal.layer_ids)
     eos = eos_token_ids(model.generation_config, tokenizer)
 
@@ -228,7 +228,7 @@ def evaluate(
     if suites is not None:
         tallies = decode_suites(
             suites, proposal.block_size, encode,
-            lambda ids, budget, tally: _decode_all(runner, ids, proposal, budget, eos, offline, baseline, progress,
+            lambda ids, budget, tally: decode_all(runner, ids, proposal, budget, eos, offline, baseline, progress,
                                                    sampler, tally),
             lambda tokens: tokenizer.decode(tokens, skip_special_tokens=True), max_new_tokens)
         return benchmarks_report(
@@ -237,7 +237,7 @@ def evaluate(
                  dtype=str(model.dtype).replace("torch.", ""), block_size=proposal.block_size,
                  layer_ids=proposal.layer_ids, thinking=thinking, **sampling._asdict()))
     max_new_tokens = max_new_tokens or 128
-    tally = _decode_all(runner, encoded, proposal, max_new_tokens, eos, offline, baseline, progress, sampler)
+    tally = decode_all(runner, encoded, proposal, max_new_tokens, eos, offline, baseline, progress, sampler)
     return report(
         tally,
         baseline,

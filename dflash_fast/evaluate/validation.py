@@ -3,7 +3,7 @@
     every validation.decode_every steps, and at the end:
       every rank        gathered_state (ZeRO-3: the partitions gathered; a collective)
       rank 0            the drafter's weights copied into an eval copy; the prompts decoded by `dflash-fast eval`'s
-                        loop (_proposal, _decode_all: the same functions, greedy, and sampled at
+                        loop (make_proposal, decode_all: the same functions, greedy, and sampled at
                         validation.temperature with a generator seeded by validation.seed, the same every time)
       rank 0            a "decode" record in OUT/metrics.jsonl (TensorBoard, W&B, MLflow), a log line, the bar's tau
       every rank        waits for rank 0 (Sharing.on_rank0: an error there is every rank's)
@@ -31,7 +31,7 @@ from dflash_fast.data.online import OnlineSource
 from dflash_fast.drafter.model import DFlashDrafter
 from dflash_fast.errors import UserError
 from dflash_fast.evaluate.decode import TargetRunner
-from dflash_fast.evaluate.evaluate import _decode_all, _proposal
+from dflash_fast.evaluate.evaluate import decode_all, make_proposal
 from dflash_fast.evaluate.report import report
 from dflash_fast.evaluate.sampling import Sampling, make_sampler
 from dflash_fast.store.format import write_json_atomic
@@ -141,8 +141,8 @@ class RealAcceptance:
         with exclusive:
             for sampling in settings:
                 sampler = make_sampler(sampling, model.device)  # seeded afresh: the same draws at every step
-                proposal = _proposal(self.drafter, model, self.target, None, None, sampler)
-                tally = _decode_all(self.runner, self.encoded, proposal, self.cfg.max_new_tokens, eos,
+                proposal = make_proposal(self.drafter, model, self.target, None, None, sampler)
+                tally = decode_all(self.runner, self.encoded, proposal, self.cfg.max_new_tokens, eos,
                                     offline=sampler is None, baseline=False, progress=False, sampler=sampler)
                 reports.append(report(tally, False))
         return decode_record(trainer.step, reports[0], reports[1] if len(reports) > 1 else None,
