@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from dflash_fast.drafter import ops
 from dflash_fast.drafter.eager import DPace, dpace_weights
 
 CONV_NAMES = ("attention_conv", "mlp_conv")
@@ -64,6 +65,12 @@ def grouped_dynamic_conv(
     return y.view(r, q, h)
 
 
+def conv_impl():
+    """The convolution the ops backend `grouped_dynamic_conv` selects: kernels/grouped_dynamic_conv.py (one pass
+    each way) or `grouped_dynamic_conv` above, its eager twin."""
+    return ops.kernel_or("grouped_dynamic_conv", grouped_dynamic_conv)
+
+
 class DynamicConv(nn.Module):
     """The input- and output-side convolutions of one sublayer, both driven by one projection of its normed input."""
 
@@ -86,12 +93,12 @@ class DynamicConv(nn.Module):
         """x [R, A*B, H] (normed sublayer input) -> (conv_in(x) [R, A*B, H], the output side's delta
         [R, A*B, taps, G])."""
         delta = self.kernel_projection(x).view(*x.shape[:-1], 2, self.kernel_size, self.num_groups)
-        y = grouped_dynamic_conv(x, delta[..., 0, :, :], self.base_kernel[0], self.block_size, self.group_size)
+        y = conv_impl()(x, delta[..., 0, :, :], self.base_kernel[0], self.block_size, self.group_size)
         return y, delta[..., 1, :, :]
 
     def finish(self, y: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """The sublayer's output y [R, A*B, H] through conv_out with the delta `prepare` computed."""
-        return grouped_dynamic_conv(y, delta, self.base_kernel[1], self.block_size, self.group_size)
+        return conv_impl()(y, delta, self.base_kernel[1], self.block_size, self.group_size)
 
 
 class CandidateSelector(nn.Module):

@@ -9,8 +9,11 @@
     lm_head_loss(h [N, H], norm_weight [H], lm_head_weight [V, H], weights [N],
               kind, normalizer, eps, teacher: eager.Teacher, dpace: eager.DPace = None,
               markov: eager.Markov = None, topk=0) -> LossOutput
+    grouped_dynamic_conv(x [R, A*B, H], delta [R, A*B, taps, H / group], base [taps, H],
+              block_size, group_size) -> y [R, A*B, H]     (DFlash2, SPEC §9; through `kernel_or`)
 
-Full semantics in `dflash_fast/drafter/eager.py`. The backend is chosen per op:
+Full semantics in `dflash_fast/drafter/eager.py` (the convolution's in `dflash_fast/drafter/dflash2.py`).
+The backend is chosen per op:
 `set_backend("triton")`, `set_backend(lm_head_loss="eager")`, the config key
 `kernels`, or the env var `DFLASH_KERNELS` (`auto`, or `fc_concat=triton,...`).
 `auto` picks Triton on CUDA and eager otherwise.
@@ -25,7 +28,7 @@ import torch
 from dflash_fast.drafter import eager
 from dflash_fast.errors import UserError
 
-OPS = ("fc_concat", "anchored_attention", "lm_head_loss")
+OPS = ("fc_concat", "anchored_attention", "lm_head_loss", "grouped_dynamic_conv")
 BACKENDS = ("eager", "triton", "auto")
 
 _choice: Dict[str, str] = {op: "auto" for op in OPS}
@@ -89,6 +92,12 @@ def backend_of(op: str) -> str:
 
 def _impl(op: str):
     return _triton_impl(op) if backend_of(op) == "triton" else getattr(eager, op)
+
+
+def kernel_or(op: str, eager_fn):
+    """The Triton kernel of `op` when its backend is triton, else `eager_fn`: for an op whose eager twin lives in its
+    drafter family's module (which imports this one), not in eager.py."""
+    return _triton_impl(op) if backend_of(op) == "triton" else eager_fn
 
 
 def fc_concat(*args, **kwargs):

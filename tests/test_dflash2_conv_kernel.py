@@ -1,0 +1,124 @@
+"""The Triton grouped dynamic convolution (kernels/grouped_dynamic_conv.py) equals its eager twin
+(dflash_fast.drafter.dflash2.grouped_dynamic_conv): forward and the gradients of x, delta and base.
+
+On CPU the kernels run under TRITON_INTERPRET=1 (set by conftest) in fp32 and fp16, with 64-row tiles of ~256
+channels: the shapes below have partial row tiles, partial group tiles and a group size that is not a power of two.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+from dflash_fast.kernels.grouped_dynamic_conv import grouped_dynamic_conv as triton_conv
+
+from dflash_fast.drafter import ops
+from dflash_fast.drafter.dflash2 import DynamicConv, conv_impl
+from dflash_fast.drafter.dflash2 import grouped_dynamic_conv as eager_conv
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Max |actual - expected| relative to max |expected| (the eager twin rounds after every tap in 16-bit).
+TOL = {torch.float32: 1e-5, torch.float16: 1e-2}
+
+
+def eager_ragged(x, delta, base, block_size, group_size):
+    """The eager twin for N rows not a multiple of block_size: zero rows pad the last block (a causal convolution
+    never reads a later slot, so the real rows' outputs do not change), then they are cut off."""
+    n = x.shape[1]
+    pad = -n % block_size
+    y = eager_conv(F.pad(x, (0, 0, 0, pad)), F.pad(delta, (0, 0, 0, 0, 0, pad)), base, block_size, group_size)
+    return y[:, :n]
+
+
+def make_inputs(r, n, h, taps, group_size, dtype, seed=0, base_dtype=None):
+    """-> x [R, N, H], delta [R, N, taps, H / group_size], base [taps, H] (all requiring grad), dy [R, N, H]."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(r, n, h, generator=g)
+    delta = 0.5 * torch.randn(r, n, taps, h // group_size, generator=g)
+    base = torch.randn(taps, h, generator=g)
+    dy = torch.randn(r, n, h, generator=g)
+    to = lambda t, d=dtype: t.to(device=DEVICE, dtype=d)
+    return (to(x).requires_grad_(), to(delta).requires_grad_(), to(base, base_dtype or dtype).requires_grad_(),
+            to(dy))
+
+
+def assert_close(got, want, dtype, name):
+    err = (got.float() - want.float()).abs().max().item()
+    scale = max(want.float().abs().max().item(), 1e-6)
+    assert err <= TOL[dtype] * scale, f"{name}: max error {err:.3g} against max |want| {scale:.3g}"
+
+
+def forward_and_grads(fn, x, delta, base, dy, block_size, group_size):
+    y = fn(x, delta, base, block_size, group_size)
+    return (y, *torch.autograd.grad(y, (x, delta, base), dy))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "r, n, h, taps, group_size, block_size",
+    [
+        (1, 70, 40, 3, 8, 4),  # 2 row tiles, the last one partial; N not a multiple of B
+        (2, 15, 24, 2, 24, 5),  # one group (group_size = H), a ragged last block per row run
+        (1, 9, 300, 1, 1, 3),  # groups of one channel, 300 groups: several group tiles, the last partial
+        (1, 13, 36, 3, 12, 3),  # group size not a power of two (masked lanes), taps = B
+    ],
+)
+def test_kernel_forward_and_every_gradient_equal_the_eager_twin(r, n, h, taps, group_size, block_size, dtype):
+    inputs = make_inputs(r, n, h, taps, group_size, dtype, seed=n)
+    got = forward_and_grads(triton_conv, *inputs, block_size, group_size)
+    want = forward_and_grads(eager_ragged, *inputs, block_size, group_size)
+    for name, g, w in zip(("y", "dx", "d delta", "d base"), got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype, name
+        assert_close(g, w, dtype, name)
+
+
+def test_an_fp32_base_with_fp16_activations_is_rounded_as_the_eager_twin_and_gets_an_fp32_gradient():
+    inputs = make_inputs(1, 12, 32, 2, 8, torch.float16, base_dtype=torch.float32)
+    got = forward_and_grads(triton_conv, *inputs, 4, 8)
+    want = forward_and_grads(eager_conv, *inputs, 4, 8)
+    assert got[3].dtype == torch.float32
+    for name, g, w in zip(("y", "dx", "d delta", "d base"), got, want):
+        assert_close(g, w, torch.float16, name)
+
+
+def test_kernel_never_reaches_across_a_block_start():
+    """Changing the last slot of block 0 (its x and its delta) changes nothing in block 1, forward, and no gradient
+    flows from block 1's outputs into block 0's rows."""
+    b, taps = 4, 4
+    x, delta, base, _ = make_inputs(1, 3 * b, 16, taps, 4, torch.float32)
+    x, delta, base = x.detach(), delta.detach(), base.detach()
+    y = triton_conv(x, delta, base, b, 4)
+    moved = x.clone()
+    moved[0, b - 1] += 1
+    assert torch.equal(triton_conv(moved, delta, base, b, 4)[0, b:], y[0, b:])
+    assert not torch.equal(triton_conv(moved, delta, base, b, 4)[0, :b], y[0, :b])  # the change is seen in block 0
+    x.requires_grad_()
+    dy = torch.zeros_like(y)
+    dy[0, b:2 * b] = 1  # only block 1's outputs
+    (dx,) = torch.autograd.grad(triton_conv(x, delta, base, b, 4), (x,), dy)
+    assert torch.count_nonzero(dx[0, :b]) == 0 and torch.count_nonzero(dx[0, 2 * b:]) == 0
+    assert torch.count_nonzero(dx[0, b:2 * b]) > 0
+
+
+def test_taps_beyond_the_block_size_are_refused():
+    x, delta, base, _ = make_inputs(1, 8, 16, 3, 4, torch.float32)
+    with pytest.raises(ValueError, match="taps = 3 must be in"):
+        triton_conv(x, delta, base, 2, 4)
+
+
+def test_dynamic_conv_runs_the_kernel_when_the_backend_is_triton():
+    """DynamicConv.prepare / finish (delta read in place as a slice of the projection) through the ops switch:
+    the same outputs and parameter gradients on both backends, and the switch really selects the kernel."""
+    torch.manual_seed(0)
+    conv = DynamicConv(32, 4, 2, 8).to(DEVICE)
+    with torch.no_grad():
+        conv.base_kernel.normal_()
+        conv.kernel_projection.weight.normal_(std=0.1)
+    x = torch.randn(2, 12, 32, device=DEVICE)
+    results = {}
+    for backend in ("eager", "triton"):
+        with ops.backend(f"grouped_dynamic_conv={backend}"):
+            assert conv_impl() is (triton_conv if backend == "triton" else eager_conv)
+            y, delta = conv.prepare(x)
+            z = conv.finish(torch.tanh(y), delta)
+            grads = torch.autograd.grad(z.square().sum(), (conv.base_kernel, conv.kernel_projection.weight))
+            results[backend] = (z, *grads)
+    for name, g, w in zip(("z", "d base_kernel", "d kernel_projection"), results["triton"], results["eager"]):
+        assert_close(g, w, torch.float32, name)
