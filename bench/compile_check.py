@@ -1,8 +1,8 @@
 """Compile every Triton kernel of kernels/ for a GPU (default: H200, sm_90) on a machine without one.
 
 The kernel modules are imported with the autotune lists they use on a GPU, and their public entry
-points (`fc_concat`, `anchored_attention`, `lm_head_loss`) run forward and backward on CPU tensors at
-the drafter's reference shape, in every variant their constexpr switches have. Triton's launch is
+points (`fc_concat`, `anchored_attention`, `lm_head_loss`, `grouped_dynamic_conv`) run forward and backward on
+CPU tensors at the drafter's reference shape, in every variant their constexpr switches have. Triton's launch is
 intercepted: each (kernel, signature, constexprs, autotune config) that a GPU run would compile is
 compiled for `GPUTarget("cuda", arch, 32)` (TTIR -> TTGIR -> LLVM IR -> PTX -> ptxas cubin) and
 nothing is launched, so no CUDA driver is needed. Each compile records registers and spills (from
@@ -98,6 +98,7 @@ OP_SIZES = {
     "fc_concat": ("T", "K", "H_t", "H"),
     "anchored_attention": ("Hq", "Hkv", "D", "B", "A", "T", "docs"),
     "lm_head_loss": ("A", "B", "H", "V", "T"),  # T: the teacher rows the slots index
+    "grouped_dynamic_conv": ("A", "B", "H"),
 }
 EPS = 1e-6
 TOPK = 8
@@ -311,7 +312,7 @@ def _progress(r: Dict[str, object]) -> str:
 
 
 def import_kernels_for_gpu(sms: int):
-    """Import the three kernel modules as on a GPU machine: their config lists (and GPU-only sizes
+    """Import the kernel modules as on a GPU machine: their config lists (and GPU-only sizes
     such as lm_head_loss.VOCAB_CHUNK) are chosen at import from torch.cuda.is_available().
 
     Two host-side guards are lifted for this process only, because no CPU tensor reaches a kernel:
@@ -321,7 +322,7 @@ def import_kernels_for_gpu(sms: int):
     is_available = torch.cuda.is_available
     torch.cuda.is_available = lambda: True
     try:
-        from dflash_fast.kernels import _common, anchored_attention, fc_concat, lm_head_loss
+        from dflash_fast.kernels import _common, anchored_attention, fc_concat, grouped_dynamic_conv, lm_head_loss
     finally:
         torch.cuda.is_available = is_available
     if not _common.ON_GPU:
@@ -331,7 +332,7 @@ def import_kernels_for_gpu(sms: int):
         )
     _common.INTERPRET = True
     torch.cuda.get_device_properties = lambda _device=None: types.SimpleNamespace(multi_processor_count=sms)
-    return fc_concat, anchored_attention, lm_head_loss
+    return fc_concat, anchored_attention, lm_head_loss, grouped_dynamic_conv
 
 
 def _empty(*shape, dtype, grad=False):
@@ -432,10 +433,26 @@ def lm_head_loss_cases(mod, s, dtype) -> Dict[str, Callable[[], None]]:
     }
 
 
+def grouped_dynamic_conv_cases(mod, s, dtype) -> Dict[str, Callable[[], None]]:
+    """DFlash2's convolution (SPEC §9), forward and backward, at N = A x B slots: its default (taps 2, groups of 16)
+    with delta read in place as a slice of the kernel projection's [N, 2, taps, G] output, as DynamicConv reads it,
+    and taps 3 in groups of 128 (another GS and group tile)."""
+    n, h, b = s["A"] * s["B"], s["H"], s["B"]
+
+    def step(taps, group):
+        projection = _empty(n, 2, taps, h // group, dtype=dtype, grad=True)
+        y = mod.grouped_dynamic_conv(_empty(n, h, dtype=dtype, grad=True), projection[:, 0],
+                                     _empty(taps, h, dtype=dtype, grad=True), b, group)
+        y.backward(torch.empty_like(y))
+
+    return {"taps=2 group=16": lambda: step(2, 16), "taps=3 group=128": lambda: step(3, 128)}
+
+
 CASES = {
     "fc_concat": fc_concat_cases,
     "anchored_attention": anchored_attention_cases,
     "lm_head_loss": lm_head_loss_cases,
+    "grouped_dynamic_conv": grouped_dynamic_conv_cases,
 }
 
 

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import triton
-from dflash_fast.kernels import anchored_attention, fc_concat, lm_head_loss
+from dflash_fast.kernels import anchored_attention, fc_concat, grouped_dynamic_conv, lm_head_loss
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
@@ -33,7 +33,7 @@ QUICK = [
     "--configs",
     "first",
     "--cases",
-    "noise=0$|causal=False|kl_topk| kl$| tv$| lk$|lk_hybrid|rkl|jsd",  # every variant of the loss's row pass
+    "noise=0$|causal=False|kl_topk| kl$| tv$| lk$|lk_hybrid|rkl|jsd|taps=2 group=16",  # every loss row pass variant
 ]
 
 
@@ -66,7 +66,7 @@ def run_compile_check(out_dir, *args):
 
 def test_every_kernel_compiles_for_sm90(tmp_path):
     rows = run_compile_check(tmp_path, *QUICK)
-    for module in (fc_concat, anchored_attention, lm_head_loss):
+    for module in (fc_concat, anchored_attention, lm_head_loss, grouped_dynamic_conv):
         op = module.__name__.rsplit(".", 1)[-1]
         kernels = triton_kernels(module)
         assert kernels, f"found no Triton kernel in {module.__name__}: the scan is broken"
