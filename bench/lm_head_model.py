@@ -37,8 +37,9 @@ logits from the pass, the transition) and the backward of that loss to h and the
 by one embedding_bag over the K lm_head rows; lm_head frozen): 3 units (the selector's own GEMMs are K / V and r / V
 of a unit); its extra bytes are mostly torch ops (host_gb). Its convolutions are no part of the lm_head call:
 `--cases` matching DFlash2 also writes <out>/lm_head_model_<triton>_dflash2_conv.{json,md}, the bytes one
-sublayer's conv_in + conv_out (DFlash2's default taps 2, group 16) move forward and forward + backward, counted from
-their torch ops like the host ops here, in [N, H] passes.
+sublayer's conv_in + conv_out (DFlash2's default taps 2, group 16) move forward and forward + backward, in [N, H]
+passes, eager (counted from their torch ops like the host ops here) and with kernels/grouped_dynamic_conv.py (its
+reads and writes from its tiles, the torch ops around it as the host ops here).
 Each launch takes the fastest config the model finds among those that compile without spills (the
 autotuner's pick if the model were the GPU). Results: <out>/lm_head_model_<triton>.{json,md} (one row
 per case) and <out>/lm_head_model_<triton>_kernels.{json,md} (one row per kernel and config).
@@ -497,31 +498,81 @@ def dflash2_call(mod, args, s: Dict, dtype) -> Callable[[], object]:
     return call
 
 
+def conv_kernel_stand_in(counter: List[float]):
+    """kernels/grouped_dynamic_conv.py priced without running it: an autograd Function with the kernel's signature
+    whose forward and backward add the kernel's HBM bytes to counter[0] and return unwritten tensors of the right
+    shapes (factories: HostOps counts nothing for them). The bytes follow the kernel's tiles (`_tiles` of the GPU
+    import): x (and dy) read once plus the T - 1 rows above (below) each row tile, delta [N, T, G] and base read
+    once, y (dx, d delta, the fp32 d base partials of each row tile) written once; the host's sum of the partials
+    is a torch op, which HostOps counts."""
+    from dflash_fast.kernels import grouped_dynamic_conv as kernel
+
+    def streams(x, delta, base, group_size):
+        h = x.shape[-1]
+        n = x.numel() // h
+        taps, groups = base.shape[0], h // group_size
+        tiles = triton.cdiv(n, kernel._tiles(group_size)[0])
+        rows = (n + (taps - 1) * tiles) * h * _elt(x)  # one [N, H] pass plus the halo rows
+        coefficients = (n + (taps - 1) * tiles) * taps * groups * _elt(delta) + base.numel() * _elt(base)
+        return tiles, rows, coefficients
+
+    class Stand(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, delta, base, block_size, group_size):  # noqa: ARG004 (the kernel's signature)
+            tiles, rows, coefficients = streams(x, delta, base, group_size)
+            counter[0] += rows + coefficients + x.numel() * _elt(x)
+            ctx.save_for_backward(x, delta, base)
+            ctx.group_size = group_size
+            return torch.empty_like(x)
+
+        @staticmethod
+        def backward(ctx, dy):  # noqa: ARG004 (dy's bytes: the 2 * rows below)
+            x, delta, base = ctx.saved_tensors
+            tiles, rows, coefficients = streams(x, delta, base, ctx.group_size)
+            d_delta = torch.empty(delta.shape, dtype=delta.dtype)
+            partials = torch.empty((tiles, *base.shape), dtype=torch.float32)
+            counter[0] += 2 * rows + coefficients + x.numel() * _elt(x) + d_delta.numel() * _elt(d_delta) \
+                + partials.numel() * 4
+            return torch.empty_like(x), d_delta, partials.sum(0).to(base.dtype), None, None
+
+    return Stand.apply
+
+
 def conv_rows(s: Dict, rows: int, dtype) -> List[Dict]:
     """DFlash2's convolutions around one sublayer (conv_in before it, conv_out after it, one kernel projection), at
-    N = rows x A x B slots: the bytes their torch ops move (HostOps: every op's inputs read and outputs written once),
-    forward and forward + backward, in [N, H] passes of the activation dtype (the projection's GEMM and its weight
-    gradient included). The issue's budget: one extra [N, H]
-    read and write per convolution, 4 passes for the two of a sublayer forward (8 with their backward)."""
-    from dflash_fast.drafter.dflash2 import DynamicConv
+    N = rows x A x B slots: the bytes they move forward and forward + backward, in [N, H] passes of the activation
+    dtype (the projection's GEMM and its weight gradient included), for each backend of the op
+    `grouped_dynamic_conv`: eager (its torch ops, HostOps: every op's inputs read and outputs written once) and
+    triton (the kernel's bytes from `conv_kernel_stand_in`, the torch ops around it by HostOps). The issue's budget:
+    one extra [N, H] read and write per convolution, 4 passes for the two of a sublayer forward (8 with their
+    backward)."""
+    from dflash_fast.drafter import dflash2
 
     n, hid = rows * s["A"] * s["B"], s["H"]
-    conv = DynamicConv(hid, s["B"], CONV_TAPS, CONV_GROUP).to(dtype)
+    conv = dflash2.DynamicConv(hid, s["B"], CONV_TAPS, CONV_GROUP).to(dtype)
     x = torch.zeros(1, n, hid, dtype=dtype, requires_grad=True)
     passes = n * hid * torch.empty((), dtype=dtype).element_size()
     out = []
-    for label, backward in (("forward", False), ("forward + backward", True)):
-        host = HostOps()
-        with host:
-            y, delta = conv.prepare(x)
-            z = conv.finish(y, delta)  # the sublayer between them is the identity here (no op of its own)
-            if backward:
-                z.backward(torch.zeros_like(z))
-        moved = host.bytes
-        out.append(dict(case=f"conv_in + conv_out, {label}", N=n, H=hid, taps=CONV_TAPS, group=CONV_GROUP,
-                        gb=round(moved / 1e9, 3), bytes=int(moved), nh_passes=round(moved / passes, 2),
-                        budget_passes=8 if backward else 4, ms=round(moved / H200["hbm"] * 1e3, 3)))
-        x.grad = None
+    for backend in ("eager", "triton"):
+        for label, backward in (("forward", False), ("forward + backward", True)):
+            host, kernel = HostOps(), [0.0]
+            saved = dflash2.conv_impl
+            if backend == "triton":
+                dflash2.conv_impl = lambda: conv_kernel_stand_in(kernel)
+            try:
+                with host:
+                    y, delta = conv.prepare(x)
+                    z = conv.finish(y, delta)  # the sublayer between them is the identity here (no op of its own)
+                    if backward:
+                        z.backward(torch.zeros_like(z))
+            finally:
+                dflash2.conv_impl = saved
+            moved = host.bytes + kernel[0]
+            out.append(dict(case=f"conv_in + conv_out, {label}", backend=backend, N=n, H=hid, taps=CONV_TAPS,
+                            group=CONV_GROUP, gb=round(moved / 1e9, 3), bytes=int(moved),
+                            kernel_bytes=int(kernel[0]), nh_passes=round(moved / passes, 2),
+                            budget_passes=8 if backward else 4, ms=round(moved / H200["hbm"] * 1e3, 3)))
+            x.grad = None
     return out
 
 
@@ -672,8 +723,10 @@ def main(argv=None) -> List[Dict]:
         print(write_results(name + "_dflash2_conv", conv, args.out, meta=dict(
             shapes=meta["shapes"], dtype=args.dtype,
             budget="one extra [N, H] read and write per convolution (issue 39)",
-            counted="the torch ops of DynamicConv.prepare + finish (dflash_fast/drafter/dflash2.py), the sublayer "
-                    "between them left out; not a measurement")))
+            counted="DynamicConv.prepare + finish (dflash_fast/drafter/dflash2.py), the sublayer between them left "
+                    "out: eager = its torch ops; triton = kernels/grouped_dynamic_conv.py's reads and writes from its "
+                    "tiles (kernel_bytes) + the torch ops around it (the projection, its gradient, the d base sum); "
+                    "not a measurement")))
     return rows
 
 
