@@ -139,13 +139,13 @@ SETTINGS = [("kl", "decay"), ("tv", "decay"), ("ce", "decay"), ("kl", "dpace"), 
 @pytest.mark.parametrize("sample_from_anchor", [True, False], ids=["from_anchor", "dflash_alignment"])
 @pytest.mark.parametrize("kind, weighting", SETTINGS, ids=[f"{k}-{w}" for k, w in SETTINGS])
 def test_dflash2_loss_selector_and_gradients_equal_speculators_semantics(kind, weighting, sample_from_anchor, backend):
-    """fp32, eager and Triton (the unary top-K from the fused pass, interpreter): the loss, the selector's loss,
-    recall@K, its teacher-forced hits, its serving pick (the draft) and every parameter's gradient, against
-    tests/oracles.py's dflash2_batch_loss on the same weights and anchors."""
+    """fp32, eager and Triton (the unary top-K from the fused pass, the convolutions' kernel, interpreter): the loss,
+    the selector's loss, recall@K, its teacher-forced hits, its serving pick (the draft) and every parameter's
+    gradient, against tests/oracles.py's dflash2_batch_loss on the same weights and anchors."""
     d = dflash2_drafter(sample_from_anchor, top_k=ORACLE_TOP_K)
     batch = random_batch(t=20, **ORACLE_BATCH)
     dpace = dict(weighting=weighting, dpace_alpha=0.3)
-    with ops.backend(f"lm_head_loss={backend}"):
+    with ops.backend(f"lm_head_loss={backend},grouped_dynamic_conv={backend}"):
         out = d(batch, kind, gamma=3.0, selector_alpha=0.7, **dpace)
     out.loss.backward()
     got = {name: p.grad.clone() for name, p in d.named_parameters()}
