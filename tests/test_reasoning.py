@@ -201,6 +201,22 @@ def test_a_gpt_oss_tool_conversation_trains_the_calls_and_answer_not_the_tool_ou
     assert trained(harmony, row) == call_text + answer
 
 
+def test_a_gpt_oss_answer_after_a_reasoned_call_trains_in_the_context_it_was_served(harmony):
+    # The template drops a call's analysis once an answer follows it, but the answer was generated after the call
+    # with its analysis (the prompt then had no answer yet): the answer's row is that prompt, then the answer.
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    turns = [{"role": "user", "content": "hidden state"},
+             {"role": "assistant", "thinking": "the token", "content": "", "tool_calls": [call]},
+             {"role": "tool", "content": "sunny"},
+             {"role": "assistant", "thinking": "the block", "content": "anchor slot"}]
+    assert "the token" not in render(harmony, turns, tools=TOOLS)
+    rows = ChatTokenizer(harmony, len(harmony)).conversation_rows(turns, TOOLS)
+    answer = HARMONY_REPLY.replace("the token", "the block")
+    assert [trained(harmony, row) for row in rows] == [HARMONY_CALL, answer]
+    served = render(harmony, turns[:3], tools=TOOLS, add_generation_prompt=True)
+    assert harmony.decode(rows[1].input_ids.tolist()) == served + answer and "the token" in served
+
+
 @pytest.fixture(scope="module")
 def gpt_oss(tmp_path_factory):
     return make_tiny_target(tmp_path_factory.mktemp("gpt_oss"), arch="gpt_oss", num_layers=2)
