@@ -148,10 +148,73 @@ def test_a_gpt_oss_reply_splits_into_its_channels_and_renders_back_to_the_genera
     [row] = ChatTokenizer(harmony, len(harmony)).conversation_rows(turns)
     ids = row.input_ids.tolist()
     assert ids[-len(generated):] == generated and row.loss_mask.sum() == len(generated)  # exactly what it generated
-    # Cut at the token budget inside the analysis; a tool call (commentary channel) is not split.
+    # Cut at the token budget inside the analysis.
     assert split_channels("<|channel|>analysis<|message|>the to") == {"thinking": "the to", "content": ""}
-    assert split_channels("<|channel|>commentary to=functions.f <|constrain|>json<|message|>{}<|call|>") is None
     assert split_channels("anchor slot") is None
+
+
+HARMONY_CALL = ('<|channel|>analysis<|message|>the token<|end|><|start|>assistant to=functions.get_weather'
+                '<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>')
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the weather of a city",
+                                           "parameters": CITY}}]
+
+
+def test_a_gpt_oss_function_call_becomes_tool_calls_and_renders_back_to_the_generated_tokens(harmony):
+    generated = harmony(HARMONY_CALL, add_special_tokens=False)["input_ids"]
+    reply = decode_reply(harmony, generated)
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    assert reply == {"thinking": "the token", "content": "", "tool_calls": [call]}
+    turns = [{"role": "user", "content": "hidden state"}, {"role": "assistant", **reply}]
+    prompt = harmony(render(harmony, turns[:1], tools=TOOLS, add_generation_prompt=True),
+                     add_special_tokens=False)["input_ids"]
+    [row] = ChatTokenizer(harmony, len(harmony)).conversation_rows(turns, TOOLS)
+    assert row.input_ids.tolist() == prompt + generated  # the prompt it was served, then exactly what it generated
+    assert not row.loss_mask[:len(prompt)].any() and row.loss_mask[len(prompt):].all()
+    # The harmony docs' form, the recipient in the channel header and <|constrain|>json, is the same call (the
+    # template renders it in its own form); a call cut before <|call|>, a commentary to no function, a final
+    # answer after the call or arguments that are not a JSON object stay text.
+    docs_form = '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}<|call|>'
+    assert split_channels(docs_form) == {"content": "", "tool_calls": [call]}
+    for text in ('<|channel|>commentary to=functions.get_weather json<|message|>{"city": "Par',
+                 "<|channel|>commentary<|message|>let me look<|end|>",
+                 HARMONY_CALL + "<|start|>assistant<|channel|>final<|message|>sunny<|return|>",
+                 "<|channel|>commentary to=functions.get_weather json<|message|>[1]<|call|>",
+                 "<|channel|>commentary to=browser.search json<|message|>{}<|call|>"):
+        assert split_channels(text) is None, text
+
+
+def test_a_gpt_oss_tool_conversation_trains_the_calls_and_answer_not_the_tool_output(harmony):
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    turns = [{"role": "user", "content": "hidden state"},
+             {"role": "assistant", "content": "", "tool_calls": [call]},
+             {"role": "tool", "content": "sunny"},
+             {"role": "assistant", "thinking": "the block", "content": "anchor slot"}]
+    [row] = ChatTokenizer(harmony, len(harmony)).conversation_rows(turns, TOOLS)
+    call_text = HARMONY_CALL.split("<|start|>assistant", 1)[1]
+    tool_output = '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"sunny"<|end|>'
+    answer = HARMONY_REPLY.replace("the token", "the block")
+    text = harmony.decode(row.input_ids.tolist())
+    assert text.endswith(f"<|start|>assistant{call_text}{tool_output}<|start|>assistant{answer}")
+    # Trained: each turn after its generation prompt, the call and the answer with its analysis; the tool's output
+    # and the generation prompts are context.
+    assert trained(harmony, row) == call_text + answer
+
+
+def test_a_gpt_oss_answer_after_a_reasoned_call_trains_in_the_context_it_was_served(harmony):
+    # The template drops a call's analysis once an answer follows it, but the answer was generated after the call
+    # with its analysis (the prompt then had no answer yet): the answer's row is that prompt, then the answer.
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    turns = [{"role": "user", "content": "hidden state"},
+             {"role": "assistant", "thinking": "the token", "content": "", "tool_calls": [call]},
+             {"role": "tool", "content": "sunny"},
+             {"role": "assistant", "thinking": "the block", "content": "anchor slot"}]
+    assert "the token" not in render(harmony, turns, tools=TOOLS)
+    rows = ChatTokenizer(harmony, len(harmony)).conversation_rows(turns, TOOLS)
+    answer = HARMONY_REPLY.replace("the token", "the block")
+    assert [trained(harmony, row) for row in rows] == [HARMONY_CALL, answer]
+    served = render(harmony, turns[:3], tools=TOOLS, add_generation_prompt=True)
+    assert harmony.decode(rows[1].input_ids.tolist()) == served + answer and "the token" in served
 
 
 @pytest.fixture(scope="module")

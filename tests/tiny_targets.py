@@ -24,28 +24,65 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-# gpt-oss's harmony format as its published chat template renders a conversation without tools: a system
-# message of metadata, the first system turn as the developer's instructions, the last assistant turn with its
-# reasoning (`thinking`, analysis channel) and answer (final channel) ending in <|return|>, earlier assistant
-# turns as their final channel only, ending in <|end|>; the generation prompt is `<|start|>assistant`.
+# gpt-oss's harmony format as its published chat template renders a conversation: a system message of metadata,
+# the first system turn as the developer's instructions, the last assistant turn with its reasoning (`thinking`,
+# analysis channel) and answer (final channel) ending in <|return|>, earlier assistant turns as their final channel
+# only, ending in <|end|>; the generation prompt is `<|start|>assistant`. With `tools`: the developer message lists
+# them (the published template also writes each one's parameters as TypeScript types, left out here); an assistant
+# turn's first tool call renders as `<|start|>assistant to=functions.NAME<|channel|>commentary json<|message|>` +
+# its arguments through tojson + `<|call|>`, after its analysis unless a later assistant turn answers without a
+# call; a tool message as `<|start|>functions.NAME to=assistant<|channel|>commentary<|message|>` + its content
+# through tojson + `<|end|>`.
 HARMONY_TEMPLATE = (
     "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n"
     "Knowledge cutoff: 2024-06\nCurrent date: {{ strftime_now('%Y-%m-%d') }}\n\n"
     "Reasoning: {{ reasoning_effort | default('medium') }}\n\n"
-    "# Valid channels: analysis, commentary, final. Channel must be included for every message.<|end|>"
-    "{% set loop_messages = messages %}"
+    "# Valid channels: analysis, commentary, final. Channel must be included for every message."
+    "{% if tools %}\nCalls to these tools must go to the commentary channel: 'functions'.{% endif %}<|end|>"
+    "{% set loop_messages = messages %}{% set developer_message = '' %}"
     "{% if messages[0]['role'] in ('system', 'developer') %}{% set loop_messages = messages[1:] %}"
-    "<|start|>developer<|message|># Instructions\n\n{{ messages[0]['content'] }}\n\n<|end|>{% endif %}"
+    "{% set developer_message = messages[0]['content'] %}{% endif %}"
+    "{% if developer_message or tools %}<|start|>developer<|message|>"
+    "{% if developer_message %}# Instructions\n\n{{ developer_message }}\n\n{% endif %}"
+    "{% if tools %}# Tools\n\n## functions\n\nnamespace functions {\n\n"
+    "{% for tool in tools %}{% set fn = tool.function if tool.function is defined else tool %}"
+    "type {{ fn.name }} = () => any;\n\n{% endfor %}} // namespace functions{% endif %}<|end|>{% endif %}"
+    "{% set last_tool_call = namespace(name=none) %}"
     "{% for message in loop_messages %}"
     "{% if message['role'] == 'assistant' %}"
     "{% if '<|channel|>' in message['content'] %}"
     "{{ raise_exception('pass the analysis in thinking and the answer in content, without <|channel|> tags') }}"
     "{% endif %}"
-    "{% if loop.last and not add_generation_prompt %}"
+    "{% if 'tool_calls' in message %}"
+    "{% set future_final = namespace(found=false) %}"
+    "{% for later in loop_messages[loop.index:] %}"
+    "{% if later['role'] == 'assistant' and 'tool_calls' not in later %}{% set future_final.found = true %}{% endif %}"
+    "{% endfor %}"
+    "{% set tool_call = message.tool_calls[0] %}"
+    "{% if tool_call.function %}{% set tool_call = tool_call.function %}{% endif %}"
+    "{% if message.content and message.thinking %}"
+    "{{ raise_exception('Cannot pass both content and thinking in an assistant message with tool calls!') }}"
+    "{% elif message.content and not future_final.found %}"
+    "<|start|>assistant<|channel|>analysis<|message|>{{ message.content }}<|end|>"
+    "{% elif message.thinking and not future_final.found %}"
+    "<|start|>assistant<|channel|>analysis<|message|>{{ message.thinking }}<|end|>"
+    "{% endif %}"
+    "<|start|>assistant to=functions.{{ tool_call.name }}<|channel|>commentary "
+    "{{ tool_call.content_type if tool_call.content_type is defined else 'json' }}<|message|>"
+    "{{ tool_call.arguments | tojson }}<|call|>"
+    "{% set last_tool_call.name = tool_call.name %}"
+    "{% elif loop.last and not add_generation_prompt %}"
     "{% if 'thinking' in message %}<|start|>assistant<|channel|>analysis<|message|>{{ message['thinking'] }}"
     "<|end|>{% endif %}"
     "<|start|>assistant<|channel|>final<|message|>{{ message['content'] }}<|return|>"
-    "{% else %}<|start|>assistant<|channel|>final<|message|>{{ message['content'] }}<|end|>{% endif %}"
+    "{% else %}<|start|>assistant<|channel|>final<|message|>{{ message['content'] }}<|end|>"
+    "{% set last_tool_call.name = none %}{% endif %}"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if last_tool_call.name is none %}"
+    "{{ raise_exception('Message has tool role, but there was no previous assistant message with a tool call!') }}"
+    "{% endif %}"
+    "<|start|>functions.{{ last_tool_call.name }} to=assistant<|channel|>commentary<|message|>"
+    "{{ message['content'] | tojson }}<|end|>"
     "{% elif message['role'] == 'user' %}<|start|>user<|message|>{{ message['content'] }}<|end|>"
     "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|start|>assistant{% endif %}"

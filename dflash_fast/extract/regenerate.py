@@ -167,9 +167,10 @@ def regenerate(
     what settings (`sampling`). `data` may be a Hugging Face dataset (its `split`; datasets_in).
     `thinking` "on" / "off" sets the chat template's thinking switch (prompts.thinking_switch: Qwen3's
     enable_thinking, gpt-oss's reasoning_effort), recorded in each record's `chat_template_kwargs`. A gpt-oss
-    reply is split into its analysis (`thinking`) and final (`content`) channels (prompts.decode_reply).
+    reply is split into its analysis (`thinking`) and final (`content`) channels, a function call into
+    `tool_calls` (prompts.decode_reply, harmony.split_channels).
     Returns {"out", "prompts", "written", "skipped", "finished", "unsplit"} (finished: responses that
-    ended at eos; unsplit: harmony replies not analysis / final messages, kept as text).
+    ended at eos; unsplit: harmony replies not analysis / final messages or a function call, kept as text).
     """
     from tqdm import tqdm
     from transformers import AutoTokenizer
@@ -230,7 +231,7 @@ def regenerate(
                 finished = bool(ids) and ids[-1] in eos
                 summary["finished"] += finished
                 reply = decode_reply(tokenizer, ids)
-                if reply is None:  # a harmony reply of other channels (a tool call): kept as its text
+                if reply is None:  # a harmony reply of other messages: kept as its text
                     summary["unsplit"] += 1
                     reply = tokenizer.decode(ids, skip_special_tokens=True)
                 record = output_record(p, reply, finished, sampling, switch)
@@ -274,7 +275,8 @@ def run(args) -> int:
     print(
         f"{s['out']}: {s['written']} responses written, {s['skipped']} already there, "
         f"{s['finished']} of the new ones ended at eos ({s['prompts']} prompts)"
-        + (f"; {s['unsplit']} gpt-oss replies were not analysis / final channels and were kept as text"
+        + (f"; {s['unsplit']} gpt-oss replies were not analysis / final channels or a function call and were kept as "
+           "text"
            if s.get("unsplit") else "")
     )
     return 0

@@ -174,11 +174,12 @@ def cut_response(tokens: Sequence[int], max_new_tokens: int, eos: Sequence[int])
     return tokens[:end]
 
 
-def decode_reply(tokenizer, tokens: Sequence[int]) -> Optional[Dict[str, str]]:
+def decode_reply(tokenizer, tokens: Sequence[int]) -> Optional[Dict]:
     """A generated response as the assistant turn's fields the chat template renders it back from: {"content"}
     (special tokens left out; Qwen3's `<think>...</think>` is text and stays in it), or for a harmony target
-    (gpt-oss) {"thinking": the analysis channel, "content": the final channel}. None when a harmony response is not
-    analysis / final messages (harmony.split_channels): the caller keeps its text."""
+    (gpt-oss) {"thinking": the analysis channel, "content": the final channel}, or a function call's {"thinking",
+    "content": "", "tool_calls"}. None when a harmony response is neither (harmony.split_channels): the caller
+    keeps its text."""
     if is_harmony(tokenizer):
         return split_channels(tokenizer.decode(tokens, skip_special_tokens=False))
     return {"content": tokenizer.decode(tokens, skip_special_tokens=True)}

@@ -274,6 +274,25 @@ class ChatTokenizer:
         spans = self._assistant_spans(messages, text, tools, kwargs)
         return self._example(text, spans, [m for m in messages if m["role"] == "assistant"])
 
+    def _served_row(self, sub, sub_text, head):
+        """(text, span) of the last turn of `sub` as it was served, where the template renders the history before it
+        otherwise than in the turn's prompt `head` (gpt-oss's drops a tool call's analysis once an answer follows it):
+        `head`, then the turn as `sub_text` renders it last, from the generation prompt after the content of the
+        (user or tool) message before it. None when the turn follows no such message or that text is not found."""
+        prompt, turn = self.generation_prompt(), sub[-1]
+        before = sub[-2] if len(sub) > 1 else {"role": "assistant"}
+        if head is None or not prompt or not head.endswith(prompt) or before["role"] == "assistant" or \
+                not before["content"]:
+            return None
+        first = next((turn[k] for k in (*REASONING_KEYS, "content") if isinstance(turn.get(k), str) and turn[k]), "")
+        bound = sub_text.rfind(first) if first else len(sub_text)
+        found = sub_text.rfind(before["content"], 0, max(bound, 0))
+        start = sub_text.find(prompt, found + len(before["content"])) if found >= 0 else -1
+        if start < 0:
+            return None
+        text = head + sub_text[start + len(prompt):]
+        return text, (len(head), len(text))
+
     def conversation_rows(self, turns, tools=None, template_kwargs=None) -> List[Example]:
         """The rows a conversation trains as: one row when the template renders every assistant turn in the full
         conversation as it renders it last (the prefix property), else one row per assistant turn i, the
@@ -302,6 +321,8 @@ class ChatTokenizer:
                 head = None
             if head is not None and sub_text.startswith(head) and len(sub_text) > len(head):  # after turn i's prompt
                 span = (len(head), len(sub_text))
+            elif (served := self._served_row(sub, sub_text, head)) is not None:
+                sub_text, span = served
             else:  # the search of the single row (a template that renders a last turn otherwise)
                 span = self._assistant_spans(sub, sub_text, tools, kwargs)[-1]
             rows.append(self._example(sub_text, [span], [sub[-1]]))
