@@ -25,9 +25,13 @@ here op by op (Q = R*A*B block rows, e = the compute dtype's bytes):
     attention                  q, out [Q, Hq*D]; k, v of the blocks [Q, Hkv*D] and of the context [R*T, Hkv*D]
     SwiGLU MLP                 gate, silu(gate), up and their product [Q, I]
 
-DFlash2 (SPEC §9, dflash_fast/drafter/dflash2.py) adds, per layer and per sublayer, the convolutions in torch: each of
-conv_in and conv_out saves, per tap, the shifted input and the coefficients base + delta broadcast to [Q, H]; the
-sublayer's projections save conv_in's output besides the normed input (the kernel projection's input): (8 taps + 2)
+DFlash2 (SPEC §9, dflash_fast/drafter/dflash2.py) adds, per layer, the convolutions around both sublayers as the
+fused path runs them (kernels/grouped_dynamic_conv.py): per sublayer, conv_in's kernel saves the normed input (the
+kernel projection's input too), the sublayer's projections save conv_in's output, conv_out's kernel saves its input,
+and the kernel projection's output [Q, 2 taps H / group] (both convolutions' coefficients, read in place) is kept:
+4 [Q, H] saved a layer, and 6 [Q, H] live at the forward's end as measured (tests/test_memory_dflash2.py; the
+other two are not attributed), plus the two projection outputs. (The torch twin saves per tap the shifted input and
+the broadcast coefficients: (8 taps + 2) [Q, H] a layer, not planned.)
 [Q, H] a layer. Its selector, after the loss (the fused path): the Triton norm of the final states (its
 input rows, kept for its backward, the normed rows the selector reads and their rstd), the candidates' ids and
 [Q, K, r] successor codes (their unary logits come from the lm_head pass and their gradient through one
@@ -197,7 +201,8 @@ def layer_block_bytes(cfg: DrafterConfig, q: int, e: int) -> int:
     queries = (4 + e) * q * qd + 4 * q * cfg.num_attention_heads + 2 * e * q * qd + 4 * q * cfg.num_attention_heads
     keys = (4 + e) * q * kvd + 4 * q * cfg.num_key_value_heads + 2 * e * q * kvd
     mlp = 4 * e * q * cfg.intermediate_size
-    conv = (8 * cfg.conv_kernel_size + 2) * e * q * h if cfg.conv_kernel_size else 0  # DFlash2 (module docstring)
+    taps = cfg.conv_kernel_size  # DFlash2's convolutions on the fused path (module docstring)
+    conv = (6 * q * h + 2 * q * 2 * taps * (h // cfg.conv_group_size)) * e if taps else 0
     return norms + queries + keys + mlp + conv
 
 
