@@ -12,13 +12,15 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from launch_env import launch_env  # noqa: E402
+
 from bench.bench_step import FULL, PEER_LOSS, SMOKE, make_batch, parse_args, step_flops, visible_pairs  # noqa: E402
 from dflash_fast.drafter.eager import LOSS_KINDS, anchored_attention_mask  # noqa: E402
 
 
 def run_smoke(script, out_dir, *extra):
     """Run bench/<script> --smoke into out_dir and return its parsed JSON."""
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    env = launch_env(TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     cmd = [sys.executable, os.path.join(REPO, "bench", script), "--smoke", "--out", str(out_dir), *extra]
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}"

@@ -13,6 +13,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from launch_env import launch_env
 from safetensors.torch import load_file
 from test_trainer import (
     REPO,
@@ -280,8 +281,7 @@ def test_a_non_finite_loss_calls_the_last_checkpoint_good_only_if_it_verifies(
 
 
 def test_two_ranks_verify_together_and_resume_exactly_past_a_file_only_rank_1_hashed(tiny, tmp_path):  # noqa: F811
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
-                                                           "MASTER_PORT")}
+    env = launch_env()
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
     launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
     cmd = [launcher, "--num_gpus", "2", "--master_port", str(free_port()),

@@ -16,6 +16,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUITE = os.path.join(REPO, "bench", "gpu_suite.sh")
 sys.path.insert(0, REPO)
 
+from launch_env import launch_env  # noqa: E402
+
 from bench.harness import report_problems  # noqa: E402
 
 
@@ -29,8 +31,7 @@ def dry_run(suite, results, *parts):
     """Run `suite --dry-run PARTS` into results -> (exit status, output, {part label: verdict})."""
     # The device starts each part from a clean shell: no launcher variables. Tests before this one may have
     # initialised torch.distributed in this process, which sets RANK / MASTER_PORT (its port, still bound here).
-    skip = ("OUT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    env = {k: v for k, v in os.environ.items() if k not in skip}
+    env = launch_env("OUT")
     env.update(PYTHON=sys.executable, RESULTS=str(results))
     proc = subprocess.run(["bash", suite, "--dry-run", *parts], env=env, capture_output=True, text=True,
                           timeout=1500)

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from launch_env import launch_env
 from test_trainer import STOP_AND_RESUME, exported, losses, records, stopped_by_sigterm
 from test_trainer import settings as trainer_settings
 from tiny_targets import make_tiny_target, sample_records, write_jsonl
@@ -227,8 +228,7 @@ def test_online_resume_after_kill_9_equals_an_uninterrupted_run(tiny, tmp_path):
     common = dict(schedule__steps=9, checkpoint__every=2, checkpoint__keep_last=1)
     whole, parts = str(tmp_path / "whole"), str(tmp_path / "parts")
     train(config(tiny, whole, "online", **common))
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
-                                                            "MASTER_PORT")}
+    env = launch_env()
     env.update(OMP_NUM_THREADS=str(torch.get_num_threads()), PYTHONPATH=REPO)
     cmd = [sys.executable, os.path.join(REPO, "train.py"), "--config", TINY_YAML, *settings(tiny, parts, "online",
                                                                                           **common)]

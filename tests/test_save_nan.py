@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from launch_env import launch_env
 from test_trainer import REPO, TINY_YAML, settings, tiny  # noqa: F401 (tiny: the module's fixture)
 
 from dflash_fast.train.distributed import free_port
@@ -16,8 +17,7 @@ from dflash_fast.train.distributed import free_port
     ("export", dict(export=True, export_dtype="fp32"), "export"),
 ])
 def test_nan_weights_stop_every_rank_with_the_same_error_line(tiny, tmp_path, where, overrides, message):  # noqa: F811
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env = launch_env()
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
     out = tmp_path / "run"
     cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2", "--master_port",

@@ -8,6 +8,7 @@ import threading
 
 import numpy as np
 import pytest
+from launch_env import launch_env
 from test_online import LAYER_IDS, MAX_SEQ_LEN, TINY_YAML, config, tiny  # noqa: F401  (tiny: the module fixture)
 from test_trainer import STOP_AND_RESUME, exported, losses, stopped_by_sigterm
 
@@ -274,8 +275,7 @@ def test_two_trainer_ranks_on_one_served_target_train_the_one_rank_steps(tiny, s
     common = dict(schedule__steps=3, data__online__topk=SERVED["topk"])
     one = str(tmp_path / "one")
     train(config(tiny, one, "online", schedule__grad_accum=2, **common))
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
-                                                            "MASTER_PORT")}
+    env = launch_env()
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
     cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2", "--master_port",
            str(free_port()), os.path.join(REPO, "tests", "test_trainer_launch.py"), str(tmp_path / "two"),

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from launch_env import launch_env
 from tiny_targets import make_tiny_target, sample_records, write_jsonl
 
 from dflash_fast.evaluate import validation
@@ -184,8 +185,7 @@ def test_two_gloo_ranks_decode_on_rank_0_and_log_the_same_steps(tiny, tmp_path):
     ds3 = json.loads(open(os.path.join(REPO, "configs", "ds_zero3.json")).read())
     ds3["zero_optimization"].update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=0)
     (tmp_path / "ds3.json").write_text(json.dumps(ds3))
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env = launch_env()
     env.update(OMP_NUM_THREADS="1")
     out = str(tmp_path / "two")
     cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2", "--master_port",

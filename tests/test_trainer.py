@@ -12,6 +12,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
+from launch_env import launch_env
 from safetensors.torch import load_file
 from tiny_targets import make_tiny_target, sample_records, write_jsonl
 
@@ -362,11 +363,7 @@ def test_two_ranks_agree_with_one_rank_and_zero_1_2_3_agree(tiny, tmp_path):
     run(tiny, one, schedule__grad_accum=2, **common)
 
     # The in-process runs made this process a world of one; the launcher's ranks get their own variables.
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    }
+    env = launch_env()
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
     launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
     cmd = [

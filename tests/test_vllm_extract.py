@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from launch_env import launch_env
 from tiny_targets import make_tiny_target, sample_records, write_jsonl
 
 from dflash_fast import cli
@@ -209,8 +210,7 @@ def test_a_tensor_parallel_2_store_is_the_tensor_parallel_1_store(stores, data, 
     cmd = [sys.executable, "-m", "dflash_fast.cli", "extract", "--engine", "vllm", "--tensor-parallel-size", "2",
            "--target", TARGET, "--data", str(data), "--out", str(out), "--layer-ids", ",".join(map(str, LAYER_IDS)),
            *flags]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
-                                                            "MASTER_PORT", "VLLM_CPU_OMP_THREADS_BIND")}
+    env = launch_env("VLLM_CPU_OMP_THREADS_BIND")
     done = subprocess.run(cmd, cwd=REPO, env={**env, "PYTHONPATH": REPO}, capture_output=True, text=True,
                           timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -247,8 +247,7 @@ def train_in_a_process(stores, data, out, source, overrides=None, wait=True):
     extra.update(overrides or {})
     store = type("Store", (), {"store": stores["vllm"]})
     argv = trainer_settings(store, out, **{k.replace(".", "__"): v for k, v in extra.items()})
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
-                                                            "MASTER_PORT")}
+    env = launch_env()
     env["PYTHONPATH"] = REPO
     cmd = [sys.executable, os.path.join(REPO, "train.py"), "--config", os.path.join(REPO, "configs", "tiny.yaml"),
            *argv]

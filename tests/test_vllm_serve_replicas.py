@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 if os.environ.get("DFLASH_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm")
 
+from launch_env import launch_env  # noqa: E402
 from test_trainer import losses  # noqa: E402
 from test_trainer import settings as trainer_settings  # noqa: E402
 from test_vllm_extract import LAYER_IDS, NUM_LAYERS, OPTIONS, REPO, assert_close_per_token  # noqa: E402
@@ -38,7 +39,6 @@ API_KEY = "test-key"
 # The KV cache (and hidden-state capture) of a replica: ~5.5 KiB a token for the embedded target, so ~12k tokens,
 # 16 documents of 96 tokens many times over; a small one, as two replicas share a CI machine's memory.
 KV_CACHE_BYTES = 64 << 20
-LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 class Server:
@@ -51,7 +51,7 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = root / f"{name}.log"
-        env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+        env = launch_env()
         env.update(PYTHONPATH=REPO, OMP_NUM_THREADS="1")
         command = vllm_serve_command(TARGET, self.port, str(self.storage), LAYER_IDS, NUM_LAYERS,
                                      OPTIONS["max_seq_len"], "float32", API_KEY, device="cpu",
@@ -113,7 +113,7 @@ def store(data, tmp_path_factory, started):  # noqa: ARG001 (started: the replic
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in OPTIONS.items() if k not in ("layer_ids", "progress")]
     cmd = [sys.executable, "-m", "dflash_fast.cli", "extract", "--engine", "vllm", "--target", TARGET, "--data",
            str(data), "--out", str(out), "--layer-ids", ",".join(map(str, LAYER_IDS)), *flags]
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+    env = launch_env()
     done = subprocess.run(cmd, cwd=REPO, env={**env, "PYTHONPATH": REPO}, capture_output=True, text=True,
                           timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -240,7 +240,7 @@ def train_argv(store, data, out, source, **extra):
 def launch_two_ranks(store, data, root, servers):
     """`deepspeed --num_gpus 2` (gloo) of tests/test_trainer_launch.py: 2 ranks of 1 micro-batch each on the
     replicas (the global batch of 1 rank with 2 micro-batches) -> the running launcher; writes root/run0."""
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+    env = launch_env()
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([REPO, env.get("PYTHONPATH", "")]))
     argv = train_argv(store, data, "unused", "vllm_serve", **{"schedule.grad_accum": 1,
                                                                "data.online.servers": ",".join(servers)})
@@ -253,7 +253,7 @@ def launch_two_ranks(store, data, root, servers):
 @pytest.fixture(scope="module")
 def store_steps(store, data, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("store_run"))
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+    env = launch_env()
     cmd = [sys.executable, os.path.join(REPO, "train.py"), "--config", os.path.join(REPO, "configs", "tiny.yaml"),
            *train_argv(store, data, out, "store")]
     done = subprocess.run(cmd, cwd=REPO, env={**env, "PYTHONPATH": REPO}, capture_output=True, text=True,
@@ -264,7 +264,7 @@ def store_steps(store, data, tmp_path_factory):
 
 def train_one_rank(store, data, out, servers, **extra):
     """`python train.py` (1 rank, 2 micro-batches) on the replicas -> the running process."""
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+    env = launch_env()
     argv = train_argv(store, data, out, "vllm_serve", **{"data.online.servers": ",".join(servers), **extra})
     cmd = [sys.executable, os.path.join(REPO, "train.py"), "--config", os.path.join(REPO, "configs", "tiny.yaml"),
            *argv]

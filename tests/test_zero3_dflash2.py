@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from launch_env import launch_env
 from test_trainer import REPO, TINY_YAML, losses, records, run, settings, tiny  # noqa: F401 (tiny is a fixture)
 
 from dflash_fast.train.checkpoint import load_drafter_for_export
@@ -26,8 +27,7 @@ def test_dflash2_trains_alike_under_zero_1_2_and_partitioned_3(tiny, tmp_path): 
     ds_files = [os.path.join(REPO, "configs", "ds_zero1.json"), os.path.join(REPO, "configs", "ds_zero2.json"),
                 str(tmp_path / "ds_zero3_partitioned.json")]
     # The in-process runs of other tests made this process a world of one; the launcher's ranks get their own.
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env = launch_env()
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
     launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
     cmd = [launcher, "--num_gpus", "2", "--master_port", str(free_port()),
