@@ -22,15 +22,22 @@ UNIT_BUDGET = {"kl": 3, "ce(teacher argmax)": 3, "ce(labels)": 2, "ce_data": 2, 
                "kl(DSpark)": 3 + 3 / 16, "kl(DFlash2)": 3}
 
 
-def test_default_paths_stay_within_their_unit_budget_and_never_spill(tmp_path):
+def run_model(tmp_path, size, *extra):
+    """Run bench/lm_head_model.py at `size` ("small" or "medium") into tmp_path, compiled for sm_90 (not
+    interpreted): (its rows by case, the report's name)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["OMP_NUM_THREADS"] = "1"
-    cmd = [sys.executable, os.path.join(REPO, "bench", "lm_head_model.py"), "--small", "--out", str(tmp_path)]
+    cmd = [sys.executable, os.path.join(REPO, "bench", "lm_head_model.py"), f"--{size}", "--out", str(tmp_path),
+           *extra]
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-6000:]}"
-    name = f"lm_head_model_{triton.__version__}_small"
+    name = f"lm_head_model_{triton.__version__}_{size}"
     with open(tmp_path / f"{name}.json") as f:
-        rows = {r["case"]: r for r in json.load(f)["rows"]}
+        return {r["case"]: r for r in json.load(f)["rows"]}, name
+
+
+def test_default_paths_stay_within_their_unit_budget_and_never_spill(tmp_path):
+    rows, name = run_model(tmp_path, "small")
     assert set(rows) == set(UNIT_BUDGET)
     for case, row in rows.items():
         assert 1.9 <= row["units"] <= UNIT_BUDGET[case], (case, row["units"])
@@ -47,14 +54,7 @@ def test_dspark_markov_bias_costs_a_tenth_more_than_kl_and_no_n_by_v_tensor(tmp_
     """DSpark's Markov bias rides in kl's GEMMs (r = H / 16 more columns): GEMM units and HBM bytes within 1.1x of
     kl's (de and dW2 come from the dxd GEMM's reads of dlogits, not from two more reads of it: 1.235x before), and
     no [N, V] tensor of its own (its extra memory is de [N, r] and the fp32 dW2 accumulator [V, r])."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["OMP_NUM_THREADS"] = "1"
-    cmd = [sys.executable, os.path.join(REPO, "bench", "lm_head_model.py"), "--small", "--out", str(tmp_path),
-           "--cases", r"^kl(\(DSpark\))?$"]
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-6000:]}"
-    with open(tmp_path / f"lm_head_model_{triton.__version__}_small.json") as f:
-        rows = {r["case"]: r for r in json.load(f)["rows"]}
+    rows, _ = run_model(tmp_path, "small", "--cases", r"^kl(\(DSpark\))?$")
     dspark, kl = rows["kl(DSpark)"], rows["kl"]
     assert kl["units"] < dspark["units"] <= 1.1 * kl["units"], (dspark, kl)
     assert kl["hbm_bytes"] < dspark["hbm_bytes"] <= 1.1 * kl["hbm_bytes"], (dspark, kl)
@@ -68,15 +68,7 @@ def test_dflash2_selector_costs_under_a_tenth_more_than_kl_and_no_n_by_v_tensor(
     unary top-K's share of a row is near the reference's. Both designs before this one fail it (the model on
     2026-12-03): a torch.topk over each chunk's [C, V] logits (one more read of them) comes to 1.27x here, the
     [N, K, H] candidate rows gathered in torch with a torch norm for the selector's input to 1.11x."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["OMP_NUM_THREADS"] = "1"
-    cmd = [sys.executable, os.path.join(REPO, "bench", "lm_head_model.py"), "--medium", "--out", str(tmp_path),
-           "--cases", r"^kl(\(DFlash2\))?$"]
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-6000:]}"
-    name = f"lm_head_model_{triton.__version__}_medium"
-    with open(tmp_path / f"{name}.json") as f:
-        rows = {r["case"]: r for r in json.load(f)["rows"]}
+    rows, name = run_model(tmp_path, "medium", "--cases", r"^kl(\(DFlash2\))?$")
     dflash2, kl = rows["kl(DFlash2)"], rows["kl"]
     assert dflash2["units"] == kl["units"] and dflash2["spilling_configs"] == 0, (dflash2, kl)
     total = lambda row: row["hbm_bytes"] + row["host_bytes"]  # noqa: E731
