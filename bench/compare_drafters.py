@@ -7,8 +7,10 @@ decoding with our evaluator.
         --eval-prompts 10 --eval-max-new-tokens 48                        # a small budget
     python bench/compare_drafters.py --out out/drafters_full --seeds 0,1,2   # the quickstart budget (24 epochs)
     python bench/compare_drafters.py --out out/drafters_tv --steps 48 loss.kind=tv   # overrides: every run
+    python bench/compare_drafters.py --out out/dspark_cmp --drafters dflash,dspark   # DSpark vs DFlash (docs/dspark.md)
 
-Prints one JSON line per run and writes OUT/results.json (every run, the command, the budget, the load average)
+Prints one JSON line per run and writes OUT/results.json (every run with DSpark's confidence calibration where it
+has one, the command, the budget, the load average)
 and OUT/table.md (per drafter: mean ± sample standard deviation (min-max) over the seeds of real tau and
 tau_offline). A rerun resumes: runs with an eval.json are read back, not trained again.
 """
@@ -44,7 +46,7 @@ def run_one(args, base: str, drafter: str, seed: int) -> Dict:
                             drafter=drafter)
     return dict(drafter=drafter, seed=seed, tau=report["tau"], tau_offline=report.get("tau_offline"),
                 greedy_mismatches=report["greedy_mismatches"], block_size=report["block_size"],
-                wall_s=round(time.time() - t0, 1))
+                calibration=report.get("confidence_calibration"), wall_s=round(time.time() - t0, 1))
 
 
 def spread(values: List[float]) -> str:

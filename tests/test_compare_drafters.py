@@ -22,6 +22,8 @@ def test_every_drafter_and_seed_gets_the_same_budget_and_the_report_holds_every_
         calls.append((os.path.basename(out), drafter, list(extra_overrides)))
         tau = {"dflash": 1.1, "dspark": 1.2, "dflash2": 1.3}[drafter] + 0.01 * len(calls)
         report = {"tau": tau, "tau_offline": tau + 0.05, "greedy_mismatches": 0, "block_size": 8}
+        if drafter == "dspark":
+            report["confidence_calibration"] = [{"position": 1, "predicted": 0.2, "accepted": 0.1}]
         with open(os.path.join(out, "eval.json"), "w") as f:
             json.dump(report, f)
         return report
@@ -39,6 +41,8 @@ def test_every_drafter_and_seed_gets_the_same_budget_and_the_report_holds_every_
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["command"] == "python bench/compare_drafters.py " + " ".join(argv)
     assert len(results["runs"]) == 9 and results["budget"]["steps"] == 24
+    assert [r["calibration"] is not None for r in results["runs"]] == [d == "dspark" for _ in range(3)
+                                                                         for d in ("dflash", "dspark", "dflash2")]
     table = (tmp_path / "table.md").read_text()
     dflash2_taus = [r["tau"] for r in results["runs"] if r["drafter"] == "dflash2"]
     assert f"({min(dflash2_taus):.3f}–{max(dflash2_taus):.3f})" in table  # the seeds' range of each drafter

@@ -86,29 +86,6 @@ def test_the_dspark_config_is_tiny_yaml_plus_the_dspark_keys():
     assert dspark == dflash
 
 
-def test_compare_dspark_passes_its_trainer_overrides_to_both_drafters_of_every_seed(tmp_path, monkeypatch):
-    """scripts/compare_dspark.py key=value words reach every run (docs/dspark.md's table names its loss that way)."""
-    import importlib.util
-
-    from dflash_fast.evaluate.quickstart import REPO
-
-    spec = importlib.util.spec_from_file_location("compare_dspark", os.path.join(REPO, "scripts", "compare_dspark.py"))
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    calls = []
-
-    def fake_quickstart(out, drafter, extra_overrides, **_):
-        calls.append((os.path.basename(out), drafter, list(extra_overrides)))
-        return {"tau": 1.0, "tau_offline": 1.0, "greedy_mismatches": 0, "block_size": 8}
-
-    monkeypatch.setattr(script, "build_store", lambda *_, **__: None)
-    monkeypatch.setattr(script, "quickstart", fake_quickstart)
-    script.main(["--out", str(tmp_path), "--seeds", "0,1", "--steps", "48", "loss.kind=tv"])
-    assert calls == [(f"{d}_s{s}", d, [f"seed={s}", "schedule.steps=48", "loss.kind=tv"])
-                     for s in (0, 1) for d in ("dflash", "dspark")]
-    assert len(json.loads((tmp_path / "summary.json").read_text())) == 4
-
-
 def test_chained_prompts_fill_their_token_budget_and_end_with_a_user_turn():
     from transformers import AutoTokenizer
 
