@@ -137,3 +137,18 @@ def test_strict_summary_rejects_failed_empty_and_unreadable_reports(tmp_path):
     assert problems[1] == "peer.json: row 'speculators' failed: TypeError: x"
     assert problems[2].startswith("torn.json: unreadable")
     assert len(problems) == 3
+
+
+def test_every_test_file_that_needs_vllm_runs_in_ci_and_in_the_suite():
+    """A test file that DFLASH_REQUIRE_VLLM=1 turns from a skip into a failure must be named by .ci/run's vLLM venv
+    step and by a vLLM part of the GPU suite, or a new file's tests only ever skip there."""
+    tests = os.path.join(REPO, "tests")
+    needs_vllm = {f"tests/{name}" for name in os.listdir(tests) if name.endswith(".py")
+                  and "DFLASH_REQUIRE_VLLM" in open(os.path.join(tests, name)).read()} - {"tests/" + __name__ + ".py"}
+    with open(os.path.join(REPO, ".ci", "run")) as f:
+        ci = set(re.findall(r"tests/test_\w+\.py", f.read()))
+    with open(SUITE) as f:
+        parts = re.findall(r"^\s+vllm\w*\) vllm_part .*$", f.read(), re.M)
+    suite = set(re.findall(r"tests/test_\w+\.py", " ".join(parts)))
+    assert "tests/test_vllm.py" in needs_vllm
+    assert needs_vllm - ci == set() and needs_vllm - suite == set()
