@@ -518,9 +518,10 @@ def conv_kernel_stand_in(counter: List[float]):
 
     class Stand(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, x, delta, base, block_size, group_size):  # noqa: ARG004 (the kernel's signature)
+        def forward(ctx, x, delta, base, block_size, group_size, residual):  # noqa: ARG004 (the kernel's signature)
             tiles, rows, coefficients = streams(x, delta, base, group_size)
-            counter[0] += rows + coefficients + x.numel() * _elt(x)
+            residual_read = 0 if residual is None else residual.numel() * _elt(residual)
+            counter[0] += rows + coefficients + x.numel() * _elt(x) + residual_read
             ctx.save_for_backward(x, delta, base)
             ctx.group_size = group_size
             return torch.empty_like(x)
@@ -533,46 +534,63 @@ def conv_kernel_stand_in(counter: List[float]):
             partials = torch.empty((tiles, *base.shape), dtype=torch.float32)
             counter[0] += 2 * rows + coefficients + x.numel() * _elt(x) + d_delta.numel() * _elt(d_delta) \
                 + partials.numel() * 4
-            return torch.empty_like(x), d_delta, partials.sum(0).to(base.dtype), None, None
+            return (torch.empty_like(x), d_delta, partials.sum(0).to(base.dtype), None, None,
+                    dy if ctx.needs_input_grad[5] else None)
 
-    return Stand.apply
+    return lambda x, delta, base, block_size, group_size, residual=None: Stand.apply(x, delta, base, block_size,
+                                                                                     group_size, residual)
 
 
 def conv_rows(s: Dict, rows: int, dtype) -> List[Dict]:
-    """DFlash2's convolutions around one sublayer (conv_in before it, conv_out after it, one kernel projection), at
-    N = rows x A x B slots: the bytes they move forward and forward + backward, in [N, H] passes of the activation
-    dtype (the projection's GEMM and its weight gradient included), for each backend of the op
-    `grouped_dynamic_conv`: eager (its torch ops, HostOps: every op's inputs read and outputs written once) and
-    triton (the kernel's bytes from `conv_kernel_stand_in`, the torch ops around it by HostOps). The issue's budget:
-    one extra [N, H] read and write per convolution, 4 passes for the two of a sublayer forward (8 with their
-    backward)."""
+    """DFlash2's convolutions around one sublayer (conv_in before it, conv_out after it with the residual add inside
+    it, one kernel projection), at N = rows x A x B slots: the bytes they move forward and forward + backward, in
+    [N, H] passes of the activation dtype (the projection's GEMM and its weight gradient included), for each backend
+    of the op `grouped_dynamic_conv`: eager (its torch ops, HostOps: every op's inputs read and outputs written once)
+    and triton (the kernel's bytes from `conv_kernel_stand_in`, the torch ops around it by HostOps).
+
+    What the convolutions cost is what they add to a DFlash sublayer, whose residual add (`residual + fn(y)`) already
+    reads 2 and writes 1 [N, H] forward and hands dy on backward: `dflash_passes` is that add counted the same way,
+    `extra_passes` = `nh_passes` - `dflash_passes`, and `kernel_extra_passes` the conv kernels' bytes less the add
+    (conv_out reads the residual and writes the sum in the add's place). The issue's budget, on the extra: one [N, H]
+    read and write per convolution, 4 passes for the two of a sublayer forward (8 with their backward)."""
     from dflash_fast.drafter import dflash2
 
     n, hid = rows * s["A"] * s["B"], s["H"]
     conv = dflash2.DynamicConv(hid, s["B"], CONV_TAPS, CONV_GROUP).to(dtype)
     x = torch.zeros(1, n, hid, dtype=dtype, requires_grad=True)
+    residual = torch.zeros(1, n, hid, dtype=dtype, requires_grad=True)
     passes = n * hid * torch.empty((), dtype=dtype).element_size()
+    inputs = (x, residual, *conv.parameters())
+
+    def counted(sublayer: Callable[[], torch.Tensor], backward: bool) -> float:
+        """Bytes of sublayer() (and of its gradients for x, the residual and the conv's weights) by HostOps."""
+        with HostOps() as host:
+            z = sublayer()
+            if backward:  # autograd.grad: the gradients handed over as they are, no leaf .grad accumulated
+                torch.autograd.grad(z, inputs, torch.zeros_like(z), allow_unused=True)
+        return host.bytes
+
     out = []
     for backend in ("eager", "triton"):
         for label, backward in (("forward", False), ("forward + backward", True)):
-            host, kernel = HostOps(), [0.0]
+            kernel = [0.0]
             saved = dflash2.conv_impl
             if backend == "triton":
                 dflash2.conv_impl = lambda: conv_kernel_stand_in(kernel)
             try:
-                with host:
-                    y, delta = conv.prepare(x)
-                    z = conv.finish(y, delta)  # the sublayer between them is the identity here (no op of its own)
-                    if backward:
-                        z.backward(torch.zeros_like(z))
+                # the sublayer between conv_in and conv_out: the identity here (no op of its own)
+                moved = counted(lambda: conv.finish(*conv.prepare(x), residual), backward) + kernel[0]
             finally:
                 dflash2.conv_impl = saved
-            moved = host.bytes + kernel[0]
+            dflash = counted(lambda: residual + x, backward)  # a DFlash sublayer's residual add, the identity for fn
+            extra = moved - dflash
             out.append(dict(case=f"conv_in + conv_out, {label}", backend=backend, N=n, H=hid, taps=CONV_TAPS,
                             group=CONV_GROUP, gb=round(moved / 1e9, 3), bytes=int(moved),
                             kernel_bytes=int(kernel[0]), nh_passes=round(moved / passes, 2),
-                            budget_passes=8 if backward else 4, ms=round(moved / H200["hbm"] * 1e3, 3)))
-            x.grad = None
+                            dflash_passes=round(dflash / passes, 2), extra_passes=round(extra / passes, 2),
+                            kernel_extra_passes=round((kernel[0] - dflash) / passes, 2) if kernel[0] else None,
+                            budget_passes=8 if backward else 4, extra_gb=round(extra / 1e9, 3),
+                            extra_ms=round(extra / H200["hbm"] * 1e3, 3)))
     return out
 
 

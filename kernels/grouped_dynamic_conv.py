@@ -4,9 +4,11 @@ Math, for N rows x [N, H] (row n is slot s(n) = n % B of its block of B slots), 
 channels (g(c) = c // GS), delta [N, T, G], base [T, H]:
 
     c_n[t, c] = round(base[t, c]) + delta_n[t, g(c)]             (base rounded to x.dtype, as the eager twin)
-    y_n[c]    = sum_{t < T, t <= s(n)} x_{n-t}[c] * c_n[t, c]      (fp32 accumulation, stored in x.dtype)
+    y_n[c]    = r_n[c] + sum_{t < T, t <= s(n)} x_{n-t}[c] * c_n[t, c]   (fp32 accumulation, stored in x.dtype)
 
-Taps never reach across a block start (t <= s(n)); a last block shorter than B is allowed. Backward, for dy [N, H]:
+with r [N, H] an optional residual (the decoder layer's residual add fused into conv_out: the sum is written once,
+the conv's own output never is; without it r = 0). Taps never reach across a block start (t <= s(n)); a last block
+shorter than B is allowed. Backward, for dy [N, H] (d r = dy, handed on as is: no copy, no pass):
 
     dx_m[c]         = sum_{t: s(m) + t < B, m + t < N} dy_{m+t}[c] * c_{m+t}[t, c]
     d delta_n[t, g] = sum_{c in g} dy_n[c] * x_{n-t}[c]          (t <= s(n), else 0)
@@ -17,7 +19,8 @@ Each program owns BLOCK_N rows and BLOCK_G whole groups (a [BLOCK_N, BLOCK_G, GS
 to a power of two and masked), so the group reduction of d delta stays inside one program.
 
 Memory touched. Forward: x read once (the earlier slots a tap needs are the rows just above the tile: cache hits,
-plus T - 1 rows per tile), delta [N, T, G] and base [T, H] read once, y [N, H] written once. Backward: x, dy, delta,
+plus T - 1 rows per tile), delta [N, T, G] and base [T, H] read once, the residual (if any) read once, y [N, H]
+written once. Backward: x, dy, delta,
 base read once each (the later rows dx needs are again the tile's neighbours), dx [N, H] and d delta [N, T, G]
 written once, d base as fp32 partials [N / BLOCK_N, T, H] and their sum. The eager twin
 (`dflash_fast.drafter.dflash2.grouped_dynamic_conv`) moves ~9x (forward) to ~12x (with backward) more.
@@ -25,7 +28,7 @@ written once, d base as fp32 partials [N / BLOCK_N, T, H] and their sum. The eag
 Runs on CUDA and, with TRITON_INTERPRET=1, on CPU tensors (fp32/fp16; the interpreter's bf16 is wrong). No
 autotuning: the backward's partial buffer is sized by the row tile, which the host picks (`_tiles`).
 """
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -38,10 +41,11 @@ def _conv_fwd_kernel(
     x_ptr,  # [N, H] contiguous
     d_ptr, stride_dn, stride_dt,  # delta [N, T, G] (unit group stride), its row and tap strides
     base_ptr,  # [T, H] contiguous
+    r_ptr,  # residual [N, H] contiguous, x.dtype (read only when HAS_RESIDUAL)
     y_ptr,  # [N, H] contiguous, x.dtype
     N, H, G, B,
     T: tl.constexpr, GS: tl.constexpr, GS_P2: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
 ):
     i_n, i_g = tl.program_id(0), tl.program_id(1)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -61,7 +65,10 @@ def _conv_fwd_kernel(
         b_base = tl.load(base_ptr + t * H + o_c, mask=m_c, other=0.0).to(x_ptr.dtype.element_ty).to(tl.float32)
         b_acc += b_x * (b_base[None, :, :] + b_d[:, :, None])
     o_y = o_n.to(tl.int64)[:, None, None] * H + o_c[None, :, :]
-    tl.store(y_ptr + o_y, b_acc.to(y_ptr.dtype.element_ty), mask=m_n[:, None, None] & m_c[None, :, :])
+    m_y = m_n[:, None, None] & m_c[None, :, :]
+    if HAS_RESIDUAL:
+        b_acc += tl.load(r_ptr + o_y, mask=m_y, other=0.0).to(tl.float32)
+    tl.store(y_ptr + o_y, b_acc.to(y_ptr.dtype.element_ty), mask=m_y)
 
 
 @triton.jit
@@ -121,7 +128,8 @@ def _tiles(group_size: int) -> Tuple[int, int, int, int]:
     return 64, max(1, 256 // gs_p2), gs_p2, 4
 
 
-def _check(x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size: int, group_size: int) -> None:
+def _check(x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size: int, group_size: int,
+           residual: Optional[torch.Tensor] = None) -> None:
     n, h = x.shape
     taps = base.shape[0]
     if group_size < 1 or h % group_size:
@@ -133,13 +141,17 @@ def _check(x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size:
         )
     if not 1 <= taps <= block_size:
         raise ValueError(f"taps = {taps} must be in [1, block_size = {block_size}]: taps never cross a block start")
-    check_device("grouped_dynamic_conv", x, delta, base)
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"the residual [N, H] must be x's shape and dtype {tuple(x.shape)} {x.dtype}; got "
+                         f"{tuple(residual.shape)} {residual.dtype}")
+    check_device("grouped_dynamic_conv", x, delta, base, *([] if residual is None else [residual]))
 
 
-def conv_forward(x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size: int,
-                 group_size: int) -> torch.Tensor:
-    """x [N, H] (contiguous), delta [N, taps, G] (unit last stride), base [taps, H] -> y [N, H] in x.dtype."""
-    _check(x, delta, base, block_size, group_size)
+def conv_forward(x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size: int, group_size: int,
+                 residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [N, H] (contiguous), delta [N, taps, G] (unit last stride), base [taps, H], residual [N, H] (contiguous) or
+    None -> y [N, H] in x.dtype: residual + conv(x), written once."""
+    _check(x, delta, base, block_size, group_size, residual)
     n, h = x.shape
     y = torch.empty_like(x)
     if n == 0:
@@ -148,9 +160,10 @@ def conv_forward(x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block
     groups = h // group_size
     grid = (triton.cdiv(n, block_n), triton.cdiv(groups, block_g))
     _conv_fwd_kernel[grid](
-        x, delta, delta.stride(0), delta.stride(1), base.contiguous(), y,
+        x, delta, delta.stride(0), delta.stride(1), base.contiguous(), x if residual is None else residual, y,
         n, h, groups, block_size,
-        T=base.shape[0], GS=group_size, GS_P2=gs_p2, BLOCK_N=block_n, BLOCK_G=block_g, num_warps=warps,
+        T=base.shape[0], GS=group_size, GS_P2=gs_p2, BLOCK_N=block_n, BLOCK_G=block_g,
+        HAS_RESIDUAL=residual is not None, num_warps=warps,
     )
     return y
 
@@ -177,11 +190,11 @@ def conv_backward(dy: torch.Tensor, x: torch.Tensor, delta: torch.Tensor, base: 
 
 
 class GroupedDynamicConvFunction(torch.autograd.Function):
-    """Gradients for x, delta and base; x and the coefficients are saved, y is not."""
+    """Gradients for x, delta, base and the residual (dy itself); x and the coefficients are saved, y is not."""
 
     @staticmethod
-    def forward(ctx, x, delta, base, block_size, group_size):
-        y = conv_forward(x, delta, base, block_size, group_size)
+    def forward(ctx, x, delta, base, block_size, group_size, residual):
+        y = conv_forward(x, delta, base, block_size, group_size, residual)
         ctx.save_for_backward(x, delta, base)
         ctx.block_size, ctx.group_size = block_size, group_size
         return y
@@ -191,23 +204,32 @@ class GroupedDynamicConvFunction(torch.autograd.Function):
         x, delta, base = ctx.saved_tensors
         dx, d_delta, d_base = conv_backward(dy, x, delta, base, ctx.block_size, ctx.group_size)
         need = ctx.needs_input_grad
-        return dx if need[0] else None, d_delta if need[1] else None, d_base if need[2] else None, None, None
+        return (dx if need[0] else None, d_delta if need[1] else None, d_base if need[2] else None, None, None,
+                dy if need[5] else None)
 
 
-def grouped_dynamic_conv(x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size: int,
-                         group_size: int) -> torch.Tensor:
-    """y_s = sum_{t <= s} x_{s-t} * (base[t] + delta_s[t, group]) inside each block of `block_size` slots.
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t [..., H] -> [N, H] with unit channel stride and row stride H (a view where it already is one)."""
+    h = t.shape[-1]
+    t2 = t.reshape(-1, h)
+    if t2.stride(1) != 1 or (t2.shape[0] > 1 and t2.stride(0) != h):
+        t2 = t2.contiguous()
+    return t2
+
+
+def grouped_dynamic_conv(x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size: int, group_size: int,
+                         residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """y_s = residual_s + sum_{t <= s} x_{s-t} * (base[t] + delta_s[t, group]) inside each block of `block_size`
+    slots (residual_s = 0 without one).
 
     x [..., H] (rows in order, block starts at row multiples of block_size; a last short block is allowed), delta
     [..., taps, H / group_size] (any strides with a unit last one: a slice of the kernel projection's output is
-    read in place), base [taps, H] -> y [..., H] in x.dtype. Semantics: `dflash_fast.drafter.dflash2
-    .grouped_dynamic_conv` (its x is [R, A*B, H]; rows here run on across R, which is the same as R*A*B rows).
+    read in place), base [taps, H], residual [..., H] (x's shape and dtype) or None -> y [..., H] in x.dtype.
+    Semantics: `dflash_fast.drafter.dflash2.grouped_dynamic_conv` (its x is [R, A*B, H]; rows here run on across
+    R, which is the same as R*A*B rows).
     """
-    h = x.shape[-1]
-    x2 = x.reshape(-1, h)
-    if x2.stride(1) != 1 or (x2.shape[0] > 1 and x2.stride(0) != h):
-        x2 = x2.contiguous()
     d2 = delta.reshape(-1, *delta.shape[-2:])
     if d2.stride(2) != 1:
         d2 = d2.contiguous()
-    return GroupedDynamicConvFunction.apply(x2, d2, base, block_size, group_size).view(x.shape)
+    r2 = None if residual is None else _rows(residual)
+    return GroupedDynamicConvFunction.apply(_rows(x), d2, base, block_size, group_size, r2).view(x.shape)

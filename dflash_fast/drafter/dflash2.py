@@ -2,7 +2,7 @@
 block around both sublayers of every decoder layer, and the low-rank candidate selector that re-ranks each slot's
 unary top-K with the previous token.
 
-    convolution (per sublayer): x -> norm -> conv_in -> attention | MLP -> conv_out -> + residual
+    convolution (per sublayer): x -> norm -> conv_in -> attention | MLP -> conv_out -> + residual (one op: `finish`)
         delta = kernel_projection(norm(x)) [.., S, 2, taps, G]  (G = H / group groups, one coefficient each)
         y_s[c] = sum_{t < taps, t <= s} x_{s-t}[c] * (base[t, c] + delta_s[t, g(c)])   (s: slot in its block)
         conv_in uses base_kernel[0] and delta[.., 0]; conv_out base_kernel[1] and delta[.., 1] (from the input)
@@ -48,12 +48,14 @@ def head_shapes(cfg) -> Dict[str, Tuple[int, ...]]:
 
 
 def grouped_dynamic_conv(
-    x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size: int, group_size: int
+    x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size: int, group_size: int,
+    residual: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The causal convolution inside each block: x [R, A*B, H] (the A blocks of B slots one after another),
     delta [R, A*B, taps, G] (each output slot's dynamic coefficients, G = H / group_size), base [taps, H]
     -> y [R, A*B, H] with y_s = sum_{t <= s} x_{s-t} * (base[t] + delta_s[t, group]); taps never reach into the
-    block before."""
+    block before. With residual [R, A*B, H]: residual + y (the decoder layer's residual add, which the kernel fuses
+    into its one write)."""
     r, q, h = x.shape
     taps, groups = base.shape[0], h // group_size
     xb = x.view(r, q // block_size, block_size, groups, group_size)
@@ -62,7 +64,7 @@ def grouped_dynamic_conv(
     for t in range(taps):
         shifted = F.pad(xb[:, :, : block_size - t], (0, 0, 0, 0, t, 0))  # x_{s-t}, zeros for s < t
         y = y + shifted * (base[t].to(x.dtype).view(groups, group_size) + db[:, :, :, t, :, None])
-    return y.view(r, q, h)
+    return y.view(r, q, h) if residual is None else residual + y.view(r, q, h)
 
 
 def conv_impl():
@@ -96,9 +98,10 @@ class DynamicConv(nn.Module):
         y = conv_impl()(x, delta[..., 0, :, :], self.base_kernel[0], self.block_size, self.group_size)
         return y, delta[..., 1, :, :]
 
-    def finish(self, y: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        """The sublayer's output y [R, A*B, H] through conv_out with the delta `prepare` computed."""
-        return conv_impl()(y, delta, self.base_kernel[1], self.block_size, self.group_size)
+    def finish(self, y: torch.Tensor, delta: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual [R, A*B, H] + the sublayer's output y [R, A*B, H] through conv_out with the delta `prepare`
+        computed: the decoder layer's residual add inside the convolution (the kernel writes the sum once)."""
+        return conv_impl()(y, delta, self.base_kernel[1], self.block_size, self.group_size, residual)
 
 
 class CandidateSelector(nn.Module):
