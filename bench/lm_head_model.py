@@ -46,7 +46,9 @@ per case) and <out>/lm_head_model_<triton>_kernels.{json,md} (one row per kernel
 """
 import argparse
 import collections
+import contextlib
 import dataclasses
+import importlib
 import math
 import os
 import sys
@@ -498,14 +500,18 @@ def dflash2_call(mod, args, s: Dict, dtype) -> Callable[[], object]:
     return call
 
 
-def conv_kernel_stand_in(counter: List[float]):
-    """kernels/grouped_dynamic_conv.py priced without running it: an autograd Function with the kernel's signature
-    whose forward and backward add the kernel's HBM bytes to counter[0] and return unwritten tensors of the right
-    shapes (factories: HostOps counts nothing for them). The bytes follow the kernel's tiles (`_tiles` of the GPU
-    import): x (and dy) read once plus the T - 1 rows above (below) each row tile, delta [N, T, G] and base read
-    once, y (dx, d delta, the fp32 d base partials of each row tile) written once; the host's sum of the partials
-    is a torch op, which HostOps counts."""
-    from dflash_fast.kernels import grouped_dynamic_conv as kernel
+@contextlib.contextmanager
+def conv_kernels_priced(counter: List[float]):
+    """Run DFlash2's convolutions on the Triton path (kernels/grouped_dynamic_conv.py's autograd Functions and the
+    torch ops around their launches, as the drafter runs them) with the two launches priced, not run: its
+    conv_forward and conv_backward replaced by stand-ins that add the kernels' HBM bytes to counter[0] and return
+    unwritten tensors of the right shapes (factories: HostOps counts nothing for them). The bytes follow the
+    kernel's tiles (`_tiles`): x (and dy) read once plus the T - 1 rows above (below) each row tile, delta
+    [N, T, G] and base read once, the residual read once where conv_out adds it, y (dx, d delta, the fp32 d base
+    partials of each row tile) written once; the host's sum of the partials is a torch op, which HostOps counts."""
+    from dflash_fast.drafter import ops
+
+    kernel = importlib.import_module("dflash_fast.kernels.grouped_dynamic_conv")  # the module the ops switch runs
 
     def streams(x, delta, base, group_size):
         h = x.shape[-1]
@@ -516,29 +522,27 @@ def conv_kernel_stand_in(counter: List[float]):
         coefficients = (n + (taps - 1) * tiles) * taps * groups * _elt(delta) + base.numel() * _elt(base)
         return tiles, rows, coefficients
 
-    class Stand(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, delta, base, block_size, group_size, residual):  # noqa: ARG004 (the kernel's signature)
-            tiles, rows, coefficients = streams(x, delta, base, group_size)
-            residual_read = 0 if residual is None else residual.numel() * _elt(residual)
-            counter[0] += rows + coefficients + x.numel() * _elt(x) + residual_read
-            ctx.save_for_backward(x, delta, base)
-            ctx.group_size = group_size
-            return torch.empty_like(x)
+    def conv_forward(x, delta, base, block_size, group_size, residual=None):  # noqa: ARG001 (the kernel's signature)
+        _, rows, coefficients = streams(x, delta, base, group_size)
+        counter[0] += rows + coefficients + x.numel() * _elt(x) + (0 if residual is None else x.numel() * _elt(x))
+        return torch.empty_like(x)
 
-        @staticmethod
-        def backward(ctx, dy):  # noqa: ARG004 (dy's bytes: the 2 * rows below)
-            x, delta, base = ctx.saved_tensors
-            tiles, rows, coefficients = streams(x, delta, base, ctx.group_size)
+    def conv_backward(dy, x, delta, base, block_size, group_size, d_delta=None):  # noqa: ARG001 (the kernel's)
+        tiles, rows, coefficients = streams(x, delta, base, group_size)
+        if d_delta is None:
             d_delta = torch.empty(delta.shape, dtype=delta.dtype)
-            partials = torch.empty((tiles, *base.shape), dtype=torch.float32)
-            counter[0] += 2 * rows + coefficients + x.numel() * _elt(x) + d_delta.numel() * _elt(d_delta) \
-                + partials.numel() * 4
-            return (torch.empty_like(x), d_delta, partials.sum(0).to(base.dtype), None, None,
-                    dy if ctx.needs_input_grad[5] else None)
+        partials = torch.empty((tiles, *base.shape), dtype=torch.float32)
+        counter[0] += 2 * rows + coefficients + x.numel() * _elt(x) + d_delta.numel() * _elt(d_delta) \
+            + partials.numel() * 4
+        return torch.empty_like(x), d_delta, partials.sum(0).to(base.dtype)
 
-    return lambda x, delta, base, block_size, group_size, residual=None: Stand.apply(x, delta, base, block_size,
-                                                                                     group_size, residual)
+    saved = kernel.conv_forward, kernel.conv_backward
+    kernel.conv_forward, kernel.conv_backward = conv_forward, conv_backward
+    try:
+        with ops.backend("grouped_dynamic_conv=triton"):
+            yield
+    finally:
+        kernel.conv_forward, kernel.conv_backward = saved
 
 
 def conv_rows(s: Dict, rows: int, dtype) -> List[Dict]:
@@ -553,7 +557,7 @@ def conv_rows(s: Dict, rows: int, dtype) -> List[Dict]:
     `extra_passes` = `nh_passes` - `dflash_passes`, and `kernel_extra_passes` the conv kernels' bytes less the add
     (conv_out reads the residual and writes the sum in the add's place). The issue's budget, on the extra: one [N, H]
     read and write per convolution, 4 passes for the two of a sublayer forward (8 with their backward)."""
-    from dflash_fast.drafter import dflash2
+    from dflash_fast.drafter import dflash2, ops
 
     n, hid = rows * s["A"] * s["B"], s["H"]
     conv = dflash2.DynamicConv(hid, s["B"], CONV_TAPS, CONV_GROUP).to(dtype)
@@ -574,14 +578,9 @@ def conv_rows(s: Dict, rows: int, dtype) -> List[Dict]:
     for backend in ("eager", "triton"):
         for label, backward in (("forward", False), ("forward + backward", True)):
             kernel = [0.0]
-            saved = dflash2.conv_impl
-            if backend == "triton":
-                dflash2.conv_impl = lambda: conv_kernel_stand_in(kernel)
-            try:
-                # the sublayer between conv_in and conv_out: the identity here (no op of its own)
+            priced = conv_kernels_priced(kernel) if backend == "triton" else ops.backend("grouped_dynamic_conv=eager")
+            with priced:  # the sublayer between conv_in and conv_out: the identity here (no op of its own)
                 moved = counted(lambda: conv.finish(*conv.prepare(x), residual), backward) + kernel[0]
-            finally:
-                dflash2.conv_impl = saved
             dflash = counted(lambda: residual + x, backward)  # a DFlash sublayer's residual add, the identity for fn
             extra = moved - dflash
             out.append(dict(case=f"conv_in + conv_out, {label}", backend=backend, N=n, H=hid, taps=CONV_TAPS,

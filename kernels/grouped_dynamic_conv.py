@@ -77,7 +77,7 @@ def _conv_bwd_kernel(
     d_ptr, stride_dn, stride_dt,  # delta [N, T, G] (unit group stride), its row and tap strides
     base_ptr,  # [T, H] contiguous
     dx_ptr,  # [N, H] contiguous, x.dtype
-    dd_ptr,  # d delta [N, T, G] contiguous, delta.dtype
+    dd_ptr, stride_ddn, stride_ddt,  # d delta [N, T, G] (unit group stride), delta.dtype, its row and tap strides
     dbase_ptr,  # [programs along N, T, H] fp32 partials
     N, H, G, B,
     T: tl.constexpr, GS: tl.constexpr, GS_P2: tl.constexpr,
@@ -103,7 +103,7 @@ def _conv_bwd_kernel(
         o_x = (o_n - t).to(tl.int64)[:, None, None] * H + o_c[None, :, :]
         b_x = tl.load(x_ptr + o_x, mask=m_back[:, None, None] & m_c[None, :, :], other=0.0).to(tl.float32)
         b_prod = b_dy * b_x
-        p_dd = dd_ptr + o_n.to(tl.int64)[:, None] * (T * G) + t * G + o_g[None, :]
+        p_dd = dd_ptr + o_n.to(tl.int64)[:, None] * stride_ddn + t * stride_ddt + o_g[None, :]
         tl.store(p_dd, tl.sum(b_prod, 2).to(dd_ptr.dtype.element_ty), mask=m_n[:, None] & m_g[None, :])
         p_db = dbase_ptr + (i_n.to(tl.int64) * T + t) * H + o_c
         tl.store(p_db, tl.sum(b_prod, 0), mask=m_c)
@@ -169,20 +169,24 @@ def conv_forward(x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block
 
 
 def conv_backward(dy: torch.Tensor, x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size: int,
-                  group_size: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  group_size: int, d_delta: Optional[torch.Tensor] = None
+                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dy, x [N, H] (contiguous), delta [N, taps, G], base [taps, H] -> (dx [N, H] x.dtype, d delta [N, taps, G]
-    delta.dtype, d base [taps, H] base.dtype)."""
+    delta.dtype, d base [taps, H] base.dtype). d_delta: where to write d delta ([N, taps, G], unit last stride: a
+    slice of the projection's gradient), else a new tensor."""
     n, h = x.shape
     taps, groups = base.shape[0], h // group_size
     dx = torch.empty_like(x)
-    d_delta = torch.empty((n, taps, groups), dtype=delta.dtype, device=x.device)
+    if d_delta is None:
+        d_delta = torch.empty((n, taps, groups), dtype=delta.dtype, device=x.device)
     if n == 0:
         return dx, d_delta, torch.zeros_like(base)
     block_n, block_g, gs_p2, warps = _tiles(group_size)
     grid = (triton.cdiv(n, block_n), triton.cdiv(groups, block_g))
     d_base = torch.empty((grid[0], taps, h), dtype=torch.float32, device=x.device)
     _conv_bwd_kernel[grid](
-        x, dy.contiguous(), delta, delta.stride(0), delta.stride(1), base.contiguous(), dx, d_delta, d_base,
+        x, dy.contiguous(), delta, delta.stride(0), delta.stride(1), base.contiguous(), dx,
+        d_delta, d_delta.stride(0), d_delta.stride(1), d_base,
         n, h, groups, block_size,
         T=taps, GS=group_size, GS_P2=gs_p2, BLOCK_N=block_n, BLOCK_G=block_g, num_warps=warps,
     )
@@ -206,6 +210,38 @@ class GroupedDynamicConvFunction(torch.autograd.Function):
         need = ctx.needs_input_grad
         return (dx if need[0] else None, d_delta if need[1] else None, d_base if need[2] else None, None, None,
                 dy if need[5] else None)
+
+
+class ProjectedConvFunction(torch.autograd.Function):
+    """The kernel projection of a sublayer's normed input and conv_in in one Function (`DynamicConv.prepare`):
+    delta = x W^T [N, 2, taps, G] drives conv_in (delta[:, 0], here) and conv_out (delta[:, 1], returned as a view).
+    Backward: the kernel writes conv_in's d delta into its half of one [N, 2, taps, G] gradient (conv_out's half
+    copied in: 1/8 of an [N, H] pass at taps 2, groups of 16), and the projection's dgrad accumulates into conv_in's
+    dx by one in-place addmm (beta = 1: the GEMM reads dx and writes dx), where autograd would write the dgrad and
+    then add the two [N, H] gradients (2 passes more). x, W, base and delta are saved; y is not."""
+
+    @staticmethod
+    def forward(ctx, x, weight, base, block_size, group_size):
+        taps, groups = base.shape[0], x.shape[1] // group_size
+        delta = (x @ weight.t()).view(x.shape[0], 2, taps, groups)
+        y = conv_forward(x, delta[:, 0], base, block_size, group_size)
+        ctx.save_for_backward(x, weight, base, delta)
+        ctx.block_size, ctx.group_size = block_size, group_size
+        return y, delta[:, 1]
+
+    @staticmethod
+    def backward(ctx, dy, d_delta_out):
+        x, weight, base, delta = ctx.saved_tensors
+        d_delta = torch.empty_like(delta)
+        dx, _, d_base = conv_backward(dy, x, delta[:, 0], base, ctx.block_size, ctx.group_size, d_delta[:, 0])
+        if d_delta_out is None:
+            d_delta[:, 1].zero_()
+        else:
+            d_delta[:, 1].copy_(d_delta_out)
+        d_delta = d_delta.view(x.shape[0], -1)
+        d_weight = d_delta.t() @ x if ctx.needs_input_grad[1] else None
+        dx.addmm_(d_delta, weight)  # the projection's dgrad, accumulated into conv_in's dx
+        return dx, d_weight, d_base if ctx.needs_input_grad[2] else None, None, None
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -233,3 +269,13 @@ def grouped_dynamic_conv(x: torch.Tensor, delta: torch.Tensor, base: torch.Tenso
         d2 = d2.contiguous()
     r2 = None if residual is None else _rows(residual)
     return GroupedDynamicConvFunction.apply(_rows(x), d2, base, block_size, group_size, r2).view(x.shape)
+
+
+def projected_conv(x: torch.Tensor, weight: torch.Tensor, base: torch.Tensor, block_size: int,
+                   group_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """x [..., H] (a sublayer's normed input), weight [2 taps G, H] (the kernel projection), base [taps, H] (conv_in's)
+    -> (conv_in(x) [..., H], conv_out's delta [..., taps, G]) with delta = x W^T viewed [..., 2, taps, G]; the
+    backward as `ProjectedConvFunction`. Semantics: `dflash_fast.drafter.dflash2.projected_conv`."""
+    taps, groups = base.shape[0], x.shape[-1] // group_size
+    y, delta_out = ProjectedConvFunction.apply(_rows(x), weight, base, block_size, group_size)
+    return y.view(x.shape), delta_out.view(*x.shape[:-1], taps, groups)

@@ -8,10 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dflash_fast.kernels.grouped_dynamic_conv import grouped_dynamic_conv as triton_conv
+from dflash_fast.kernels.grouped_dynamic_conv import projected_conv as triton_projected
 
 from dflash_fast.drafter import ops
-from dflash_fast.drafter.dflash2 import DynamicConv, conv_impl
+from dflash_fast.drafter.dflash2 import DynamicConv, conv_impl, projected_conv_impl
 from dflash_fast.drafter.dflash2 import grouped_dynamic_conv as eager_conv
+from dflash_fast.drafter.dflash2 import projected_conv as eager_projected
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Max |actual - expected| relative to max |expected| (the eager twin rounds after every tap in 16-bit).
@@ -109,6 +111,39 @@ def test_a_residual_of_another_dtype_is_refused():
         triton_conv(x, delta, base, 4, 4, x.detach().half())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "r, n, h, taps, group_size, block_size",
+    [
+        (1, 70, 40, 3, 8, 4),  # 2 row tiles, the last one partial
+        (2, 15, 24, 2, 24, 5),  # one group (group_size = H)
+        (1, 12, 36, 3, 12, 3),  # group size not a power of two (masked lanes), taps = B
+    ],
+)
+def test_projection_and_conv_in_in_one_function_equal_the_eager_twin(r, n, h, taps, group_size, block_size, dtype):
+    """`projected_conv` (DynamicConv.prepare): the kernel projection, conv_in, and conv_out's delta handed on; its
+    backward writes conv_in's d delta into the projection's gradient and adds the projection's dgrad into conv_in's
+    dx in place (addmm). Forward, both outputs, and the gradients of x, the projection weight and base, with
+    conv_out's delta used downstream (its gradient joins the projection's) and not used at all."""
+    if n % block_size:  # the eager twin's blocks are whole (the kernel's ragged last block is tested above)
+        n -= n % block_size
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(r, n, h, generator=g).to(DEVICE, dtype).requires_grad_()
+    weight = (0.3 * torch.randn(2 * taps * (h // group_size), h, generator=g)).to(DEVICE, dtype).requires_grad_()
+    base = torch.randn(taps, h, generator=g).to(DEVICE, dtype).requires_grad_()
+    dy = torch.randn(r, n, h, generator=g).to(DEVICE, dtype)
+    d_out = torch.randn(r, n, taps, h // group_size, generator=g).to(DEVICE, dtype)
+    for use_out in (True, False):
+        results = []
+        for fn in (triton_projected, eager_projected):
+            y, delta_out = fn(x, weight, base, block_size, group_size)
+            loss = (y * dy).sum() + ((delta_out * d_out).sum() if use_out else 0)
+            results.append((y, delta_out, *torch.autograd.grad(loss, (x, weight, base))))
+        for name, got, want in zip(("y", "delta_out", "dx", "d weight", "d base"), *results):
+            assert got.shape == want.shape and got.dtype == want.dtype, name
+            assert_close(got, want, dtype, name)
+
+
 def test_an_fp32_base_with_fp16_activations_is_rounded_as_the_eager_twin_and_gets_an_fp32_gradient():
     inputs = make_inputs(1, 12, 32, 2, 8, torch.float16, base_dtype=torch.float32)
     got = forward_and_grads(triton_conv, *inputs, 4, 8)
@@ -157,6 +192,7 @@ def test_dynamic_conv_runs_the_kernel_when_the_backend_is_triton():
     for backend in ("eager", "triton"):
         with ops.backend(f"grouped_dynamic_conv={backend}"):
             assert conv_impl() is (triton_conv if backend == "triton" else eager_conv)
+            assert projected_conv_impl() is (triton_projected if backend == "triton" else eager_projected)
             y, delta = conv.prepare(x)
             residual = 2 * x  # the layer's residual is the sublayer's input before its norm: its gradient joins x's
             z = conv.finish(torch.tanh(y), delta, residual)

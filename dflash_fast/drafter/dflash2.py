@@ -67,10 +67,27 @@ def grouped_dynamic_conv(
     return y.view(r, q, h) if residual is None else residual + y.view(r, q, h)
 
 
+def projected_conv(
+    x: torch.Tensor, weight: torch.Tensor, base: torch.Tensor, block_size: int, group_size: int
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The kernel projection and conv_in of one sublayer: x [R, A*B, H] (its normed input), weight [2 taps G, H],
+    base [taps, H] (conv_in's) -> (conv_in(x) [R, A*B, H], conv_out's delta [R, A*B, taps, G]), the projection's
+    output delta = x W^T viewed [R, A*B, 2, taps, G] (index 0 conv_in's, 1 conv_out's)."""
+    delta = F.linear(x, weight).view(*x.shape[:-1], 2, base.shape[0], x.shape[-1] // group_size)
+    y = grouped_dynamic_conv(x, delta[..., 0, :, :], base, block_size, group_size)
+    return y, delta[..., 1, :, :]
+
+
 def conv_impl():
     """The convolution the ops backend `grouped_dynamic_conv` selects: kernels/grouped_dynamic_conv.py (one pass
     each way) or `grouped_dynamic_conv` above, its eager twin."""
     return ops.kernel_or("grouped_dynamic_conv", grouped_dynamic_conv)
+
+
+def projected_conv_impl():
+    """`projected_conv` on the same switch: the kernel module's (conv_in's dx and the projection's dgrad summed by
+    one in-place addmm) or the one above."""
+    return ops.kernel_or("grouped_dynamic_conv", projected_conv, name="projected_conv")
 
 
 class DynamicConv(nn.Module):
@@ -94,9 +111,8 @@ class DynamicConv(nn.Module):
     def prepare(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """x [R, A*B, H] (normed sublayer input) -> (conv_in(x) [R, A*B, H], the output side's delta
         [R, A*B, taps, G])."""
-        delta = self.kernel_projection(x).view(*x.shape[:-1], 2, self.kernel_size, self.num_groups)
-        y = conv_impl()(x, delta[..., 0, :, :], self.base_kernel[0], self.block_size, self.group_size)
-        return y, delta[..., 1, :, :]
+        return projected_conv_impl()(x, self.kernel_projection.weight, self.base_kernel[0], self.block_size,
+                                     self.group_size)
 
     def finish(self, y: torch.Tensor, delta: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual [R, A*B, H] + the sublayer's output y [R, A*B, H] through conv_out with the delta `prepare`

@@ -71,7 +71,7 @@ def backend(spec: str):
         _choice.update(saved)
 
 
-def _triton_impl(op: str):
+def _triton_impl(op: str, name: Optional[str] = None):
     try:
         module = importlib.import_module(f"dflash_fast.kernels.{op}")
     except ImportError as err:
@@ -79,7 +79,7 @@ def _triton_impl(op: str):
             f"the Triton kernel for {op} cannot be imported ({err}); select the eager backend: "
             f"DFLASH_KERNELS={op}=eager"
         ) from err
-    return getattr(module, op)
+    return getattr(module, name or op)
 
 
 def backend_of(op: str) -> str:
@@ -94,10 +94,11 @@ def _impl(op: str):
     return _triton_impl(op) if backend_of(op) == "triton" else getattr(eager, op)
 
 
-def kernel_or(op: str, eager_fn):
-    """The Triton kernel of `op` when its backend is triton, else `eager_fn`: for an op whose eager twin lives in its
-    drafter family's module (which imports this one), not in eager.py."""
-    return _triton_impl(op) if backend_of(op) == "triton" else eager_fn
+def kernel_or(op: str, eager_fn, name: Optional[str] = None):
+    """The Triton kernel of `op` (its module's function `name`, default `op`) when its backend is triton, else
+    `eager_fn`: for an op whose eager twin lives in its drafter family's module (which imports this one), not in
+    eager.py."""
+    return _triton_impl(op, name) if backend_of(op) == "triton" else eager_fn
 
 
 def fc_concat(*args, **kwargs):
