@@ -37,6 +37,23 @@ from dflash_fast.kernels._common import ON_GPU, check_device
 
 
 @triton.jit
+def _tile(N, H, G, B, GS: tl.constexpr, GS_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr):
+    """This program's tile, BLOCK_N rows x BLOCK_G groups of GS channels (GS_P2 lanes, the rest masked):
+    o_n [BLOCK_N] rows, o_g [BLOCK_G] groups, o_c [BLOCK_G, GS_P2] channels, o_nc [BLOCK_N, BLOCK_G, GS_P2] the
+    elements' offsets in an [N, H] tensor; m_n, m_g, m_c, m_nc their masks; s_n [BLOCK_N] each row's slot in its
+    block of B."""
+    o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+    o_j = tl.arange(0, GS_P2)
+    o_c = o_g[:, None] * GS + o_j[None, :]
+    m_n, m_g = o_n < N, o_g < G
+    m_c = m_g[:, None] & (o_j < GS)[None, :]
+    o_nc = o_n.to(tl.int64)[:, None, None] * H + o_c[None, :, :]
+    m_nc = m_n[:, None, None] & m_c[None, :, :]
+    return o_n, o_g, o_c, o_nc, m_n, m_g, m_c, m_nc, o_n % B
+
+
+@triton.jit
 def _conv_fwd_kernel(
     x_ptr,  # [N, H] contiguous
     d_ptr, stride_dn, stride_dt,  # delta [N, T, G] (unit group stride), its row and tap strides
@@ -47,28 +64,19 @@ def _conv_fwd_kernel(
     T: tl.constexpr, GS: tl.constexpr, GS_P2: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
 ):
-    i_n, i_g = tl.program_id(0), tl.program_id(1)
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    o_g = i_g * BLOCK_G + tl.arange(0, BLOCK_G)
-    o_j = tl.arange(0, GS_P2)
-    o_c = o_g[:, None] * GS + o_j[None, :]  # [BLOCK_G, GS_P2] channels
-    m_c = (o_g < G)[:, None] & (o_j < GS)[None, :]
-    m_n = o_n < N
-    s_n = o_n % B  # slot in its block
+    o_n, o_g, o_c, o_nc, m_n, m_g, m_c, m_nc, s_n = _tile(N, H, G, B, GS, GS_P2, BLOCK_N, BLOCK_G)
     b_acc = tl.zeros([BLOCK_N, BLOCK_G, GS_P2], dtype=tl.float32)
     for t in tl.static_range(T):
         m_r = m_n & (s_n >= t)  # the tap stays inside the block
         o_x = (o_n - t).to(tl.int64)[:, None, None] * H + o_c[None, :, :]
         b_x = tl.load(x_ptr + o_x, mask=m_r[:, None, None] & m_c[None, :, :], other=0.0).to(tl.float32)
         p_d = d_ptr + o_n.to(tl.int64)[:, None] * stride_dn + t * stride_dt + o_g[None, :]
-        b_d = tl.load(p_d, mask=m_r[:, None] & (o_g < G)[None, :], other=0.0).to(tl.float32)
+        b_d = tl.load(p_d, mask=m_r[:, None] & m_g[None, :], other=0.0).to(tl.float32)
         b_base = tl.load(base_ptr + t * H + o_c, mask=m_c, other=0.0).to(x_ptr.dtype.element_ty).to(tl.float32)
         b_acc += b_x * (b_base[None, :, :] + b_d[:, :, None])
-    o_y = o_n.to(tl.int64)[:, None, None] * H + o_c[None, :, :]
-    m_y = m_n[:, None, None] & m_c[None, :, :]
     if HAS_RESIDUAL:
-        b_acc += tl.load(r_ptr + o_y, mask=m_y, other=0.0).to(tl.float32)
-    tl.store(y_ptr + o_y, b_acc.to(y_ptr.dtype.element_ty), mask=m_y)
+        b_acc += tl.load(r_ptr + o_nc, mask=m_nc, other=0.0).to(tl.float32)
+    tl.store(y_ptr + o_nc, b_acc.to(y_ptr.dtype.element_ty), mask=m_nc)
 
 
 @triton.jit
@@ -83,18 +91,8 @@ def _conv_bwd_kernel(
     T: tl.constexpr, GS: tl.constexpr, GS_P2: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
 ):
-    i_n, i_g = tl.program_id(0), tl.program_id(1)
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    o_g = i_g * BLOCK_G + tl.arange(0, BLOCK_G)
-    o_j = tl.arange(0, GS_P2)
-    o_c = o_g[:, None] * GS + o_j[None, :]
-    m_g = o_g < G
-    m_c = m_g[:, None] & (o_j < GS)[None, :]
-    m_n = o_n < N
-    s_n = o_n % B
-    o_row = o_n.to(tl.int64)[:, None, None] * H + o_c[None, :, :]
-    m_row = m_n[:, None, None] & m_c[None, :, :]
-    b_dy = tl.load(dy_ptr + o_row, mask=m_row, other=0.0).to(tl.float32)
+    o_n, o_g, o_c, o_nc, m_n, m_g, m_c, m_nc, s_n = _tile(N, H, G, B, GS, GS_P2, BLOCK_N, BLOCK_G)
+    b_dy = tl.load(dy_ptr + o_nc, mask=m_nc, other=0.0).to(tl.float32)
     b_dx = tl.zeros([BLOCK_N, BLOCK_G, GS_P2], dtype=tl.float32)
     for t in tl.static_range(T):
         b_base = tl.load(base_ptr + t * H + o_c, mask=m_c, other=0.0).to(x_ptr.dtype.element_ty).to(tl.float32)
@@ -105,7 +103,7 @@ def _conv_bwd_kernel(
         b_prod = b_dy * b_x
         p_dd = dd_ptr + o_n.to(tl.int64)[:, None] * stride_ddn + t * stride_ddt + o_g[None, :]
         tl.store(p_dd, tl.sum(b_prod, 2).to(dd_ptr.dtype.element_ty), mask=m_n[:, None] & m_g[None, :])
-        p_db = dbase_ptr + (i_n.to(tl.int64) * T + t) * H + o_c
+        p_db = dbase_ptr + (tl.program_id(0).to(tl.int64) * T + t) * H + o_c
         tl.store(p_db, tl.sum(b_prod, 0), mask=m_c)
         # dx_m += dy_{m+t} * c_{m+t}[t], while m + t stays in m's block
         m_fwd = m_n & (s_n + t < B) & (o_n + t < N)
@@ -115,7 +113,7 @@ def _conv_bwd_kernel(
         p_d = d_ptr + o_f[:, None] * stride_dn + t * stride_dt + o_g[None, :]
         b_d = tl.load(p_d, mask=m_fwd[:, None] & m_g[None, :], other=0.0).to(tl.float32)
         b_dx += b_dyf * (b_base[None, :, :] + b_d[:, :, None])
-    tl.store(dx_ptr + o_row, b_dx.to(dx_ptr.dtype.element_ty), mask=m_row)
+    tl.store(dx_ptr + o_nc, b_dx.to(dx_ptr.dtype.element_ty), mask=m_nc)
 
 
 def _tiles(group_size: int) -> Tuple[int, int, int, int]:
