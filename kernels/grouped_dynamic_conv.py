@@ -25,6 +25,11 @@ base read once each (the later rows dx needs are again the tile's neighbours), d
 written once, d base as fp32 partials [N / BLOCK_N, T, H] and their sum. The eager twin
 (`dflash_fast.drafter.dflash2.grouped_dynamic_conv`) moves ~9x (forward) to ~12x (with backward) more.
 
+Around the kernels, as a DFlash2 sublayer runs them: `grouped_dynamic_conv(..., residual=)` is conv_out with the
+layer's residual add (DynamicConv.finish); `projected_conv` is the kernel projection (a torch GEMM) and conv_in in one
+autograd Function (DynamicConv.prepare) whose backward writes conv_in's d delta into the projection's gradient and
+adds the projection's dgrad into conv_in's dx by one in-place addmm (no separate [N, H] dgrad and sum).
+
 Runs on CUDA and, with TRITON_INTERPRET=1, on CPU tensors (fp32/fp16; the interpreter's bf16 is wrong). No
 autotuning: the backward's partial buffer is sized by the row tile, which the host picks (`_tiles`).
 """
