@@ -10,7 +10,8 @@
               kind, normalizer, eps, teacher: eager.Teacher, dpace: eager.DPace = None,
               markov: eager.Markov = None, topk=0) -> LossOutput
     grouped_dynamic_conv(x [R, A*B, H], delta [R, A*B, taps, H / group], base [taps, H],
-              block_size, group_size) -> y [R, A*B, H]     (DFlash2, SPEC §9; through `kernel_or`)
+              block_size, group_size, residual=None) -> y [R, A*B, H]   (DFlash2, SPEC §9; through `kernel_or`,
+              which also gives the same backend's projected_conv: the kernel projection and conv_in in one)
 
 Full semantics in `dflash_fast/drafter/eager.py` (the convolution's in `dflash_fast/drafter/dflash2.py`).
 The backend is chosen per op:
