@@ -436,14 +436,16 @@ def lm_head_loss_cases(mod, s, dtype) -> Dict[str, Callable[[], None]]:
 def grouped_dynamic_conv_cases(mod, s, dtype) -> Dict[str, Callable[[], None]]:
     """DFlash2's convolution (SPEC §9), forward and backward, at N = A x B slots: its default (taps 2, groups of 16)
     with delta read in place as a slice of the kernel projection's [N, 2, taps, G] output, as DynamicConv reads it,
-    and taps 3 in groups of 128 (another GS and group tile)."""
+    and taps 3 in groups of 128 (another GS and group tile); conv_in without a residual, conv_out with the residual
+    add fused (HAS_RESIDUAL), as a DFlash2 sublayer runs them."""
     n, h, b = s["A"] * s["B"], s["H"], s["B"]
 
     def step(taps, group):
         projection = _empty(n, 2, taps, h // group, dtype=dtype, grad=True)
-        y = mod.grouped_dynamic_conv(_empty(n, h, dtype=dtype, grad=True), projection[:, 0],
-                                     _empty(taps, h, dtype=dtype, grad=True), b, group)
-        y.backward(torch.empty_like(y))
+        base = _empty(2, taps, h, dtype=dtype, grad=True)
+        y = mod.grouped_dynamic_conv(_empty(n, h, dtype=dtype, grad=True), projection[:, 0], base[0], b, group)
+        z = mod.grouped_dynamic_conv(y, projection[:, 1], base[1], b, group, _empty(n, h, dtype=dtype, grad=True))
+        z.backward(torch.empty_like(z))
 
     return {"taps=2 group=16": lambda: step(2, 16), "taps=3 group=128": lambda: step(3, 128)}
 

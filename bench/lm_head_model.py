@@ -46,7 +46,9 @@ per case) and <out>/lm_head_model_<triton>_kernels.{json,md} (one row per kernel
 """
 import argparse
 import collections
+import contextlib
 import dataclasses
+import importlib
 import math
 import os
 import sys
@@ -498,14 +500,18 @@ def dflash2_call(mod, args, s: Dict, dtype) -> Callable[[], object]:
     return call
 
 
-def conv_kernel_stand_in(counter: List[float]):
-    """kernels/grouped_dynamic_conv.py priced without running it: an autograd Function with the kernel's signature
-    whose forward and backward add the kernel's HBM bytes to counter[0] and return unwritten tensors of the right
-    shapes (factories: HostOps counts nothing for them). The bytes follow the kernel's tiles (`_tiles` of the GPU
-    import): x (and dy) read once plus the T - 1 rows above (below) each row tile, delta [N, T, G] and base read
-    once, y (dx, d delta, the fp32 d base partials of each row tile) written once; the host's sum of the partials
-    is a torch op, which HostOps counts."""
-    from dflash_fast.kernels import grouped_dynamic_conv as kernel
+@contextlib.contextmanager
+def conv_kernels_priced(counter: List[float]):
+    """Run DFlash2's convolutions on the Triton path (kernels/grouped_dynamic_conv.py's autograd Functions and the
+    torch ops around their launches, as the drafter runs them) with the two launches priced, not run: its
+    conv_forward and conv_backward replaced by stand-ins that add the kernels' HBM bytes to counter[0] and return
+    unwritten tensors of the right shapes (factories: HostOps counts nothing for them). The bytes follow the
+    kernel's tiles (`_tiles`): x (and dy) read once plus the T - 1 rows above (below) each row tile, delta
+    [N, T, G] and base read once, the residual read once where conv_out adds it, y (dx, d delta, the fp32 d base
+    partials of each row tile) written once; the host's sum of the partials is a torch op, which HostOps counts."""
+    from dflash_fast.drafter import ops
+
+    kernel = importlib.import_module("dflash_fast.kernels.grouped_dynamic_conv")  # the module the ops switch runs
 
     def streams(x, delta, base, group_size):
         h = x.shape[-1]
@@ -516,63 +522,74 @@ def conv_kernel_stand_in(counter: List[float]):
         coefficients = (n + (taps - 1) * tiles) * taps * groups * _elt(delta) + base.numel() * _elt(base)
         return tiles, rows, coefficients
 
-    class Stand(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, delta, base, block_size, group_size):  # noqa: ARG004 (the kernel's signature)
-            tiles, rows, coefficients = streams(x, delta, base, group_size)
-            counter[0] += rows + coefficients + x.numel() * _elt(x)
-            ctx.save_for_backward(x, delta, base)
-            ctx.group_size = group_size
-            return torch.empty_like(x)
+    def conv_forward(x, delta, base, block_size, group_size, residual=None):  # noqa: ARG001 (the kernel's signature)
+        _, rows, coefficients = streams(x, delta, base, group_size)
+        counter[0] += rows + coefficients + x.numel() * _elt(x) + (0 if residual is None else x.numel() * _elt(x))
+        return torch.empty_like(x)
 
-        @staticmethod
-        def backward(ctx, dy):  # noqa: ARG004 (dy's bytes: the 2 * rows below)
-            x, delta, base = ctx.saved_tensors
-            tiles, rows, coefficients = streams(x, delta, base, ctx.group_size)
+    def conv_backward(dy, x, delta, base, block_size, group_size, d_delta=None):  # noqa: ARG001 (the kernel's)
+        tiles, rows, coefficients = streams(x, delta, base, group_size)
+        if d_delta is None:
             d_delta = torch.empty(delta.shape, dtype=delta.dtype)
-            partials = torch.empty((tiles, *base.shape), dtype=torch.float32)
-            counter[0] += 2 * rows + coefficients + x.numel() * _elt(x) + d_delta.numel() * _elt(d_delta) \
-                + partials.numel() * 4
-            return torch.empty_like(x), d_delta, partials.sum(0).to(base.dtype), None, None
+        partials = torch.empty((tiles, *base.shape), dtype=torch.float32)
+        counter[0] += 2 * rows + coefficients + x.numel() * _elt(x) + d_delta.numel() * _elt(d_delta) \
+            + partials.numel() * 4
+        return torch.empty_like(x), d_delta, partials.sum(0).to(base.dtype)
 
-    return Stand.apply
+    saved = kernel.conv_forward, kernel.conv_backward
+    kernel.conv_forward, kernel.conv_backward = conv_forward, conv_backward
+    try:
+        with ops.backend("grouped_dynamic_conv=triton"):
+            yield
+    finally:
+        kernel.conv_forward, kernel.conv_backward = saved
 
 
 def conv_rows(s: Dict, rows: int, dtype) -> List[Dict]:
-    """DFlash2's convolutions around one sublayer (conv_in before it, conv_out after it, one kernel projection), at
-    N = rows x A x B slots: the bytes they move forward and forward + backward, in [N, H] passes of the activation
-    dtype (the projection's GEMM and its weight gradient included), for each backend of the op
-    `grouped_dynamic_conv`: eager (its torch ops, HostOps: every op's inputs read and outputs written once) and
-    triton (the kernel's bytes from `conv_kernel_stand_in`, the torch ops around it by HostOps). The issue's budget:
-    one extra [N, H] read and write per convolution, 4 passes for the two of a sublayer forward (8 with their
-    backward)."""
-    from dflash_fast.drafter import dflash2
+    """DFlash2's convolutions around one sublayer (conv_in before it, conv_out after it with the residual add inside
+    it, one kernel projection), at N = rows x A x B slots: the bytes they move forward and forward + backward, in
+    [N, H] passes of the activation dtype (the projection's GEMM and its weight gradient included), for each backend
+    of the op `grouped_dynamic_conv`: eager (its torch ops, HostOps: every op's inputs read and outputs written once)
+    and triton (the kernel's bytes from `conv_kernel_stand_in`, the torch ops around it by HostOps).
+
+    What the convolutions cost is what they add to a DFlash sublayer, whose residual add (`residual + fn(y)`) already
+    reads 2 and writes 1 [N, H] forward and hands dy on backward: `dflash_passes` is that add counted the same way,
+    `extra_passes` = `nh_passes` - `dflash_passes`, and `kernel_extra_passes` the conv kernels' bytes less the add
+    (conv_out reads the residual and writes the sum in the add's place). The issue's budget, on the extra: one [N, H]
+    read and write per convolution, 4 passes for the two of a sublayer forward (8 with their backward)."""
+    from dflash_fast.drafter import dflash2, ops
 
     n, hid = rows * s["A"] * s["B"], s["H"]
     conv = dflash2.DynamicConv(hid, s["B"], CONV_TAPS, CONV_GROUP).to(dtype)
     x = torch.zeros(1, n, hid, dtype=dtype, requires_grad=True)
+    residual = torch.zeros(1, n, hid, dtype=dtype, requires_grad=True)
     passes = n * hid * torch.empty((), dtype=dtype).element_size()
+    inputs = (x, residual, *conv.parameters())
+
+    def counted(sublayer: Callable[[], torch.Tensor], backward: bool) -> float:
+        """Bytes of sublayer() (and of its gradients for x, the residual and the conv's weights) by HostOps."""
+        with HostOps() as host:
+            z = sublayer()
+            if backward:  # autograd.grad: the gradients handed over as they are, no leaf .grad accumulated
+                torch.autograd.grad(z, inputs, torch.zeros_like(z), allow_unused=True)
+        return host.bytes
+
     out = []
     for backend in ("eager", "triton"):
         for label, backward in (("forward", False), ("forward + backward", True)):
-            host, kernel = HostOps(), [0.0]
-            saved = dflash2.conv_impl
-            if backend == "triton":
-                dflash2.conv_impl = lambda: conv_kernel_stand_in(kernel)
-            try:
-                with host:
-                    y, delta = conv.prepare(x)
-                    z = conv.finish(y, delta)  # the sublayer between them is the identity here (no op of its own)
-                    if backward:
-                        z.backward(torch.zeros_like(z))
-            finally:
-                dflash2.conv_impl = saved
-            moved = host.bytes + kernel[0]
+            kernel = [0.0]
+            priced = conv_kernels_priced(kernel) if backend == "triton" else ops.backend("grouped_dynamic_conv=eager")
+            with priced:  # the sublayer between conv_in and conv_out: the identity here (no op of its own)
+                moved = counted(lambda: conv.finish(*conv.prepare(x), residual), backward) + kernel[0]
+            dflash = counted(lambda: residual + x, backward)  # a DFlash sublayer's residual add, the identity for fn
+            extra = moved - dflash
             out.append(dict(case=f"conv_in + conv_out, {label}", backend=backend, N=n, H=hid, taps=CONV_TAPS,
                             group=CONV_GROUP, gb=round(moved / 1e9, 3), bytes=int(moved),
                             kernel_bytes=int(kernel[0]), nh_passes=round(moved / passes, 2),
-                            budget_passes=8 if backward else 4, ms=round(moved / H200["hbm"] * 1e3, 3)))
-            x.grad = None
+                            dflash_passes=round(dflash / passes, 2), extra_passes=round(extra / passes, 2),
+                            kernel_extra_passes=round((kernel[0] - dflash) / passes, 2) if kernel[0] else None,
+                            budget_passes=8 if backward else 4, extra_gb=round(extra / 1e9, 3),
+                            extra_ms=round(extra / H200["hbm"] * 1e3, 3)))
     return out
 
 

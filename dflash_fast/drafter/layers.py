@@ -121,13 +121,14 @@ class DecoderLayer(nn.Module):
     def forward(self, x, ctx, rope, blk_cos_sin, ctx_cos_sin, attn: Dict) -> torch.Tensor:
         attn = dict(attn, window=self.window, window_from=self.window_from, causal_in_block=self.causal_in_block)
         attention = lambda y: self.self_attn(y, ctx, rope, blk_cos_sin, ctx_cos_sin, attn)
-        x = x + self.sublayer(attention, self.attention_conv, self.input_layernorm(x))
-        return x + self.sublayer(self.mlp, self.mlp_conv, self.post_attention_layernorm(x))
+        x = self.sublayer(attention, self.attention_conv, self.input_layernorm(x), x)
+        return self.sublayer(self.mlp, self.mlp_conv, self.post_attention_layernorm(x), x)
 
     @staticmethod
-    def sublayer(fn, conv, y: torch.Tensor) -> torch.Tensor:
-        """fn(y), or with DFlash2's convolution conv_out(fn(conv_in(y)))."""
+    def sublayer(fn, conv, y: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + fn(y), or with DFlash2's convolution residual + conv_out(fn(conv_in(y))), the add inside
+        conv_out (`DynamicConv.finish`: the kernel writes the sum once)."""
         if conv is None:
-            return fn(y)
+            return residual + fn(y)
         y, delta = conv.prepare(y)
-        return conv.finish(fn(y), delta)
+        return conv.finish(fn(y), delta, residual)

@@ -10,7 +10,8 @@
               kind, normalizer, eps, teacher: eager.Teacher, dpace: eager.DPace = None,
               markov: eager.Markov = None, topk=0) -> LossOutput
     grouped_dynamic_conv(x [R, A*B, H], delta [R, A*B, taps, H / group], base [taps, H],
-              block_size, group_size) -> y [R, A*B, H]     (DFlash2, SPEC §9; through `kernel_or`)
+              block_size, group_size, residual=None) -> y [R, A*B, H]   (DFlash2, SPEC §9; through `kernel_or`,
+              which also gives the same backend's projected_conv: the kernel projection and conv_in in one)
 
 Full semantics in `dflash_fast/drafter/eager.py` (the convolution's in `dflash_fast/drafter/dflash2.py`).
 The backend is chosen per op:
@@ -71,7 +72,7 @@ def backend(spec: str):
         _choice.update(saved)
 
 
-def _triton_impl(op: str):
+def _triton_impl(op: str, name: Optional[str] = None):
     try:
         module = importlib.import_module(f"dflash_fast.kernels.{op}")
     except ImportError as err:
@@ -79,7 +80,7 @@ def _triton_impl(op: str):
             f"the Triton kernel for {op} cannot be imported ({err}); select the eager backend: "
             f"DFLASH_KERNELS={op}=eager"
         ) from err
-    return getattr(module, op)
+    return getattr(module, name or op)
 
 
 def backend_of(op: str) -> str:
@@ -94,10 +95,11 @@ def _impl(op: str):
     return _triton_impl(op) if backend_of(op) == "triton" else getattr(eager, op)
 
 
-def kernel_or(op: str, eager_fn):
-    """The Triton kernel of `op` when its backend is triton, else `eager_fn`: for an op whose eager twin lives in its
-    drafter family's module (which imports this one), not in eager.py."""
-    return _triton_impl(op) if backend_of(op) == "triton" else eager_fn
+def kernel_or(op: str, eager_fn, name: Optional[str] = None):
+    """The Triton kernel of `op` (its module's function `name`, default `op`) when its backend is triton, else
+    `eager_fn`: for an op whose eager twin lives in its drafter family's module (which imports this one), not in
+    eager.py."""
+    return _triton_impl(op, name) if backend_of(op) == "triton" else eager_fn
 
 
 def fc_concat(*args, **kwargs):
