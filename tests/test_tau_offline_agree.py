@@ -3,12 +3,17 @@ they give the same sums. The trainer scores a store's held-out rows (stored taps
 the drafter's training forward, slot_metrics); eval's offline_tau runs the live target over prompt + response and
 scores an anchor at every response position. With every eligible anchor sampled, both must count the same blocks and
 the same leading matches: a gap between a run's val tau_offline and its eval tau_offline is then a gap between the
-texts they score (docs/training.md), never between two ways of counting."""
+texts they score (docs/training.md), never between two ways of counting. scripts/tau_offline_texts.py, which
+measures that split on a run, reports the same two sums."""
+import importlib.util
+import json
+import os
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+import yaml
 from tiny_targets import make_tiny_target, write_jsonl
 
 from dflash_fast.data.batches import row_batches
@@ -16,11 +21,20 @@ from dflash_fast.drafter.model import build_drafter, slot_metrics
 from dflash_fast.evaluate.decode import TargetRunner
 from dflash_fast.evaluate.evaluate import offline_tau
 from dflash_fast.extract.extract import extract
+from dflash_fast.serve.export import export_drafter
 from dflash_fast.store.reader import HiddenStateStore
 from dflash_fast.target.prompts import load_model
+from dflash_fast.train.config import load_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, "scripts", "tau_offline_texts.py")
+spec = importlib.util.spec_from_file_location("tau_offline_texts", SCRIPT)
+tau_offline_texts = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tau_offline_texts)
 
 LAYER_IDS = [1, 2]
 SEQ_LEN = 64
+ANCHORS = SEQ_LEN - 1  # a row's most: every eligible anchor is drawn
 SPLIT = dict(val_fraction=0.25, split_seed=0)
 
 
@@ -37,13 +51,17 @@ def tiny(tmp_path_factory):
     write_jsonl(root / "data.jsonl", records)
     extract(target, root / "data.jsonl", root / "store", layer_ids=LAYER_IDS, dtype="fp32", max_seq_len=SEQ_LEN,
             progress=False)
-    return SimpleNamespace(target=str(target), store=HiddenStateStore(str(root / "store")))
+    return SimpleNamespace(target=str(target), store=HiddenStateStore(str(root / "store")), root=root,
+                           prompts=str(root / "data.jsonl"))
 
 
 def test_val_tau_offline_equals_evals_offline_tau_on_the_same_documents(tiny):
-    batches = row_batches(tiny.store, SEQ_LEN, SEQ_LEN, 2, 0, split="val", with_last=True, **SPLIT)
+    batches = row_batches(tiny.store, SEQ_LEN, ANCHORS, 2, 0, split="val", with_last=True, **SPLIT)
     val = [batches[s] for s in range(len(batches))]
-    assert all(int(b["anchor_valid"].sum(-1).max()) < SEQ_LEN for b in val), "every eligible anchor is sampled"
+    for b in val:  # every eligible anchor is drawn (SPEC §3: a and a + 1 trained, in one document)
+        m, doc = b["loss_mask"], b["document_ids"]
+        eligible = (m[:, :-1] & m[:, 1:] & (doc[:, :-1] == doc[:, 1:])).sum(-1)
+        assert torch.equal(b["anchor_valid"].sum(-1), eligible)
     torch.manual_seed(0)
     drafter = build_drafter(tiny.target, LAYER_IDS, mask_token_id=383, num_layers=1, block_size=4)
     opt = torch.optim.Adam(drafter.parameters(), lr=3e-3)
@@ -69,3 +87,23 @@ def test_val_tau_offline_equals_evals_offline_tau_on_the_same_documents(tiny):
         evaluated[1] += blocks
     assert trainer[0] > trainer[1], "no draft matched: the comparison would be vacuous"
     assert evaluated[1] == trainer[1] and evaluated[0] == pytest.approx(trainer[0], abs=1e-6)
+
+    run = tiny.root / "run"  # the script on a run of this store and drafter reports the same two sums
+    cfg = load_config(os.path.join(REPO, "configs", "tiny.yaml"), [
+        f"data.store={tiny.store.path}", f"model.target={tiny.target}", f"data.seq_len={SEQ_LEN}",
+        f"data.num_anchors={ANCHORS}", "data.batch_rows=2", f"data.val_fraction={SPLIT['val_fraction']}",
+        f"data.split_seed={SPLIT['split_seed']}", "model.mask_token_id=383", f"output_dir={run}"])
+    os.makedirs(run)
+    with open(run / "config.yaml", "w") as f:
+        yaml.safe_dump(cfg.to_dict(), f)
+    export_drafter(drafter, str(run / "export"), verifier=tiny.target, dtype=torch.float32)
+    result = tau_offline_texts.measure(str(run), tiny.prompts, max_new_tokens=8, num_prompts=2)
+    json.dumps(result)
+    assert result["val_trainer"]["blocks"] == trainer[1]
+    assert result["val_trainer"]["tau_offline"] == pytest.approx(trainer[0] / trainer[1])
+    assert result["val_documents"]["blocks"] == evaluated[1] and result["val_documents"]["skipped"] == 0
+    assert result["val_documents"]["tau_offline"] == pytest.approx(evaluated[0] / evaluated[1])
+    assert [d["document"] for d in result["val_documents"]["per_document"]] == documents
+    assert result["prompts"]["prompts"] == 2 and result["prompts"]["blocks"] > 0
+    # `seen`: of reply tokens 2, 3, 4 after prompt 1, the 3-gram ending at 3 is a training one, the one at 4 is not
+    assert tau_offline_texts.seen_fraction({(1, 2, 3)}, [1], [2, 3, 4], 3) == 0.5
