@@ -10,9 +10,11 @@ decoding with our evaluator.
     python bench/compare_drafters.py --out out/dspark_cmp --drafters dflash,dspark   # DSpark vs DFlash (docs/dspark.md)
 
 Prints one JSON line per run and writes OUT/results.json (every run with DSpark's confidence calibration where it
-has one, the command, the budget, the load average)
-and OUT/table.md (per drafter: mean ± sample standard deviation (min-max) over the seeds of real tau and
-tau_offline). A rerun resumes: runs with an eval.json are read back, not trained again.
+has one, the command, the budget, the load average) and OUT/table.md (per drafter: mean ± sample standard deviation
+(min-max) over the seeds of real tau and tau_offline). A rerun resumes: finished runs (OUT/<drafter>_s<seed>/row.json)
+are read back, not trained again; an unfinished one resumes inside quickstart. Seeds may run as separate processes
+on one OUT (`--seeds 1` and `--seeds 2` at once): each writes only its own runs into results.json, so a last pass
+with every seed, which trains nothing, writes the whole report.
 """
 import argparse
 import json
@@ -35,18 +37,20 @@ def run_one(args, base: str, drafter: str, seed: int) -> Dict:
     for name in ("train.jsonl", "store"):  # the shared stages: quickstart resumes past them
         if not os.path.exists(os.path.join(out, name)):
             os.symlink(os.path.abspath(os.path.join(base, name)), os.path.join(out, name))
+    if os.path.exists(os.path.join(out, "row.json")):  # a finished run: its row, as it was printed
+        with open(os.path.join(out, "row.json")) as f:
+            return json.load(f)
     t0 = time.time()
-    if os.path.exists(os.path.join(out, "eval.json")):
-        with open(os.path.join(out, "eval.json")) as f:
-            report = json.load(f)
-    else:
-        overrides = [f"seed={seed}"] + ([f"schedule.steps={args.steps}"] if args.steps else []) + args.overrides
-        report = quickstart(out, num_prompts=args.num_prompts, eval_prompts=args.eval_prompts,
-                            eval_max_new_tokens=args.eval_max_new_tokens, extra_overrides=overrides, progress=False,
-                            drafter=drafter)
-    return dict(drafter=drafter, seed=seed, tau=report["tau"], tau_offline=report.get("tau_offline"),
-                greedy_mismatches=report["greedy_mismatches"], block_size=report["block_size"],
-                calibration=report.get("confidence_calibration"), wall_s=round(time.time() - t0, 1))
+    overrides = [f"seed={seed}"] + ([f"schedule.steps={args.steps}"] if args.steps else []) + args.overrides
+    report = quickstart(out, num_prompts=args.num_prompts, eval_prompts=args.eval_prompts,
+                        eval_max_new_tokens=args.eval_max_new_tokens, extra_overrides=overrides, progress=False,
+                        drafter=drafter)
+    row = dict(drafter=drafter, seed=seed, tau=report["tau"], tau_offline=report.get("tau_offline"),
+               greedy_mismatches=report["greedy_mismatches"], block_size=report["block_size"],
+               calibration=report.get("confidence_calibration"), wall_s=round(time.time() - t0, 1))
+    with open(os.path.join(out, "row.json"), "w") as f:
+        json.dump(row, f)
+    return row
 
 
 def spread(values: List[float]) -> str:
