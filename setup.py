@@ -1,8 +1,9 @@
 """dflash-fast: the fastest correct trainer for DFlash speculative-decoding drafters.
 
 `kernels/` is installed as `dflash_fast.kernels`, never as a top-level `kernels`
-package: Hugging Face's `kernels` package has that name and transformers probes
-for it.
+package: Hugging Face's `kernels` package has that name and transformers imports
+it (a dependency from transformers 5.25). Run from the repository root, where the
+directory is importable as `kernels`, its `__init__` hands the name to that package.
 """
 from setuptools import setup
 
