@@ -550,7 +550,7 @@ def conv_rows(s: Dict, rows: int, dtype) -> List[Dict]:
     it, one kernel projection), at N = rows x A x B slots: the bytes they move forward and forward + backward, in
     [N, H] passes of the activation dtype (the projection's GEMM and its weight gradient included), for each backend
     of the op `grouped_dynamic_conv`: eager (its torch ops, HostOps: every op's inputs read and outputs written once)
-    and triton (the kernel's bytes from `conv_kernel_stand_in`, the torch ops around it by HostOps).
+    and triton (the kernels' bytes from `conv_kernels_priced`, the torch ops around it by HostOps).
 
     What the convolutions cost is what they add to a DFlash sublayer, whose residual add (`residual + fn(y)`) already
     reads 2 and writes 1 [N, H] forward and hands dy on backward: `dflash_passes` is that add counted the same way,
@@ -574,14 +574,16 @@ def conv_rows(s: Dict, rows: int, dtype) -> List[Dict]:
                 torch.autograd.grad(z, inputs, torch.zeros_like(z), allow_unused=True)
         return host.bytes
 
+    labels = (("forward", False), ("forward + backward", True))
+    dflash_bytes = {label: counted(lambda: residual + x, backward) for label, backward in labels}  # a DFlash add
     out = []
     for backend in ("eager", "triton"):
-        for label, backward in (("forward", False), ("forward + backward", True)):
+        for label, backward in labels:
             kernel = [0.0]
             priced = conv_kernels_priced(kernel) if backend == "triton" else ops.backend("grouped_dynamic_conv=eager")
             with priced:  # the sublayer between conv_in and conv_out: the identity here (no op of its own)
                 moved = counted(lambda: conv.finish(*conv.prepare(x), residual), backward) + kernel[0]
-            dflash = counted(lambda: residual + x, backward)  # a DFlash sublayer's residual add, the identity for fn
+            dflash = dflash_bytes[label]
             extra = moved - dflash
             out.append(dict(case=f"conv_in + conv_out, {label}", backend=backend, N=n, H=hid, taps=CONV_TAPS,
                             group=CONV_GROUP, gb=round(moved / 1e9, 3), bytes=int(moved),
