@@ -11,6 +11,8 @@ failure there. The drafter is tests/test_vllm.py's: overfitted in-process to the
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -42,12 +44,35 @@ def test_vllm_cpu_expand_kernel_leaves_a_float_output_unwritten():
     """The vLLM bug expand_on_cpu works around (vllm/utils/cpu_triton_utils.py `_expand_kernel_impl`: the C++ op
     writes an int64 copy of the output, `_ensure_int64`, never copied back). When this fails, vLLM fixed it: drop
     target/vllm.py's expand_on_cpu."""
-    import vllm._C  # noqa: F401 (registers torch.ops._C)
+    from vllm.platforms import current_platform
     from vllm.utils import cpu_triton_utils
+
+    current_platform.import_kernels()  # torch.ops._C from the library vLLM loads on this CPU, never a second one
 
     out = torch.full((3,), float("nan"))  # what rejection_sampler's `new_empty` may hold
     cpu_triton_utils._expand_kernel_impl(out, torch.tensor([0.5, 2.0]), torch.tensor([1, 3]), 0, 1)
     assert out.isnan().all(), out
+
+
+# a process where vLLM has run (its ops module loads the platform's kernels), on a CPU whose probe says no AVX512-BF16
+NO_AVX512_BF16 = "import torch; torch.cpu._is_avx512_bf16_supported = lambda: False; import vllm._custom_ops"
+
+
+@CPU_KERNELS
+@pytest.mark.skipif(not torch.cpu._is_avx512_supported(), reason="vLLM picks its AVX512 library by the bf16 probe")
+def test_vllm_cpu_kernel_test_runs_on_a_cpu_without_avx512_bf16():
+    """On an AVX512 CPU without AVX512-BF16 vLLM loads _C_AVX512, which registers torch.ops._C; a test that then
+    imported vllm._C registered the namespace twice and torch aborted the whole pytest process (CI failed on such a
+    host, passed on this one). Here the probe answers False: the test above passes, and `import vllm._C`, the old
+    line, still aborts (so this host does stand in for the other CPU class)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    run_test = (f"import sys; sys.path.insert(0, {here!r}); import test_vllm_eval as t; "
+                "t.test_vllm_cpu_expand_kernel_leaves_a_float_output_unwritten()")
+    ours = subprocess.run([sys.executable, "-c", f"{NO_AVX512_BF16}; {run_test}"], capture_output=True, text=True)
+    assert ours.returncode == 0, ours.stderr[-3000:]
+    old = subprocess.run([sys.executable, "-c", f"{NO_AVX512_BF16}; import vllm._C"],
+                         capture_output=True, text=True)
+    assert old.returncode != 0 and "Only a single TORCH_LIBRARY" in old.stderr, (old.returncode, old.stderr[-2000:])
 
 
 @CPU_KERNELS
