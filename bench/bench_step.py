@@ -1,6 +1,7 @@
 """One full DFlash drafter training step: our Triton path vs our eager path vs vllm-project/speculators.
 
     python bench/bench_step.py [--loss KIND] [--impls triton,eager,liger,speculators] [--out DIR]
+    python bench/bench_step.py --shape smollm2-135m   # the real target's drafter (SmolLM2-135M-Instruct)
     python bench/bench_step.py --smoke        # CPU: tiny fp32 shapes, Triton interpreter (CI only)
 
 A step is fc-concat, the drafter layers, norm + lm_head + loss, backward, gradient
@@ -30,7 +31,9 @@ MFU = FLOPs / step time / dense bf16 peak (datasheet: 989 TFLOP/s for H100/H200 
 of_matmul = the same against the 8192^3 bf16 matmul rate measured in this run.
 peak_gb is the whole peak of a step (weights, optimizer states, and the shared batch and frozen
 tensors, shared_gb); step_extra_gb what a step adds to what stays allocated.
-Results: <out>/step_<loss>.{json,md,png} (step_<loss>_smoke.* with --smoke). CPU times are no claim.
+--shape smollm2-135m: the same contenders at the real target's drafter (H = H_t = 576, 9/3 heads, D = 64, I = 1536,
+V = 49152, K = 5, 5 drafter layers; docs/real-target.md).
+Results: <out>/step_<loss>[_<shape>].{json,md,png} (+ _smoke with --smoke). CPU times are no claim.
 """
 import argparse
 import gc
@@ -57,6 +60,10 @@ from dflash_fast.serve.layouts import qwen3_layer  # noqa: E402
 from dflash_fast.train.model import resolve_loss_kind  # noqa: E402
 
 FULL = dict(H=4096, Hq=32, Hkv=8, D=128, I=12288, V=151936, K=5, L=5, B=16, A=512, T=3072, docs=4)
+# --shape: the Qwen3-8B drafter (the headline) or the real target's (SmolLM2-135M-Instruct: hidden 576, 9/3 heads of
+# 64, intermediate 1536, vocabulary 49,152; the drafter docs/real-target.md sizes for a GPU)
+SHAPES = {"qwen3-8b": FULL,
+          "smollm2-135m": dict(H=576, Hq=9, Hkv=3, D=64, I=1536, V=49152, K=5, L=5, B=16, A=512, T=3072, docs=4)}
 SMOKE = dict(H=32, Hq=2, Hkv=1, D=16, I=64, V=256, K=2, L=2, B=4, A=6, T=48, docs=3)
 IMPLS = ("triton", "speculators", "liger", "eager")  # the headline pair first: a timeout keeps what ran
 # The kinds the config's loss.kind accepts; `auto` is what it is on a store with `last` (the synthetic row has it).
@@ -347,6 +354,7 @@ def parse_args(argv=None):
     )
     p.add_argument("--loss", choices=LOSSES, default="kl", help="loss kind, as loss.kind (default kl: full teacher)")
     p.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated contenders from {IMPLS}")
+    p.add_argument("--shape", choices=tuple(SHAPES), default="qwen3-8b", help="the drafter's shapes (GPU run)")
     p.add_argument("--seq-len", type=int, default=FULL["T"], help="T, tokens in the row (GPU run)")
     p.add_argument("--anchors", type=int, default=FULL["A"], help="A, anchors per row (GPU run)")
     p.add_argument("--lr", type=float, default=1e-4)
@@ -366,7 +374,7 @@ def main(argv=None):
         device, dtype, s, reps, lr = torch.device("cpu"), torch.float32, dict(SMOKE), dict(warmup=0, rep=1), 1e-2
     elif torch.cuda.is_available():
         device, dtype, reps, lr = torch.device("cuda"), torch.bfloat16, dict(warmup=1, rep=5), args.lr
-        s = dict(FULL, T=args.seq_len, A=args.anchors)
+        s = dict(SHAPES[args.shape], T=args.seq_len, A=args.anchors)
     else:
         sys.exit("the full benchmark needs a CUDA GPU; run with --smoke on CPU")
     batch = make_batch(s, dtype, device)
@@ -384,6 +392,7 @@ def main(argv=None):
         "speculators": lambda: build_speculators(s, frozen, device, lr, args.loss, batch, args.smoke),
     }
     meta = {
+        "drafter": args.shape,
         "shape": ", ".join(f"{k}={v}" for k, v in s.items()),
         "valid_anchors": n_anchors,
         "visible_pairs_per_head": pairs,
@@ -396,7 +405,7 @@ def main(argv=None):
         "optimizer": "ours: bf16 weights + fp32 master AdamW; speculators: fp32 weights + bf16 autocast "
         "AdamW; clip 1.0",
     }
-    name = f"step_{args.loss}_smoke" if args.smoke else f"step_{args.loss}"
+    name = f"step_{args.loss}" + ("" if args.shape == "qwen3-8b" else f"_{args.shape}") + ("_smoke" if args.smoke else "")
     rows = []
     for impl in args.impls:
         flops = step_flops(s, pairs, teacher=ours_teacher or impl == "speculators")

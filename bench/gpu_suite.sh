@@ -28,7 +28,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 # Value per second, highest first. A new part: a `case` line in run_named_part below, and its name here.
-ALL_PARTS=(step lm_head_loss attention tests fc_concat step_topk dflash2 extract online vllm vllm_serve)
+ALL_PARTS=(step lm_head_loss attention step_smollm2 tests fc_concat step_topk dflash2 extract online vllm vllm_serve)
 
 DRY=0
 PARTS=()
@@ -127,6 +127,8 @@ run_named_part() {
     step) bench_part "bench_step kl" 230 bench_step.py --loss kl ;;
     lm_head_loss) bench_part "bench_lm_head_loss" 90 bench_lm_head_loss.py ;;
     attention) bench_part "bench_attention" 100 bench_attention.py ;;
+    # the real target's drafter (SmolLM2-135M-Instruct, docs/real-target.md), ours vs speculators at bf16
+    step_smollm2) bench_part "bench_step smollm2" 150 bench_step.py --loss kl --shape smollm2-135m ;;
     # --- the rest
     tests) run_part "pytest -m gpu" 150 "$PY" -m pytest -q -m gpu tests/ -p no:cacheprovider \
              --continue-on-collection-errors "${PYTEST_TIMEOUT[@]}" --junitxml "$RESULTS/pytest_gpu.xml" ;;
