@@ -405,7 +405,8 @@ def main(argv=None):
         "optimizer": "ours: bf16 weights + fp32 master AdamW; speculators: fp32 weights + bf16 autocast "
         "AdamW; clip 1.0",
     }
-    name = f"step_{args.loss}" + ("" if args.shape == "qwen3-8b" else f"_{args.shape}") + ("_smoke" if args.smoke else "")
+    shape = "" if args.shape == "qwen3-8b" else f"_{args.shape}"
+    name = f"step_{args.loss}{shape}" + ("_smoke" if args.smoke else "")
     rows = []
     for impl in args.impls:
         flops = step_flops(s, pairs, teacher=ours_teacher or impl == "speculators")

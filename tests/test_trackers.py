@@ -69,6 +69,9 @@ def test_wandb_and_mlflow_get_the_metrics_jsonl_scalars_and_the_provenance(tiny,
     assert {row["_step"]: row["train/loss"] for row in rows} == pytest.approx(losses(out), rel=1e-6)
     assert rows[-1]["val/tau_offline"] == pytest.approx(records(out, "val")[-1]["tau_offline"], rel=1e-6)
     assert wandb_config["target"] == provenance["target"] and wandb_config["data"] == provenance["data"]
+    from wandb.sdk import wandb_setup
+
+    assert wandb_setup._singleton is None  # the run closed W&B's service; none left to interpreter exit
 
     client = MlflowClient()
     [mlflow_run] = client.search_runs([client.get_experiment_by_name("p").experiment_id])

@@ -106,7 +106,10 @@ class WandbTracker:
         self.run.log(scalars(entry), step=entry["step"])
 
     def close(self) -> None:
+        import wandb
+
         self.run.finish()
+        wandb.teardown()  # the service process, now: left to wandb's atexit hook it outlived pytest's and died noisily
 
 
 class MlflowTracker:
