@@ -126,7 +126,7 @@ def make_batch(s, dtype, device, seed=0):
 
 
 def visible_pairs(batch, block_size: int) -> int:
-    """Visible (query, key) pairs of one head (SPEC §4, bidirectional blocks): each valid anchor's
+    """Visible (query, key) pairs of one head (spec.md §4, bidirectional blocks): each valid anchor's
     B queries see its document's context before it (= the anchor's position id) and its B slots."""
     valid = batch["anchor_valid"]
     ctx = batch["position_ids"].gather(1, batch["anchors"])[valid].sum()

@@ -30,7 +30,7 @@ dense kinds (`tv`, `lk`, `lk_hybrid`, `rkl`, `jsd`) need the teacher's logits as
 GEMMs as `kl` (their extra row pass over the chunk's stored logits is HBM traffic, no GEMM);
 `kl(DSpark)` is `kl` with DSpark's Markov bias of rank r = H / 16 (256 at H = 4096) folded into the GEMM,
 with gradients for e and W2: 3 + 3 r / H units.
-`kl(DFlash2)` is `kl` with DFlash2's selector (SPEC §9, r = H / 16, K = 16) as the drafter runs it: the lm_head
+`kl(DFlash2)` is `kl` with DFlash2's selector (spec.md §9, r = H / 16, K = 16) as the drafter runs it: the lm_head
 pass with `topk=K` (each row's unary top-K and their logits from its chunk, only the K tiles with the largest maxima
 read), the selector's input norm(h) by the Triton RMSNorm, then in torch its K-way loss over the candidates (unary
 logits from the pass, the transition) and the backward of that loss to h and the selector's weights (the unary part

@@ -1,4 +1,4 @@
-"""DFlash2's grouped dynamic causal convolution inside each draft block, one Triton kernel per direction (SPEC §9).
+"""DFlash2's grouped dynamic causal convolution inside each draft block, one Triton kernel per direction (spec.md §9).
 
 Math, for N rows x [N, H] (row n is slot s(n) = n % B of its block of B slots), taps T <= B, H / GS groups of GS
 channels (g(c) = c // GS), delta [N, T, G], base [T, H]:

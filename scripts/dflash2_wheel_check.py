@@ -76,7 +76,7 @@ def main(wheel_dir: str) -> None:
 def unary_dpace(gen: torch.Generator, n: int, b: int, mask: torch.Tensor, j: torch.Tensor, alpha: float = 0.3) -> None:
     """The unary loss under D-PACE against speculators' dpace_loss_decay (losses/utils.py). Its confidence is
     exp(-elementwise loss) of the loss it weights; its trainer accepts D-PACE only with --loss-fn ce
-    (train/config/schema.py `_validate_dpace`), where that is exp(-CE) against the teacher argmax, ours (SPEC §5)
+    (train/config/schema.py `_validate_dpace`), where that is exp(-CE) against the teacher argmax, ours (spec.md §5)
     for every kind. For `kl` (our DSpark and DFlash2 default, refused by its trainer) the script shows both: our
     gradient equals its KL weighted by the CE confidence, and differs from its function fed the KL."""
     from functools import partial

@@ -1,4 +1,4 @@
-"""DFlash2 (SPEC §9): the dynamic convolutions inside each block, the candidate selector and the loss, against
+"""DFlash2 (spec.md §9): the dynamic convolutions inside each block, the candidate selector and the loss, against
 speculators 0.9.0's semantics written out as loops (tests/oracles.py: dflash2_*)."""
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""DFlash2's export (SPEC §9, docs/export.md): speculators' `dflash2` type and z-lab's DFlash2DraftModel layout, the
+"""DFlash2's export (spec.md §9, docs/export.md): speculators' `dflash2` type and z-lab's DFlash2DraftModel layout, the
 convolutions' and the selector's tensors under the names vLLM's qwen3_dflash2.py, SGLang and z-lab load, through the
 export gate (read back as each engine reads it, rebuilt, logits and candidate scores compared). The real vLLM
 serving a trained DFlash2 export is tests/test_vllm.py's."""

@@ -1,4 +1,4 @@
-"""The drafter, its anchored mask, targets at p-1 and metrics (SPEC §3-6); export is tests/test_export.py."""
+"""The drafter, its anchored mask, targets at p-1 and metrics (spec.md §3-6); export is tests/test_export.py."""
 
 import pytest
 import torch
@@ -76,7 +76,7 @@ def proposal_fed_back(d, sample_from_anchor):
     return guess, d(batch, "kl"), batch
 
 
-# ---------------------------------------------------------------- the anchored mask (SPEC §4)
+# ---------------------------------------------------------------- the anchored mask (spec.md §4)
 
 
 def row_mask(anchors, doc, window=None, causal=False, valid=None):
@@ -139,7 +139,7 @@ def test_causal_in_block_and_the_window_apply_per_layer(monkeypatch):
 
 def test_the_window_rule_reaches_every_layer_in_training_and_drafting(monkeypatch):
     """model.window_from: the training forward and the evaluator's propose both attend with the drafter's rule;
-    a config without the key (an old checkpoint) has SPEC §4's."""
+    a config without the key (an old checkpoint) has spec.md §4's."""
     seen = []
     real = ops.anchored_attention
 
@@ -162,7 +162,7 @@ def test_invalid_anchor_sees_nothing():
     assert not m[B:].any() and m[:B].any()
 
 
-# ---------------------------------------------------------------- inputs and targets (SPEC §3, §5)
+# ---------------------------------------------------------------- inputs and targets (spec.md §3, §5)
 
 
 def test_every_tapped_layer_reaches_fc():
@@ -231,7 +231,7 @@ def test_loss_weights_and_denominator():
     out = d(batch, "ce")
     x = d.batch_states(batch)
     logq = F.log_softmax(F.linear(d.norm(x[0]), d.lm_head).float(), -1)
-    slots = list(trained_slots(batch, B))  # SPEC §5 by hand (tests/oracles.py), not the drafter's slot_targets
+    slots = list(trained_slots(batch, B))  # spec.md §5 by hand (tests/oracles.py), not the drafter's slot_targets
     assert len(slots) == 9
     expected = sum(position_weight(j, 7.0) * -logq[i * B + j, batch["teacher_topk_ids"][0, p - 1, 0]]
                    for _, i, j, p in slots) / len(slots)
@@ -386,7 +386,7 @@ def test_propose_equals_training_forward_at_the_same_anchor():
     assert torch.equal(guess, out.draft_argmax[0, 0, 1:])
 
 
-# ---------------------------------------------------------------- metrics (SPEC §6)
+# ---------------------------------------------------------------- metrics (spec.md §6)
 
 
 def test_tau_offline_counts_leading_matches_only():
@@ -411,7 +411,7 @@ def test_eager_attention_equals_softmax_over_the_dense_mask(window, causal):
     kc, vc = torch.randn(r, t, hkv, d), torch.randn(r, t, hkv, d)
     kb, vb = torch.randn(r, a * B, hkv, d), torch.randn(r, a * B, hkv, d)
     out = eager.anchored_attention(q, kc, vc, kb, vb, anchors, valid, doc, B, window, causal)
-    mask = torch.stack([visible_keys(*row, B, window, causal) for row in zip(anchors, valid, doc)])  # SPEC §4 loops
+    mask = torch.stack([visible_keys(*row, B, window, causal) for row in zip(anchors, valid, doc)])  # spec.md §4 loops
     k = torch.cat([kc, kb], 1).repeat_interleave(hq // hkv, 2)
     v = torch.cat([vc, vb], 1).repeat_interleave(hq // hkv, 2)
     scores = torch.einsum("rqhd,rshd->rhqs", q, k) / d**0.5

@@ -1,4 +1,4 @@
-"""DSpark (SPEC §8): slot alignment with sample_from_anchor, the Markov and confidence heads, and the loss,
+"""DSpark (spec.md §8): slot alignment with sample_from_anchor, the Markov and confidence heads, and the loss,
 against speculators 0.9.0's semantics written out as loops (tests/oracles.py: dspark_*)."""
 import pytest
 import torch
@@ -108,7 +108,7 @@ def test_markov_bias_changes_the_drafter_logits_and_only_through_the_previous_to
     assert torch.equal(moved, base), "a previous token reached another slot"
 
 
-# ---------------------------------------------------------------- slot alignment (SPEC §8 sample_from_anchor)
+# ---------------------------------------------------------------- slot alignment (spec.md §8 sample_from_anchor)
 
 
 def test_sample_from_anchor_slot_j_predicts_p_plus_1_against_the_teacher_at_p():

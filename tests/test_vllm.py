@@ -42,7 +42,7 @@ TAU_TOLERANCE = 0.1
 SLIDING_24 = dict(num_layers=1, layer_types=["sliding"], sliding_window=24, causal_in_block=True)
 DRAFTERS = {
     "full": dict(num_layers=1),
-    # trained with the window vLLM serves (each slot's own position), and with SPEC §4's (the anchor's)
+    # trained with the window vLLM serves (each slot's own position), and with spec.md §4's (the anchor's)
     "sliding": dict(SLIDING_24, window_from="query"),
     "sliding-anchor": SLIDING_24,
     # served by vLLM's V2 runner only: a sliding layer (causal, the window vLLM serves) under a bidirectional full one,
@@ -51,7 +51,7 @@ DRAFTERS = {
     "mixed": dict(num_layers=2, layer_types=["sliding", "full"], sliding_window=24, window_from="query",
                   causal_in_block=[True, False]),
     "dspark": dict(num_layers=1, sample_from_anchor=True, markov_rank=16, confidence_head=True),
-    # DFlash2 (SPEC §9): both additions, served by vLLM's DFlash2DraftModel (qwen3_dflash2.py, the V2 speculator's
+    # DFlash2 (spec.md §9): both additions, served by vLLM's DFlash2DraftModel (qwen3_dflash2.py, the V2 speculator's
     # selector walk)
     "dflash2": dict(num_layers=1, conv_kernel_size=2, conv_group_size=16, selector_rank=16, selector_top_k=8),
 }
@@ -135,12 +135,12 @@ def diagnosis(export_dir: str, hf: dict, served: dict) -> str:
     return f"{where}; per-prompt tau (ours, vLLM): {per_prompt}"
 
 
-# vLLM serves a drafter trained with SPEC §4's window (every slot sees a-W..a-1) with the same greedy output but less
+# vLLM serves a drafter trained with spec.md §4's window (every slot sees a-W..a-1) with the same greedy output but less
 # acceptance (2026-12-01: tau 2.879 against our 3.097 on these prompts): its window is each query's own, keys
 # p > a+j-W (test_vllms_attention_windows_each_query_at_its_own_position). Export warns of it (model.window_from);
 # the drafter trained with window_from=query is the "sliding" case. Strict: it turns red if the two ever agree.
-SPEC_WINDOW_GAP = pytest.mark.xfail(strict=True, reason="trained with SPEC §4's window at the anchor, which vLLM does "
-                                    "not serve: see docs/vllm.md")
+SPEC_WINDOW_GAP = pytest.mark.xfail(strict=True, reason="trained with spec.md §4's window at the anchor, which vLLM "
+                                    "does not serve: see docs/vllm.md")
 
 
 @pytest.mark.parametrize("name", ["speculators", "zlab", "sliding",

@@ -5,6 +5,6 @@
     layers      the decoder layer: RMSNorm, RoPE, anchored attention over [ctx ; block], SwiGLU MLP
     model       DFlashDrafter (the DFlash family and the backbone every family shares), targets at p-1, metrics
     dspark      the DSpark family's heads: Markov bias (vanilla / gated / rnn) and confidence
-    eager       the eager twins of the kernels (SPEC in plain torch, the test oracle)
+    eager       the eager twins of the kernels (spec.md in plain torch, the test oracle)
     ops         the switch: each hot op -> eager | triton (dflash_fast.kernels)
 """

@@ -1,4 +1,4 @@
-"""The drafter's architecture (SPEC §3-5, §8): `DrafterConfig`, built from the target's config, and the value rules
+"""The drafter's architecture (spec.md §3-5, §8): `DrafterConfig`, built from the target's config, and the value rules
 every drafter config read from a file goes through (`value_problems`: a config built from a target, a checkpoint
 marker's, an export's architecture)."""
 import dataclasses
@@ -34,7 +34,7 @@ class DrafterConfig:
     head_dim: int
     intermediate_size: int
     vocab_size: int
-    layer_ids: List[int]  # target layer ids tapped (SPEC §1 convention: HF hidden_states[id + 1])
+    layer_ids: List[int]  # target layer ids tapped (spec.md §1 convention: HF hidden_states[id + 1])
     target_num_layers: int
     target_hidden_size: int
     mask_token_id: int
@@ -45,16 +45,16 @@ class DrafterConfig:
     block_size: int = 16
     layer_types: Optional[List[str]] = None  # per layer "full" | "sliding"; None = all full
     sliding_window: Optional[int] = None
-    window_from: str = "anchor"  # a sliding window's keys end at the anchor (SPEC §4) or at each query (the engines)
+    window_from: str = "anchor"  # a sliding window's keys end at the anchor (spec.md §4) or at each query (the engines)
     causal_in_block: Union[bool, List[bool]] = False  # one flag for every layer, or one per layer (kept as a list)
     target_model_type: str = ""
-    # DSpark (SPEC §8); the defaults are DFlash.
+    # DSpark (spec.md §8); the defaults are DFlash.
     sample_from_anchor: bool = False  # slot j predicts the token at a + j + 1 (slot 0 included)
     markov_rank: int = 0  # r of the Markov bias W2 W1[prev]; 0 = no Markov head
     markov_head_type: str = "vanilla"  # vanilla | gated | rnn
     confidence_head: bool = False
     confidence_head_with_markov: bool = True  # the confidence head reads [hidden, W1[prev]], not hidden alone
-    # DFlash2 (SPEC §9); 0 = off (DFlash). DFlash2's own defaults: taps 2, group 16, rank 256, top-K 16.
+    # DFlash2 (spec.md §9); 0 = off (DFlash). DFlash2's own defaults: taps 2, group 16, rank 256, top-K 16.
     conv_kernel_size: int = 0  # taps of the dynamic causal convolutions around both sublayers; <= block_size
     conv_group_size: int = 16  # hidden channels sharing one dynamic coefficient; divides hidden_size
     selector_rank: int = 0  # r of the candidate selector's codebooks P, S [V, r]
@@ -102,7 +102,7 @@ class DrafterConfig:
 
     @property
     def is_dflash2(self) -> bool:
-        """Either DFlash2 addition is on (SPEC §9)."""
+        """Either DFlash2 addition is on (spec.md §9)."""
         return bool(self.conv_kernel_size or self.selector_rank)
 
     @property
@@ -194,7 +194,7 @@ def value_problems(values: Mapping) -> List[str]:
 
 
 def dflash2_problems(values: Mapping) -> List[str]:
-    """DFlash2's fields (SPEC §9): counts >= 0 (0 = off), a convolution whose taps fit the block and whose groups
+    """DFlash2's fields (spec.md §9): counts >= 0 (0 = off), a convolution whose taps fit the block and whose groups
     divide the hidden size, a selector whose K fits the vocabulary."""
     problems = [f"{field}={values[field]!r} is not an integer >= {least}"
                 for field, least in (("conv_kernel_size", 0), ("conv_group_size", 1), ("selector_rank", 0),

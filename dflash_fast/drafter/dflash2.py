@@ -1,4 +1,4 @@
-"""DFlash2's two additions to the DFlash backbone (SPEC §9): grouped dynamic causal convolutions inside each draft
+"""DFlash2's two additions to the DFlash backbone (spec.md §9): grouped dynamic causal convolutions inside each draft
 block around both sublayers of every decoder layer, and the low-rank candidate selector that re-ranks each slot's
 unary top-K with the previous token.
 
@@ -187,7 +187,7 @@ def candidate_unary(hidden: torch.Tensor, lm_head: torch.Tensor, ids: torch.Tens
 
 
 def training_candidates(topk_ids: torch.Tensor, label: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The selector's training candidates (SPEC §9): topk_ids [N, K] (unary top-K, best first), label [N] (the
+    """The selector's training candidates (spec.md §9): topk_ids [N, K] (unary top-K, best first), label [N] (the
     teacher argmax) -> (candidate ids [N, K]: the top-K with the label in the K-th place when it is not among them,
     the label's index [N], contains [N] bool: the label was in the unary top-K)."""
     k = topk_ids.shape[1]

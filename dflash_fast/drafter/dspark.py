@@ -1,4 +1,4 @@
-"""DSpark's two heads on the DFlash backbone (SPEC §8): a low-rank Markov logit bias from the previous
+"""DSpark's two heads on the DFlash backbone (spec.md §8): a low-rank Markov logit bias from the previous
 block token, and a confidence head that predicts each slot's acceptance rate.
 
     prev ids [R, A, B] --W1--> e_prev [R, A, B, r]

@@ -1,4 +1,4 @@
-"""Eager twins of the three hot ops: SPEC.md §3-5 in plain PyTorch.
+"""Eager twins of the three hot ops: spec.md §3-5 in plain PyTorch.
 
 These are the oracles the Triton kernels are tested against, and the path that
 runs on CPU. They favour clarity over memory: the attention builds its dense
@@ -61,7 +61,7 @@ def document_starts(document_ids: torch.Tensor) -> torch.Tensor:
     return torch.where(new_doc, pos, torch.zeros_like(pos)).cummax(dim=1).values
 
 
-# Where a sliding window's W context keys end (model.window_from): "anchor" is SPEC §4 (every slot of a block sees
+# Where a sliding window's W context keys end (model.window_from): "anchor" is spec.md §4 (every slot of a block sees
 # a-W..a-1, as speculators 0.9.0 trains); "query" is the window of each query's own position a+j, keys p > a+j-W
 # (what vLLM, SGLang and z-lab's inference serve: docs/vllm.md "Sliding windows").
 WINDOW_RULES = ("anchor", "query")
@@ -111,7 +111,7 @@ def anchored_attention_mask(
     anchors: torch.Tensor, anchor_valid: torch.Tensor, document_ids: torch.Tensor, block_size: int,
     window: Optional[int] = None, causal_in_block: bool = False, window_from: str = "anchor",
 ) -> torch.Tensor:
-    """SPEC §4 visibility as one dense boolean mask [R, A*B, T + A*B] (context keys, then block keys):
+    """spec.md §4 visibility as one dense boolean mask [R, A*B, T + A*B] (context keys, then block keys):
     context as in `context_visibility`, block keys of the query's own block only."""
     check_window(window, window_from, block_size)
     r, a = anchors.shape
@@ -138,7 +138,7 @@ def anchored_attention(
     scale: Optional[float] = None,
     window_from: str = "anchor",
 ) -> torch.Tensor:
-    """Anchored block attention of the drafter (SPEC §4), masked-softmax reference.
+    """Anchored block attention of the drafter (spec.md §4), masked-softmax reference.
 
     q: [R, A*B, Hq, D]; k_ctx, v_ctx: [R, T, Hkv, D]; k_blk, v_blk: [R, A*B, Hkv, D];
     anchors: [R, A] int64, sorted, row positions; anchor_valid: [R, A] bool;
@@ -197,7 +197,7 @@ def needs_last(kind: str, stored_labels: bool) -> bool:
 
 
 class Teacher(NamedTuple):
-    """The teacher side of the loss (SPEC §5); which fields a kind reads is in `lm_head_loss`.
+    """The teacher side of the loss (spec.md §5); which fields a kind reads is in `lm_head_loss`.
 
     last: [U, H] the target's pre-norm final states at the teacher positions; final_norm_weight: [H]
     (effective weight); index: [N] int64, the row of `last` that drafter row n is scored against (its
@@ -216,14 +216,14 @@ class Teacher(NamedTuple):
 
 
 class DPace(NamedTuple):
-    """D-PACE position weights (SPEC §5) over blocks of `block_size` consecutive rows; alpha in [0, 1]."""
+    """D-PACE position weights (spec.md §5) over blocks of `block_size` consecutive rows; alpha in [0, 1]."""
 
     alpha: float
     block_size: int
 
 
 class Markov(NamedTuple):
-    """The DSpark Markov bias (SPEC §8) as a rank-r extension of the lm_head GEMM: the drafter logits of row n
+    """The DSpark Markov bias (spec.md §8) as a rank-r extension of the lm_head GEMM: the drafter logits of row n
     are lm_head(norm(h_n)) + w2 @ e_n, i.e. [norm(h_n), e_n] against [lm_head, w2].
 
     e: [N, r] the row's rank-r vector (vanilla: W1[prev]; gated, rnn: their transform of it), in h.dtype;
@@ -241,7 +241,7 @@ class LossOutput(NamedTuple):
     scores against: softmax(t) for the dense kinds, the point mass at the label for ce and ce_data (alpha =
     q_label, D-PACE's confidence), the stored top-k ids plus one "every other token" bucket for kl_topk.
     topk_ids: [N, K] int64, no gradient: each row's K best drafter logits, best first (asked with `topk = K`: the
-    DFlash2 selector's candidates, SPEC §9), else None; topk_logits: [N, K] fp32, no gradient, their logits."""
+    DFlash2 selector's candidates, spec.md §9), else None; topk_logits: [N, K] fp32, no gradient, their logits."""
 
     loss: torch.Tensor
     kl: Optional[torch.Tensor]
@@ -376,7 +376,7 @@ def lm_head_loss(
     markov: Optional[Markov] = None,
     topk: int = 0,
 ) -> LossOutput:
-    """Drafter norm + lm_head + loss against the teacher (SPEC §5), materialised logits.
+    """Drafter norm + lm_head + loss against the teacher (spec.md §5), materialised logits.
 
     h: [N, H] drafter pre-norm states; norm_weight: [H]; lm_head_weight: [V, H] (frozen
     unless it requires grad); weights: [N] = position weight x mask (0 drops a row);
@@ -390,7 +390,7 @@ def lm_head_loss(
       ce_data -- hard CE against teacher.labels [N] (the dataset tokens).
       kl_topk -- soft CE against the stored top-k teacher: p_i = exp(topk_logits - topk_lse)
                  over topk_ids [N, k] plus the rest mass 1 - sum p_i on "every other token".
-    markov (DSpark, SPEC §8): the drafter logits are lm_head(norm(h)) + markov.w2 @ markov.e (`Markov`).
+    markov (DSpark, spec.md §8): the drafter logits are lm_head(norm(h)) + markov.w2 @ markov.e (`Markov`).
       tv, lk, lk_hybrid, rkl, jsd -- against p = softmax(t) as kl (`dense_row_losses`).
     alpha: see `LossOutput`. topk > 0: also each row's top-`topk` drafter ids (`LossOutput.topk_ids`).
     """

@@ -1,15 +1,15 @@
-"""The DFlash drafter (SPEC §3-5): fc over the K tapped layers, N Qwen3-style layers
+"""The DFlash drafter (spec.md §3-5): fc over the K tapped layers, N Qwen3-style layers
 attending to [ctx ; block], the target's frozen embedding, final norm and lm_head.
 
     hidden [R, T, K, H_t] --fc_concat--> ctx [R, T, H]
     block ids [R, A*B] --embed--> x --N layers (q from x; k/v from [ctx ; x])--> x
     x --norm, lm_head, loss vs teacher at p-1--> loss, argmaxes
 
-DSpark (SPEC §8, `markov_rank > 0` or `confidence_head`): the same backbone plus the heads of
+DSpark (spec.md §8, `markov_rank > 0` or `confidence_head`): the same backbone plus the heads of
 `dflash_fast.drafter.dspark`; the Markov bias rides in the lm_head loss (eager.Markov), the confidence head is
 trained against the acceptance rate the loss returns.
 
-DFlash2 (SPEC §9, `conv_kernel_size > 0` or `selector_rank > 0`): the convolutions live in each
+DFlash2 (spec.md §9, `conv_kernel_size > 0` or `selector_rank > 0`): the convolutions live in each
 `layers.DecoderLayer`; the candidate selector (`dflash_fast.drafter.dflash2`) re-ranks the unary top-K the lm_head loss
 returns, and its K-way cross-entropy joins the loss.
 
@@ -51,7 +51,7 @@ def resolve_mask_token_id(vocab_size: int, mask_token_id: Optional[int] = None, 
 
 
 def position_weights(block_size: int, gamma: float, sample_from_anchor: bool = False) -> torch.Tensor:
-    """SPEC §5: w_0 = 0, w_j = exp(-(j - 1) / gamma) -> [B]; with sample_from_anchor (SPEC §8) every slot
+    """spec.md §5: w_0 = 0, w_j = exp(-(j - 1) / gamma) -> [B]; with sample_from_anchor (spec.md §8) every slot
     predicts and the decay starts at slot 0: w_j = exp(-j / gamma)."""
     j = torch.arange(block_size, dtype=torch.float32)
     if sample_from_anchor:
@@ -69,8 +69,8 @@ class Targets(NamedTuple):
 
 
 def slot_targets(batch: Dict[str, torch.Tensor], block_size: int, sample_from_anchor: bool = False) -> Targets:
-    """SPEC §5: slot j of the block at anchor a sits at p = a + j, predicts the token at p and is scored against
-    the teacher at p - 1; slot 0 (the given token) never trains. With sample_from_anchor (SPEC §8) slot j
+    """spec.md §5: slot j of the block at anchor a sits at p = a + j, predicts the token at p and is scored against
+    the teacher at p - 1; slot 0 (the given token) never trains. With sample_from_anchor (spec.md §8) slot j
     predicts the token at p + 1, slot 0 included, against the teacher at p. The masks apply to the predicted
     position."""
     anchors, valid = batch["anchors"], batch["anchor_valid"]
@@ -109,7 +109,7 @@ def gather_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 def slot_teacher(
     batch: Dict[str, torch.Tensor], targets: Targets, loss_kind: str, target_norm: torch.Tensor, dtype: torch.dtype
 ) -> Tuple[Teacher, Optional[torch.Tensor]]:
-    """What every slot is scored against for `loss_kind` (SPEC §5: the teacher at the predicted position - 1;
+    """What every slot is scored against for `loss_kind` (spec.md §5: the teacher at the predicted position - 1;
     ce_data's label at the predicted position), and the stored teacher argmax [R*A*B] (None without topk ids).
     `target_norm`: the target's effective final-norm weight [H]; `dtype`: the compute dtype of `last`."""
     stored_argmax = (
@@ -143,7 +143,7 @@ def slot_teacher(
 def confidence_terms(
     confidence_logit: torch.Tensor, alpha: torch.Tensor, decay: torch.Tensor, slot_mask: torch.Tensor
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """DSpark's confidence head (SPEC §8) on confidence logits [R*A*B]: its BCE against the acceptance rate alpha
+    """DSpark's confidence head (spec.md §8) on confidence logits [R*A*B]: its BCE against the acceptance rate alpha
     [R*A*B], weighted with the decay [R, A, B] over the trained slots (slot_mask [R, A, B]), and its probability
     [R, A, B] (no gradient)."""
     logit = confidence_logit.float()
@@ -237,7 +237,7 @@ class DFlashDrafter(nn.Module):
             setattr(self, name, value.detach().to(device=buf.device, dtype=buf.dtype))
 
     def context(self, hidden: torch.Tensor, noise_std: float = 0.0, seed: int = 0) -> torch.Tensor:
-        """hidden [R, T, K, H_t] -> ctx [R, T, H] = hidden_norm(fc(concat_k hidden)) (SPEC §3)."""
+        """hidden [R, T, K, H_t] -> ctx [R, T, H] = hidden_norm(fc(concat_k hidden)) (spec.md §3)."""
         r, t, k, h_t = hidden.shape
         ctx = ops.fc_concat(
             hidden.reshape(r * t, k, h_t),
@@ -299,10 +299,10 @@ class DFlashDrafter(nn.Module):
     ) -> DrafterOutput:
         """Training forward on a collated batch (keys as in dflash_fast.data.batches).
 
-        weighting: "decay" (SPEC §5 position weights with `gamma`) or "dpace" (D-PACE with `dpace_alpha`,
-        computed inside the loss from the drafter's confidence). DSpark (SPEC §8): loss = the main loss on the
+        weighting: "decay" (spec.md §5 position weights with `gamma`) or "dpace" (D-PACE with `dpace_alpha`,
+        computed inside the loss from the drafter's confidence). DSpark (spec.md §8): loss = the main loss on the
         Markov-biased logits + confidence_alpha x the confidence head's BCE against the acceptance rate,
-        weighted with the decay whatever `weighting` is. DFlash2 (SPEC §9): loss = the main loss + selector_alpha x
+        weighted with the decay whatever `weighting` is. DFlash2 (spec.md §9): loss = the main loss + selector_alpha x
         the selector's K-way CE against the teacher argmax (`dflash2.selector_loss`), weighted like the main loss.
         """
         cfg = self.config
@@ -343,7 +343,8 @@ class DFlashDrafter(nn.Module):
             confidence_loss, confidence = confidence_terms(confidence_logit, out.alpha, decay, targets.slot_mask)
             loss = loss + confidence_alpha * confidence_loss
         sel, draft = None, out.draft_argmax
-        if selector is not None:  # the draft is the selector's pick (SPEC §9): acc_j and tau_offline are the selector's
+        # the draft is the selector's pick (spec.md §9): acc_j and tau_offline are the selector's
+        if selector is not None:
             hidden = ops.rms_norm(x.reshape(n, -1), self.norm.weight, self.norm.eps)
             sel = selector_loss(selector, hidden, self.lm_head, prev_ids, out.topk_ids,
                                 teacher_argmax, weights.reshape(n), targets.slot_mask.sum(), dpace, out.topk_logits)
@@ -431,7 +432,7 @@ class DFlashDrafter(nn.Module):
         return guesses, torch.sigmoid(self.confidence_head(features).float())
 
     def selector_walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_token: int, draw=None) -> torch.Tensor:
-        """SPEC §9 inference of one block: hidden [B, H] (norm(x)), unary logits [B, V] -> the drafted tokens
+        """spec.md §9 inference of one block: hidden [B, H] (norm(x)), unary logits [B, V] -> the drafted tokens
         [drafted_tokens]. Slot by slot over the slot's unary top-K, `prev` being the token drafted for the position
         before the slot's own (the anchor's token for the first slot): greedy takes the best score; `draw` (logits
         [1, V] -> token [1]) is handed the scores at the K candidates' ids and -inf elsewhere, vLLM's cached
@@ -456,12 +457,13 @@ def _argmax(slot_logits: torch.Tensor) -> torch.Tensor:
 
 
 def slot_metrics(out: DrafterOutput) -> Dict[str, torch.Tensor]:
-    """Sums for SPEC §6 metrics (reduce across ranks, then divide): acc_hits/acc_count [B] per slot,
+    """Sums for spec.md §6 metrics (reduce across ranks, then divide): acc_hits/acc_count [B] per slot,
     alpha_sum [B] (acceptance estimates of the valid slots, over acc_count), tau_sum (sum over valid blocks
     of 1 + leading matches), blocks (valid block count)."""
     match = (out.draft_argmax == out.teacher_argmax) & out.slot_mask
     first = out.first_slot
-    valid_block = out.slot_mask[..., first]  # an anchor is eligible only if its first predicting slot trains (SPEC §3)
+    # an anchor is eligible only if its first predicting slot trains (spec.md §3)
+    valid_block = out.slot_mask[..., first]
     leading = match[..., first:].long().cumprod(-1).sum(-1)
     return {
         "acc_hits": match.flatten(0, 1).sum(0).float(),

@@ -6,7 +6,7 @@
     --benchmark gsm8k,mt-bench,...: public benchmarks instead of --data, one report row each (evaluate/benchmarks.py)
 
 `tau_offline` runs the drafter's training forward over the target's own greedy output (an anchor at every eligible
-response position) and averages SPEC §6's per-block value.
+response position) and averages spec.md §6's per-block value.
 """
 
 import json
@@ -60,7 +60,7 @@ def offline_tau(
     anchors: Optional[Sequence[int]] = None,
     anchors_per_forward: int = 32,
 ) -> Tuple[float, int]:
-    """SPEC §6 tau_offline sums over one sequence -> (tau_sum, blocks).
+    """spec.md §6 tau_offline sums over one sequence -> (tau_sum, blocks).
 
     One target forward over prompt + response gives `hidden` and `last`; the drafter's training
     forward then scores blocks at `anchors` (default: every response position a with a + 1 in the
@@ -191,7 +191,7 @@ def evaluate(
     callable (then `block_size` is required and `layer_ids` defaults to 5 spread ids).
     `baseline` times the target's plain greedy loop and counts prompts where the speculative
     output differs from it; `offline` adds tau_offline over that greedy output (drafters only).
-    `temperature` > 0 samples (SPEC §10, evaluate/sampling.py) with `top_p`, seeded by `seed`: the baseline is then
+    `temperature` > 0 samples (spec.md §10, evaluate/sampling.py) with `top_p`, seeded by `seed`: the baseline is then
     the target's plain sampling loop (timed, not compared: greedy_mismatches is None).
     `benchmark` ("gsm8k,mt-bench=PATH,...", files found in `benchmark_dir`) replaces `data`: one report row per
     benchmark (evaluate/benchmarks.py), each at its own token budget unless `max_new_tokens` is given (default 128

@@ -8,7 +8,7 @@ the engines agree on, `check_made_for` refuses one made for another target.
     speculators layout   speculators (`_speculators_view`), vLLM (`_vllm_speculators_view`)
     zlab layout          SGLang (`_sglang_view`), vLLM (`_vllm_zlab_view`)
 
-DFlash2 (SPEC §9) in either layout: speculators' DFlash2SpeculatorConfig, vLLM's qwen3_dflash2.py (read from the
+DFlash2 (spec.md §9) in either layout: speculators' DFlash2SpeculatorConfig, vLLM's qwen3_dflash2.py (read from the
 speculators layout's top level through its adapter, from the z-lab layout's dflash_config), SGLang's and z-lab's
 DFlash2DraftModel (dflash_config); `_dflash2_fields` are their terms in `ARCHITECTURE`.
 """
@@ -51,13 +51,13 @@ ARCHITECTURE = (
     "layer_windows",
     "layer_causal",
     "window_from",  # where a sliding window ends (eager.WINDOW_RULES); None without a sliding layer
-    # DSpark (SPEC §8); DFlash drafters: false, 0, "vanilla", false, true
+    # DSpark (spec.md §8); DFlash drafters: false, 0, "vanilla", false, true
     "sample_from_anchor",
     "markov_rank",
     "markov_head_type",
     "confidence_head",
     "confidence_head_with_markov",
-    # DFlash2 (SPEC §9); DFlash and DSpark drafters: 0, 16, 0, 16
+    # DFlash2 (spec.md §9); DFlash and DSpark drafters: 0, 16, 0, 16
     "conv_kernel_size",
     "conv_group_size",
     "selector_rank",
@@ -69,7 +69,7 @@ ARCHITECTURE = (
 SERVING_RULES = ("window_from",)
 HINTS = {
     "window_from": "vLLM, SGLang and z-lab end each query's sliding window at its own position, speculators 0.9.0 "
-    "trains SPEC §4's window at the anchor: the drafter runs, but accepts fewer tokens than it would with the rule "
+    "trains spec.md §4's window at the anchor: the drafter runs, but accepts fewer tokens than it would with the rule "
     "it trained with; train with model.window_from=query to serve in vLLM or SGLang (docs/vllm.md)",
     "layer_causal": "speculators serves full-attention layers bidirectional in the block and all sliding layers "
     "one rule, vLLM gives every layer of a speculators export one rule (sliding_window_non_causal), SGLang and vLLM "
@@ -420,7 +420,7 @@ def _check_zlab_neutral(config: Dict) -> None:
 def zlab_tap_problems(layer_ids: List[int], target_num_layers: int) -> List[str]:
     """One line when `layer_ids` holds the target's last layer L-1, which the z-lab layout's readers do not tap as
     trained: z-lab's DFlashDraftModel (dflash 0.1.0, model.py extract_context_feature) reads layer id l as HF's
-    hidden_states[l + 1], for l = L-1 the final norm's OUTPUT, while the store holds its input (SPEC §1, §2); and
+    hidden_states[l + 1], for l = L-1 the final norm's OUTPUT, while the store holds its input (spec.md §1, §2); and
     SGLang (models/qwen3.py set_dflash_layers_to_capture) captures id + 1 "before layer i" inside its loop over the
     L layers, which never reaches i = L."""
     last = target_num_layers - 1
@@ -617,7 +617,7 @@ def config_from_architecture(arch: Dict, target_num_layers: int, target_model_ty
 def config_from_export(config: Dict, target_config=None) -> DrafterConfig:
     """The DrafterConfig of an export of either layout (ours or another tool's), as its engines serve it; refused
     when they would serve it differently. The window rule is the one it trained with (our metadata's
-    window_from; SPEC §4's "anchor" for an export without it), whichever rule an engine serves."""
+    window_from; spec.md §4's "anchor" for an export without it), whichever rule an engine serves."""
     served = served_architectures(config)
     engines = list(served)
     first = served[engines[0]]

@@ -157,7 +157,7 @@ def gate_batch(cfg: DrafterConfig, seed: int = 0) -> Dict[str, torch.Tensor]:
 
 
 def gate_logits(drafter: DFlashDrafter, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
-    """fp32 logits of every block slot [1, A*B, V] on the eager ops (the SPEC's reference semantics); a DSpark
+    """fp32 logits of every block slot [1, A*B, V] on the eager ops (spec.md's reference semantics); a DSpark
     drafter's with the Markov bias, and its confidence logit as one more column [1, A*B, V + 1]."""
     with torch.no_grad(), ops.backend("eager"):
         logits, confidence = drafter.block_logits(batch)
@@ -165,7 +165,7 @@ def gate_logits(drafter: DFlashDrafter, batch: Dict[str, torch.Tensor]) -> torch
 
 
 def gate_selector_scores(drafter: DFlashDrafter, batch: Dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
-    """DFlash2 (SPEC §9): the candidate selector's fp32 scores [A*B, K] of the candidates `ids` [A*B, K] of every
+    """DFlash2 (spec.md §9): the candidate selector's fp32 scores [A*B, K] of the candidates `ids` [A*B, K] of every
     slot of the one row of `batch` (the trained drafter's unary top-K), `prev` the ground-truth previous token, on
     the eager ops: what the selector walk ranks."""
     with torch.no_grad(), ops.backend("eager"):

@@ -44,17 +44,17 @@ class ModelConfig:
     mask_token_id: Optional[int] = None  # None = the tokenizer's mask token, else the last unused embedding row
     layer_types: Optional[List[str]] = None  # per drafter layer "full" | "sliding"; None = all full
     sliding_window: Optional[int] = None
-    # Where a sliding window's keys end: "anchor" (SPEC §4, speculators' training) or "query" (each slot's own
+    # Where a sliding window's keys end: "anchor" (spec.md §4, speculators' training) or "query" (each slot's own
     # position: what vLLM and SGLang serve; docs/training.md, Sliding windows)
     window_from: str = "anchor"
     causal_in_block: bool = False
-    # DSpark (SPEC §8, docs/dspark.md): the DFlash backbone plus a Markov logit bias and a confidence head.
+    # DSpark (spec.md §8, docs/dspark.md): the DFlash backbone plus a Markov logit bias and a confidence head.
     sample_from_anchor: bool = False  # slot j predicts the token at anchor + j + 1 (slot 0 included); DSpark's default
     markov_rank: int = 0  # rank r of the Markov bias W2 W1[previous token]; 0 = none (DFlash)
     markov_head_type: str = "vanilla"  # vanilla | gated | rnn
     confidence_head: bool = False  # predict each slot's acceptance rate (trained with loss.confidence_alpha)
     confidence_head_with_markov: bool = True  # the confidence head reads [hidden, W1[prev]] (needs markov_rank > 0)
-    # DFlash2 (SPEC §9, docs/dflash2.md): the DFlash backbone plus dynamic convolutions and a candidate selector.
+    # DFlash2 (spec.md §9, docs/dflash2.md): the DFlash backbone plus dynamic convolutions and a candidate selector.
     conv_kernel_size: int = 0  # taps of the causal convolutions inside each block (DFlash2's default 2); 0 = none
     conv_group_size: int = 16  # hidden channels sharing one dynamic coefficient; divides the hidden size
     selector_rank: int = 0  # rank r of the candidate selector (DFlash2's default 256); 0 = none
@@ -143,7 +143,7 @@ class DataConfig:
 @dataclasses.dataclass
 class LossConfig:
     """`kind`: one of dflash_fast.drafter.eager.LOSS_KINDS, or `auto`: `kl` (exact soft targets from `last`) when the
-    store has `last`, else `kl_topk`. `weighting` of the slots of a block (SPEC §5): `decay`, or `dpace`
+    store has `last`, else `kl_topk`. `weighting` of the slots of a block (spec.md §5): `decay`, or `dpace`
     (D-PACE, from the drafter's own confidence against the teacher's argmax)."""
 
     kind: str = "auto"
@@ -208,7 +208,7 @@ class ValidationConfig:
     decode_every: int = 0  # steps between real decodings; 0 = only at the end (with validation.prompts)
     num_prompts: int = 8  # the first N prompts
     max_new_tokens: int = 64  # new tokens per prompt
-    temperature: float = 0.0  # > 0: also decode sampled at this temperature (SPEC §10), seeded by validation.seed
+    temperature: float = 0.0  # > 0: also decode sampled at this temperature (spec.md §10), seeded by validation.seed
     seed: int = 0
     thinking: str = ""  # on | off: the chat template's thinking switch (eval --thinking); "": the template's default
     # At the end: warn when real drafted tokens per block, tau - 1, differ from the offline estimate's,
@@ -492,7 +492,7 @@ def _check_rows(d: DataConfig, m: ModelConfig) -> None:
         f"tokens: set data.seq_len >= {m.block_size}",
     )
     _check(d.num_anchors >= 1, f"data.num_anchors={d.num_anchors} must be >= 1")
-    # An anchor a needs a + 1 inside the row (SPEC §3): a row of T tokens holds at most T - 1 anchors, and each is
+    # An anchor a needs a + 1 inside the row (spec.md §3): a row of T tokens holds at most T - 1 anchors, and each is
     # a block of B query rows in every layer, so anchors past that would only allocate padding.
     _check(
         d.num_anchors <= d.seq_len - 1,

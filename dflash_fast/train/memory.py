@@ -25,7 +25,7 @@ here op by op (Q = R*A*B block rows, e = the compute dtype's bytes):
     attention                  q, out [Q, Hq*D]; k, v of the blocks [Q, Hkv*D] and of the context [R*T, Hkv*D]
     SwiGLU MLP                 gate, silu(gate), up and their product [Q, I]
 
-DFlash2 (SPEC §9, dflash_fast/drafter/dflash2.py) adds, per layer, the convolutions around both sublayers as the
+DFlash2 (spec.md §9, dflash_fast/drafter/dflash2.py) adds, per layer, the convolutions around both sublayers as the
 fused path runs them (kernels/grouped_dynamic_conv.py): per sublayer, conv_in's kernel saves the normed input (the
 kernel projection's input too), the sublayer's projections save conv_in's output, conv_out's kernel saves its input,
 and the kernel projection's output [Q, 2 taps H / group] (both convolutions' coefficients, read in place) is kept:

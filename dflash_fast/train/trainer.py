@@ -2,7 +2,7 @@
 
     store ──make_loader──▶ micro-batches ──drafter (DeepSpeed engine)──▶ loss ──backward──▶ AdamW or Muon (ZeRO 0-3)
     (data.source=online: JSONL ──the target's forward in this process, one micro-batch ahead──▶ micro-batches)
-      every step:     metrics summed over micro-batches and ranks, then divided (SPEC §6)
+      every step:     metrics summed over micro-batches and ranks, then divided (spec.md §6)
       every N steps:  JSONL record, validation on the held-out split, checkpoint; real acceptance (validation.prompts:
                       the evaluator's decoding, handed in by train.py: dflash_fast/evaluate/validation.py)
       at the end:     checkpoint, validation, real acceptance beside the offline estimates, export (gated,
@@ -10,7 +10,7 @@
 
 One optimizer step is `schedule.grad_accum` micro-batches of `data.batch_rows`
 rows on each rank. Its loss is the weighted mean over ALL valid slots of the
-global batch (SPEC §5: sum(l * w * mask) / sum(mask)): before backward, each
+global batch (spec.md §5: sum(l * w * mask) / sum(mask)): before backward, each
 micro-batch's loss is rescaled by its share of the step's global slot count,
 so a step computes the same gradient however it is split into ranks and
 micro-batches.
