@@ -51,7 +51,8 @@ from bench.harness import peak_memory_mb, time_calls_ms, time_ms, write_results 
 from dflash_fast.data.batches import sample_anchors  # noqa: E402
 from dflash_fast.drafter import ops  # noqa: E402
 from dflash_fast.drafter.config import DrafterConfig  # noqa: E402
-from dflash_fast.drafter.eager import LOSS_KINDS, needs_last  # noqa: E402
+from dflash_fast.drafter.eager import needs_last  # noqa: E402
+from dflash_fast.drafter.losses import LOSS_KINDS
 from dflash_fast.drafter.model import DFlashDrafter  # noqa: E402
 from dflash_fast.serve.layouts import qwen3_layer  # noqa: E402
 from dflash_fast.train.model import resolve_loss_kind  # noqa: E402

@@ -65,7 +65,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.harness import write_results  # noqa: E402
 from dflash_fast.data.batches import sample_anchors  # noqa: E402
-from dflash_fast.drafter.eager import DPace, Markov, Teacher  # noqa: E402
+from dflash_fast.drafter.eager import Teacher  # noqa: E402
+from dflash_fast.drafter.losses import DPace, Markov
 from dflash_fast.drafter.model import slot_targets, teacher_index  # noqa: E402
 from dflash_fast.store.format import torch_dtype  # noqa: E402
 

@@ -62,7 +62,7 @@ import triton
 import triton.language as tl
 from dflash_fast.kernels._common import autotune_configs, check_device, dot_precision
 
-from dflash_fast.drafter.eager import check_window, document_starts
+from dflash_fast.drafter.masks import check_window, document_starts
 
 
 def _configs(gpu_configs, interpreter_config):

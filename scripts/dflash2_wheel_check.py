@@ -30,7 +30,7 @@ def import_reference(wheel_dir: str):
 
 def main(wheel_dir: str) -> None:
     from dflash_fast.drafter.dflash2 import CandidateSelector, grouped_dynamic_conv, selector_loss, training_candidates
-    from dflash_fast.drafter.eager import DPace
+    from dflash_fast.drafter.losses import DPace
 
     ref, ref_metrics = import_reference(wheel_dir)
     gen = torch.Generator().manual_seed(0)
@@ -84,7 +84,8 @@ def unary_dpace(gen: torch.Generator, n: int, b: int, mask: torch.Tensor, j: tor
     from speculators.losses import dpace_loss_decay, loss_function
     from speculators.losses.eager import ce_loss, kl_div_loss  # its utils' are the fused (GPU) ones
 
-    from dflash_fast.drafter.eager import DPace, Teacher, lm_head_loss
+    from dflash_fast.drafter.eager import lm_head_loss
+    from dflash_fast.drafter.losses import DPace, Teacher
 
     v, h = 41, 16
     last, lm_head = torch.randn(n, h, generator=gen, dtype=torch.float64), torch.randn(v, h, generator=gen,

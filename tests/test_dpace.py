@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_fast.drafter import eager
-from dflash_fast.drafter.eager import DPace, Teacher, dpace_weights
+from dflash_fast.drafter.losses import DPace, Teacher, dpace_weights
 
 
 def test_weights_of_a_hand_computed_block():

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from oracles import position_weight, trained_slots, visible_keys
 from tiny_targets import tiny_model, tiny_sizes
 
-from dflash_fast.drafter import eager, ops
+from dflash_fast.drafter import eager, masks, ops
 from dflash_fast.drafter.config import DrafterConfig
 from dflash_fast.drafter.model import (
     DFlashDrafter,
@@ -47,7 +47,7 @@ def random_batch(seed=0, t=24, anchors=((2, 7, 15, 22),), valid=((True, True, Tr
     g = torch.Generator().manual_seed(seed)
     r = len(anchors)
     doc = torch.tensor(docs) if docs is not None else torch.zeros(r, t, dtype=torch.long)
-    starts = eager.document_starts(doc)
+    starts = masks.document_starts(doc)
     t_logits = torch.randn(r, t, V, generator=g)
     top = t_logits.topk(topk, -1)
     return dict(

@@ -27,7 +27,7 @@ from oracles import (
 )
 
 from dflash_fast.data.batches import sample_anchors
-from dflash_fast.drafter import eager
+from dflash_fast.drafter import eager, losses
 from dflash_fast.drafter.model import position_weights, slot_targets
 
 BACKENDS = {"eager": (eager.anchored_attention, eager.lm_head_loss), "triton": (attention_kernel, loss_kernel)}
@@ -166,7 +166,7 @@ def call(backend, inputs, kind, normalizer=20.0):
     keys = {"kl": ("last", "final_norm_weight"), "kl_topk": ("topk_ids", "topk_logits", "topk_lse")}[kind]
     on_dev = {k: inputs[k].to(dev) for k in ("norm_weight", "lm_head_weight", "weights") + keys}
     args = (on_dev.pop("norm_weight"), on_dev.pop("lm_head_weight"), on_dev.pop("weights"), kind, normalizer, EPS)
-    out = BACKENDS[backend][1](h, *args, eager.Teacher(**on_dev))
+    out = BACKENDS[backend][1](h, *args, losses.Teacher(**on_dev))
     out.loss.backward()
     return type(out)(*(None if x is None else x.detach().cpu() for x in out)), h.grad.cpu()
 
@@ -266,8 +266,8 @@ def test_dense_kinds_equal_the_speculators_losses_written_as_loops(backend, kind
     inputs = {k: v.to(dtype) for k, v in inputs.items()}
     dev = device_of(backend)
     h = inputs["h"].clone().to(dev).requires_grad_()
-    dpace = eager.DPace(dpace_alpha, block) if with_dpace else None
-    teacher = eager.Teacher(last=inputs["last"].to(dev), final_norm_weight=inputs["final_norm_weight"].to(dev))
+    dpace = losses.DPace(dpace_alpha, block) if with_dpace else None
+    teacher = losses.Teacher(last=inputs["last"].to(dev), final_norm_weight=inputs["final_norm_weight"].to(dev))
     out = BACKENDS[backend][1](h, inputs["norm_weight"].to(dev), inputs["lm_head_weight"].to(dev),
                                weights.to(dev), kind, 20.0, EPS, teacher, dpace)
     out.loss.backward()
@@ -299,6 +299,6 @@ def test_alpha_against_a_hard_label_is_the_drafters_probability_of_it(backend):
     labels = torch.randint(0, VOCAB, (N,), generator=torch.Generator().manual_seed(3))
     dev = device_of(backend)
     args = [inputs[k].to(dev) for k in ("h", "norm_weight", "lm_head_weight", "weights")]
-    out = BACKENDS[backend][1](*args, "ce_data", 20.0, EPS, eager.Teacher(labels=labels.to(dev)))
+    out = BACKENDS[backend][1](*args, "ce_data", 20.0, EPS, losses.Teacher(labels=labels.to(dev)))
     q = torch.softmax(drafter_logits(inputs), -1)
     torch.testing.assert_close(out.alpha.cpu().double(), q[torch.arange(N), labels], rtol=1e-5, atol=1e-6)

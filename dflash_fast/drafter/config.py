@@ -6,7 +6,7 @@ import math
 from typing import Dict, List, Mapping, Optional, Union
 
 from dflash_fast.drafter.dspark import MARKOV_HEAD_TYPES
-from dflash_fast.drafter.eager import WINDOW_RULES, check_window
+from dflash_fast.drafter.masks import WINDOW_RULES, check_window
 from dflash_fast.errors import is_int
 
 LAYER_KINDS = ("full", "sliding")

@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dflash_fast.drafter import ops
-from dflash_fast.drafter.eager import DPace, dpace_weights
+from dflash_fast.drafter.losses import DPace, dpace_weights
 
 CONV_NAMES = ("attention_conv", "mlp_conv")
 

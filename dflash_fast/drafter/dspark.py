@@ -5,7 +5,7 @@ block token, and a confidence head that predicts each slot's acceptance rate.
     vanilla: e = e_prev;  gated: e = sigmoid(G [hidden, e_prev]) * e_prev;
     rnn:     s_0 = 0; z_k = [s_k, e_prev_k, hidden_k]; (g, c, o) = J z_k;
              s_{k+1} = sigmoid(g) s_k + (1 - sigmoid(g)) tanh(c);  e_k = tanh(o)
-    bias = W2 e  (never formed here: `e` and W2 go into the fused lm_head loss, eager.Markov)
+    bias = W2 e  (never formed here: `e` and W2 go into the fused lm_head loss, losses.Markov)
     confidence logit = proj([hidden, e_prev])  (or proj(hidden))
 
 `hidden` is the drafter's normed block state norm(x), the lm_head's input. Semantics from speculators

@@ -6,7 +6,7 @@ attending to [ctx ; block], the target's frozen embedding, final norm and lm_hea
     x --norm, lm_head, loss vs teacher at p-1--> loss, argmaxes
 
 DSpark (spec.md §8, `markov_rank > 0` or `confidence_head`): the same backbone plus the heads of
-`dflash_fast.drafter.dspark`; the Markov bias rides in the lm_head loss (eager.Markov), the confidence head is
+`dflash_fast.drafter.dspark`; the Markov bias rides in the lm_head loss (losses.Markov), the confidence head is
 trained against the acceptance rate the loss returns.
 
 DFlash2 (spec.md §9, `conv_kernel_size > 0` or `selector_rank > 0`): the convolutions live in each
@@ -28,8 +28,8 @@ from dflash_fast.drafter import ops
 from dflash_fast.drafter.config import DrafterConfig
 from dflash_fast.drafter.dflash2 import CandidateSelector, DynamicConv, selector_loss
 from dflash_fast.drafter.dspark import ConfidenceHead, MarkovHead
-from dflash_fast.drafter.eager import DENSE_KINDS, DPace, Markov, Teacher, needs_last
 from dflash_fast.drafter.layers import DecoderLayer, RMSNorm, Rope
+from dflash_fast.drafter.losses import DENSE_KINDS, DPace, Markov, Teacher, needs_last
 from dflash_fast.drafter.weights import check_drafter_fits_target, load_frozen_tensors
 
 
@@ -158,7 +158,7 @@ class DrafterOutput(NamedTuple):
     draft_argmax: torch.Tensor  # [R, A, B]
     teacher_argmax: torch.Tensor  # [R, A, B] (the teacher's argmax at the predicted position - 1)
     slot_mask: torch.Tensor  # [R, A, B] bool
-    alpha: torch.Tensor  # [R, A, B] fp32: each slot's acceptance estimate sum_v min(p_v, q_v) (eager.LossOutput)
+    alpha: torch.Tensor  # [R, A, B] fp32: each slot's acceptance estimate sum_v min(p_v, q_v) (losses.LossOutput)
     first_slot: int = 1  # the first slot that predicts (DrafterConfig.first_slot)
     confidence_loss: Optional[torch.Tensor] = None  # DSpark: the confidence BCE (before confidence_alpha)
     confidence: Optional[torch.Tensor] = None  # DSpark: [R, A, B] the confidence head's probability (no gradient)

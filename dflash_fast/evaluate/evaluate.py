@@ -16,7 +16,6 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
-from dflash_fast.cli import call_with_flags
 from dflash_fast.drafter.model import DFlashDrafter, slot_metrics
 from dflash_fast.drafter.weights import load_frozen_tensors
 from dflash_fast.evaluate import benchmarks
@@ -24,6 +23,7 @@ from dflash_fast.evaluate.benchmarks import benchmarks_report, decode_suites, fi
 from dflash_fast.evaluate.decode import Proposer, Step, TargetRunner, greedy_generate, speculative_generate
 from dflash_fast.evaluate.report import Tally, mean_acceptance, report, summary
 from dflash_fast.evaluate.sampling import Sampler, add_sampling_arguments, check_sampling, make_sampler
+from dflash_fast.flags import call_with_flags
 from dflash_fast.serve.export import load_exported
 from dflash_fast.store.layer_ids import default_layer_ids
 from dflash_fast.target.load import check_target

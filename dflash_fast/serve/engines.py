@@ -16,7 +16,7 @@ import json
 from typing import Dict, List, Optional
 
 from dflash_fast.drafter.config import DrafterConfig, value_problems
-from dflash_fast.drafter.eager import WINDOW_RULES
+from dflash_fast.drafter.masks import WINDOW_RULES
 from dflash_fast.errors import check_schema, is_int
 from dflash_fast.serve.layouts import (
     CONFIG_SCHEMAS,
@@ -50,7 +50,7 @@ ARCHITECTURE = (
     "num_layers",
     "layer_windows",
     "layer_causal",
-    "window_from",  # where a sliding window ends (eager.WINDOW_RULES); None without a sliding layer
+    "window_from",  # where a sliding window ends (masks.WINDOW_RULES); None without a sliding layer
     # DSpark (spec.md §8); DFlash drafters: false, 0, "vanilla", false, true
     "sample_from_anchor",
     "markov_rank",

@@ -142,7 +142,7 @@ class DataConfig:
 
 @dataclasses.dataclass
 class LossConfig:
-    """`kind`: one of dflash_fast.drafter.eager.LOSS_KINDS, or `auto`: `kl` (exact soft targets from `last`) when the
+    """`kind`: one of dflash_fast.drafter.losses.LOSS_KINDS, or `auto`: `kl` (exact soft targets from `last`) when the
     store has `last`, else `kl_topk`. `weighting` of the slots of a block (spec.md §5): `decay`, or `dpace`
     (D-PACE, from the drafter's own confidence against the teacher's argmax)."""
 
@@ -456,7 +456,7 @@ def _check_data_source(d: DataConfig, m: ModelConfig) -> None:
 
 def _check_model(m: ModelConfig) -> None:
     from dflash_fast.drafter.config import MAX_BLOCK_SIZE
-    from dflash_fast.drafter.eager import WINDOW_RULES
+    from dflash_fast.drafter.masks import WINDOW_RULES
 
     _check(m.num_layers >= 1, f"model.num_layers={m.num_layers} must be >= 1")
     _check(m.block_size >= 2, f"model.block_size={m.block_size} must be >= 2 (slot 0 is the given token)")
@@ -512,7 +512,7 @@ def _check_rows(d: DataConfig, m: ModelConfig) -> None:
 
 def _check_heads_and_loss(m: ModelConfig, loss: LossConfig) -> None:
     from dflash_fast.drafter.dspark import MARKOV_HEAD_TYPES
-    from dflash_fast.drafter.eager import DENSE_KINDS, LOSS_KINDS, WEIGHTINGS
+    from dflash_fast.drafter.losses import DENSE_KINDS, LOSS_KINDS, WEIGHTINGS
 
     _check(m.markov_rank >= 0, f"model.markov_rank={m.markov_rank} must be >= 0 (0 = no Markov head)")
     _check(m.markov_head_type in MARKOV_HEAD_TYPES,

@@ -17,7 +17,7 @@ import torch
 
 from dflash_fast.data.batches import COMPUTE_DTYPE_FIELDS, make_loader, row_batches, steps_per_epoch
 from dflash_fast.data.online import OnlineBatches, OnlineSource
-from dflash_fast.drafter.eager import needs_last
+from dflash_fast.drafter.losses import needs_last
 from dflash_fast.errors import ConfigError, UserError
 from dflash_fast.extract.plan import ExtractOptions, plan_job
 from dflash_fast.store.reader import HiddenStateStore

@@ -53,7 +53,7 @@ import torch
 
 from dflash_fast.data.batches import COMPUTE_DTYPE_FIELDS, INT64_FIELDS
 from dflash_fast.drafter.config import DrafterConfig
-from dflash_fast.drafter.eager import needs_last
+from dflash_fast.drafter.losses import needs_last
 from dflash_fast.drafter.weights import trainable_shapes
 from dflash_fast.errors import UserError
 from dflash_fast.extract.capture import LOGIT_CHUNK
