@@ -67,7 +67,8 @@ from bench.harness import write_results  # noqa: E402
 from dflash_fast.data.batches import sample_anchors  # noqa: E402
 from dflash_fast.drafter.eager import Teacher  # noqa: E402
 from dflash_fast.drafter.losses import DPace, Markov
-from dflash_fast.drafter.model import slot_targets, teacher_index  # noqa: E402
+from dflash_fast.drafter.model import teacher_index  # noqa: E402
+from dflash_fast.drafter.targets import slot_targets
 from dflash_fast.store.format import torch_dtype  # noqa: E402
 
 H200 = dict(flops=790e12, hbm=4.3e12, sms=132, l2=50 << 20, smem_per_sm=233472, regs=65536, warps=64, blocks=32)
@@ -558,10 +559,10 @@ def conv_rows(s: Dict, rows: int, dtype) -> List[Dict]:
     `extra_passes` = `nh_passes` - `dflash_passes`, and `kernel_extra_passes` the conv kernels' bytes less the add
     (conv_out reads the residual and writes the sum in the add's place). The issue's budget, on the extra: one [N, H]
     read and write per convolution, 4 passes for the two of a sublayer forward (8 with their backward)."""
-    from dflash_fast.drafter import dflash2, ops
+    from dflash_fast.drafter import conv, ops
 
     n, hid = rows * s["A"] * s["B"], s["H"]
-    conv = dflash2.DynamicConv(hid, s["B"], CONV_TAPS, CONV_GROUP).to(dtype)
+    conv = conv.DynamicConv(hid, s["B"], CONV_TAPS, CONV_GROUP).to(dtype)
     x = torch.zeros(1, n, hid, dtype=dtype, requires_grad=True)
     residual = torch.zeros(1, n, hid, dtype=dtype, requires_grad=True)
     passes = n * hid * torch.empty((), dtype=dtype).element_size()

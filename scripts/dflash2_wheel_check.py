@@ -29,7 +29,8 @@ def import_reference(wheel_dir: str):
 
 
 def main(wheel_dir: str) -> None:
-    from dflash_fast.drafter.dflash2 import CandidateSelector, grouped_dynamic_conv, selector_loss, training_candidates
+    from dflash_fast.drafter.conv import grouped_dynamic_conv
+    from dflash_fast.drafter.dflash2 import CandidateSelector, selector_loss, training_candidates
     from dflash_fast.drafter.losses import DPace
 
     ref, ref_metrics = import_reference(wheel_dir)

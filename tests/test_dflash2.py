@@ -14,7 +14,8 @@ from test_drafter import B, H, V, proposal_fed_back, random_batch, random_drafte
 from test_trainer import tiny  # noqa: F401 (the fixture: a tiny target and its store)
 
 from dflash_fast.drafter import eager, losses, ops
-from dflash_fast.drafter.dflash2 import CandidateSelector, grouped_dynamic_conv
+from dflash_fast.drafter.conv import grouped_dynamic_conv
+from dflash_fast.drafter.dflash2 import CandidateSelector
 
 EPS = 1e-6
 GROUP, TOP_K, RANK = 8, 5, 8

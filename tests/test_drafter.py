@@ -8,14 +8,8 @@ from tiny_targets import tiny_model, tiny_sizes
 
 from dflash_fast.drafter import eager, masks, ops
 from dflash_fast.drafter.config import DrafterConfig
-from dflash_fast.drafter.model import (
-    DFlashDrafter,
-    DrafterOutput,
-    build_drafter,
-    position_weights,
-    resolve_mask_token_id,
-    slot_metrics,
-)
+from dflash_fast.drafter.model import DFlashDrafter, DrafterOutput, build_drafter, resolve_mask_token_id, slot_metrics
+from dflash_fast.drafter.targets import position_weights
 
 V, H, K, B = 96, 32, 3, 4
 
@@ -214,7 +208,7 @@ def test_slots_leaving_the_document_or_masked_are_not_trained():
 def ce_against_stored_argmax(d: DFlashDrafter, batch):
     """Per-slot CE [A*B] of the drafter's materialised logits against the stored teacher argmax at p - 1,
     and the slot mask [R, A, B]: a reference for the `ce` loss outside ops.lm_head_loss (one row)."""
-    from dflash_fast.drafter.model import gather_rows, slot_targets
+    from dflash_fast.drafter.targets import gather_rows, slot_targets
 
     tg = slot_targets(batch, d.config.block_size)
     x = d.batch_states(batch)

@@ -6,7 +6,8 @@ from oracles import dspark_batch_loss, position_weight, rms_norm
 from test_drafter import B, V, proposal_fed_back, random_batch, random_drafter
 
 from dflash_fast.drafter import eager, losses, ops
-from dflash_fast.drafter.model import DrafterOutput, position_weights, slot_metrics, slot_targets
+from dflash_fast.drafter.model import DrafterOutput, slot_metrics
+from dflash_fast.drafter.targets import position_weights, slot_targets
 
 EPS = 1e-6
 HEAD_TYPES = ("vanilla", "gated", "rnn")

@@ -28,7 +28,7 @@ from oracles import (
 
 from dflash_fast.data.batches import sample_anchors
 from dflash_fast.drafter import eager, losses
-from dflash_fast.drafter.model import position_weights, slot_targets
+from dflash_fast.drafter.targets import position_weights, slot_targets
 
 BACKENDS = {"eager": (eager.anchored_attention, eager.lm_head_loss), "triton": (attention_kernel, loss_kernel)}
 EPS = 1e-6

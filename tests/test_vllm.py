@@ -21,7 +21,10 @@ if os.environ.get("DFLASH_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm")
 
 from dflash_fast.drafter import ops  # noqa: E402 (vLLM's absence skips the module first)
-from dflash_fast.drafter.model import DFlashDrafter, build_drafter  # noqa: E402
+from dflash_fast.drafter.model import (
+    DFlashDrafter,
+    build_drafter,  # noqa: E402
+)
 from dflash_fast.evaluate.decode import TargetRunner, greedy_generate  # noqa: E402
 from dflash_fast.evaluate.evaluate import evaluate, response_row  # noqa: E402
 from dflash_fast.evaluate.quickstart import ASSETS, TARGET  # noqa: E402
@@ -91,7 +94,7 @@ def overfit(kind: str, steps: int = 60) -> torch.nn.Module:
     with ops.backend("eager"):
         for _ in range(steps):
             for row in rows:
-                drafter(row, loss_kind="kl" if drafter.confidence_head is not None else "ce").loss.backward()
+                drafter(row, loss_kind="kl" if drafter.proposes_confidence else "ce").loss.backward()
                 opt.step()
                 opt.zero_grad()
     return drafter.eval()

@@ -5,11 +5,11 @@ import dataclasses
 import math
 from typing import Dict, List, Mapping, Optional, Union
 
-from dflash_fast.drafter.dspark import MARKOV_HEAD_TYPES
 from dflash_fast.drafter.masks import WINDOW_RULES, check_window
 from dflash_fast.errors import is_int
 
 LAYER_KINDS = ("full", "sliding")
+MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")  # DSpark's Markov heads (spec.md §8, dspark.MarkovHead)
 # Sizes and counts of a DrafterConfig and the least value each may take: 1 for the sizes, 2 for the block (the given
 # token and one to draft), 0 for the mask token (a token id).
 SIZE_FIELDS = {
@@ -22,6 +22,10 @@ SIZE_FIELDS = {
 # The block is the one size no weight backs (every slot of every anchor is a query row): published DFlash drafters use
 # 16 and no verifier step accepts hundreds of drafted tokens, so a larger block is a typo or a forged file.
 MAX_BLOCK_SIZE = 256
+# The DSpark fields of a DFlash drafter (DrafterConfig's defaults): a drafter whose DSpark fields all equal these is no
+# DSpark (DrafterConfig.family); what a view of a DFlash-only layout serves.
+DFLASH_ONLY = dict(sample_from_anchor=False, markov_rank=0, markov_head_type="vanilla", confidence_head=False,
+                   confidence_head_with_markov=True)
 
 
 @dataclasses.dataclass
@@ -99,6 +103,15 @@ class DrafterConfig:
         if (self.conv_kernel_size or self.selector_rank) and (self.markov_rank or self.confidence_head):
             raise ValueError("DFlash2's convolutions or selector (conv_kernel_size, selector_rank) with DSpark's heads "
                              "(markov_rank, confidence_head): choose one family")
+
+    @property
+    def family(self) -> str:
+        """The drafter family the options describe: dflash2 (either DFlash2 addition on, spec.md §9), dspark (a
+        DSpark option other than DFlash's, spec.md §8) or dflash. `DFlashDrafter(cfg)` builds that family's class,
+        and the export writes it as speculators_model_type."""
+        if self.is_dflash2:
+            return "dflash2"
+        return "dspark" if any(getattr(self, key) != value for key, value in DFLASH_ONLY.items()) else "dflash"
 
     @property
     def is_dflash2(self) -> bool:

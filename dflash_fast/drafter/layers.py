@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from dflash_fast.drafter import ops
 from dflash_fast.drafter.config import DrafterConfig
-from dflash_fast.drafter.dflash2 import DynamicConv
+from dflash_fast.drafter.conv import DynamicConv
 from dflash_fast.target.norm import rms_norm
 
 

@@ -123,7 +123,7 @@ def make_proposal(drafter, model, target: str, block_size: Optional[int], layer_
     if isinstance(drafter, DFlashDrafter):
         _check_drafter(drafter, model)
         module = drafter.to(device=model.device, dtype=model.dtype).eval()
-        cfg, with_confidence = module.config, module.confidence_head is not None
+        cfg, with_confidence = module.config, module.proposes_confidence
         draw = None if sampler is None else sampler.draw
         # verification block: the anchor and the drafted tokens (B of them with sample_from_anchor)
         return Proposal(module, lambda hidden, anchor, _ids: module.propose(hidden, anchor, with_confidence, draw),

@@ -22,7 +22,8 @@ import torch
 
 from dflash_fast.drafter import ops
 from dflash_fast.drafter.config import DrafterConfig
-from dflash_fast.drafter.model import DFlashDrafter, gather_rows, slot_targets
+from dflash_fast.drafter.model import DFlashDrafter
+from dflash_fast.drafter.targets import gather_rows, slot_targets
 from dflash_fast.drafter.weights import check_tensors, load_frozen_tensors, read_tensors, stderr_line
 from dflash_fast.errors import Is, MapOf, Obj, check_schema, read_mapping
 from dflash_fast.serve.engines import (
@@ -209,7 +210,7 @@ def gate(export_dir: str, trained: DrafterConfig, tensors: Dict[str, torch.Tenso
     batch = gate_batch(trained)
     want, got = gate_logits(reference, batch), gate_logits(served, batch)
     compared = [("logits", want, got)]
-    if reference.candidate_selector is not None:
+    if trained.selector_rank:
         ids = want[0, :, : trained.vocab_size].topk(trained.selector_top_k).indices
         compared.append(("candidate selector scores", gate_selector_scores(reference, batch, ids),
                          gate_selector_scores(served, batch, ids)))

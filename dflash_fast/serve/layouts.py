@@ -27,14 +27,11 @@ the same tensors one higher.
 """
 from typing import Dict, Optional
 
-from dflash_fast.drafter.config import DrafterConfig
+from dflash_fast.drafter.config import DFLASH_ONLY, DrafterConfig
 from dflash_fast.errors import BOOL, INT, NUMBER, OBJECT, STR, ListOf, Nullable, Obj
 
 FORMATS = ("speculators", "zlab")
 HF_LAYER_TYPES = {"full": "full_attention", "sliding": "sliding_attention"}
-# The DSpark fields of a DFlash drafter (DrafterConfig's defaults): what a view of a DFlash-only layout serves.
-DFLASH_ONLY = dict(sample_from_anchor=False, markov_rank=0, markov_head_type="vanilla", confidence_head=False,
-                   confidence_head_with_markov=True)
 # DFlash2's fields (spec.md §9) as speculators' DFlash2SpeculatorConfig names them (models/dflash2/config.py)
 DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
@@ -99,7 +96,7 @@ def is_dspark(cfg: DrafterConfig) -> bool:
 
 def speculators_algorithm(cfg: DrafterConfig) -> str:
     """speculators_model_type of a drafter: dflash2 (spec.md §9), dspark (spec.md §8) or dflash."""
-    return "dflash2" if cfg.is_dflash2 else "dspark" if is_dspark(cfg) else "dflash"
+    return cfg.family
 
 
 ARCHITECTURES = {"dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel", "dflash2": "DFlash2DraftModel"}

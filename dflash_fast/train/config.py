@@ -511,7 +511,7 @@ def _check_rows(d: DataConfig, m: ModelConfig) -> None:
 
 
 def _check_heads_and_loss(m: ModelConfig, loss: LossConfig) -> None:
-    from dflash_fast.drafter.dspark import MARKOV_HEAD_TYPES
+    from dflash_fast.drafter.config import MARKOV_HEAD_TYPES
     from dflash_fast.drafter.losses import DENSE_KINDS, LOSS_KINDS, WEIGHTINGS
 
     _check(m.markov_rank >= 0, f"model.markov_rank={m.markov_rank} must be >= 0 (0 = no Markov head)")

@@ -53,7 +53,8 @@ import torch.distributed as dist
 from dflash_fast.data.batches import derive_seed
 from dflash_fast.drafter import ops
 from dflash_fast.drafter.losses import has_kl, needs_last
-from dflash_fast.drafter.model import DrafterOutput, slot_targets
+from dflash_fast.drafter.model import DrafterOutput
+from dflash_fast.drafter.targets import slot_targets
 from dflash_fast.errors import DEBUG_ENV, ConfigError, UserError, run_reporting_errors
 from dflash_fast.extract.vllm_runner import GPU_MEMORY_UTILIZATION
 from dflash_fast.lock import output_lock
