@@ -29,8 +29,48 @@ DFLASH_ONLY = dict(sample_from_anchor=False, markov_rank=0, markov_head_type="va
 
 
 @dataclasses.dataclass
-class DrafterConfig:
-    """Architecture of the drafter; built from the target's config by `from_target`."""
+class DrafterOptions:
+    """The drafter's architecture options, their one definition: the `model.*` keys a training config sets (the
+    train config's ModelConfig is these plus its own), what `DrafterConfig.from_target` takes beside the target's
+    sizes, and (with those sizes) what an export's architecture carries. Their value rules: `value_problems` and
+    `DrafterConfig.__post_init__`."""
+
+    num_layers: int = 5
+    block_size: int = 16
+    layer_types: Optional[List[str]] = None  # per drafter layer "full" | "sliding"; None = all full
+    sliding_window: Optional[int] = None
+    # Where a sliding window's keys end: "anchor" (spec.md §4, speculators' training) or "query" (each slot's own
+    # position: what vLLM and SGLang serve; docs/training.md, Sliding windows)
+    window_from: str = "anchor"
+    causal_in_block: bool = False  # a config's one flag for every layer (DrafterConfig keeps one per layer)
+    # DSpark (spec.md §8, docs/dspark.md): the DFlash backbone plus a Markov logit bias and a confidence head; the
+    # defaults are DFlash (DFLASH_ONLY).
+    sample_from_anchor: bool = False  # slot j predicts the token at anchor + j + 1 (slot 0 included); DSpark's default
+    markov_rank: int = 0  # rank r of the Markov bias W2 W1[previous token]; 0 = none (DFlash)
+    markov_head_type: str = "vanilla"  # vanilla | gated | rnn
+    confidence_head: bool = False  # predict each slot's acceptance rate (trained with loss.confidence_alpha)
+    confidence_head_with_markov: bool = True  # the confidence head reads [hidden, W1[prev]] (needs markov_rank > 0)
+    # DFlash2 (spec.md §9, docs/dflash2.md): the DFlash backbone plus dynamic convolutions and a candidate selector;
+    # 0 = off (DFlash). DFlash2's own defaults: taps 2, group 16, rank 256, top-K 16.
+    conv_kernel_size: int = 0  # taps of the causal convolutions inside each block (<= block_size); 0 = none
+    conv_group_size: int = 16  # hidden channels sharing one dynamic coefficient; divides the hidden size
+    selector_rank: int = 0  # rank r of the candidate selector's codebooks P, S [V, r]; 0 = none
+    selector_top_k: int = 16  # K unary candidates the selector re-ranks; <= vocab_size
+
+    @classmethod
+    def names(cls):
+        """The option keys, in their order."""
+        return tuple(f.name for f in dataclasses.fields(DrafterOptions))
+
+    def options(self) -> Dict:
+        """The option values by key (what `DrafterConfig.from_target` takes)."""
+        return {key: getattr(self, key) for key in DrafterOptions.names()}
+
+
+@dataclasses.dataclass(kw_only=True)
+class DrafterConfig(DrafterOptions):
+    """Architecture of the drafter: its options (DrafterOptions) and the sizes, RoPE and ids the target gives;
+    built from the target's config by `from_target`."""
 
     hidden_size: int
     num_attention_heads: int
@@ -45,24 +85,8 @@ class DrafterConfig:
     rms_norm_eps: float = 1e-6
     rope_parameters: Dict = dataclasses.field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
     max_position_embeddings: int = 32768
-    num_layers: int = 5
-    block_size: int = 16
-    layer_types: Optional[List[str]] = None  # per layer "full" | "sliding"; None = all full
-    sliding_window: Optional[int] = None
-    window_from: str = "anchor"  # a sliding window's keys end at the anchor (spec.md §4) or at each query (the engines)
     causal_in_block: Union[bool, List[bool]] = False  # one flag for every layer, or one per layer (kept as a list)
     target_model_type: str = ""
-    # DSpark (spec.md §8); the defaults are DFlash.
-    sample_from_anchor: bool = False  # slot j predicts the token at a + j + 1 (slot 0 included)
-    markov_rank: int = 0  # r of the Markov bias W2 W1[prev]; 0 = no Markov head
-    markov_head_type: str = "vanilla"  # vanilla | gated | rnn
-    confidence_head: bool = False
-    confidence_head_with_markov: bool = True  # the confidence head reads [hidden, W1[prev]], not hidden alone
-    # DFlash2 (spec.md §9); 0 = off (DFlash). DFlash2's own defaults: taps 2, group 16, rank 256, top-K 16.
-    conv_kernel_size: int = 0  # taps of the dynamic causal convolutions around both sublayers; <= block_size
-    conv_group_size: int = 16  # hidden channels sharing one dynamic coefficient; divides hidden_size
-    selector_rank: int = 0  # r of the candidate selector's codebooks P, S [V, r]
-    selector_top_k: int = 16  # K unary candidates the selector re-ranks; <= vocab_size
 
     def __post_init__(self):
         problems = value_problems(dataclasses.asdict(self))

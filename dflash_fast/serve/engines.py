@@ -15,7 +15,7 @@ DFlash2DraftModel (dflash_config); `_dflash2_fields` are their terms in `ARCHITE
 import json
 from typing import Dict, List, Optional
 
-from dflash_fast.drafter.config import DrafterConfig, value_problems
+from dflash_fast.drafter.config import DrafterConfig, DrafterOptions, value_problems
 from dflash_fast.drafter.masks import WINDOW_RULES
 from dflash_fast.errors import check_schema, is_int
 from dflash_fast.serve.layouts import (
@@ -31,8 +31,12 @@ from dflash_fast.serve.layouts import (
 from dflash_fast.store.layer_ids import check_layer_ids, default_layer_ids
 
 ENGINES = {"speculators": ("speculators", "vllm"), "zlab": ("sglang", "vllm")}
-# What a serving engine builds, per drafter layer where it is per layer; `architecture` and every engine view
-# return these keys.
+# What a serving engine builds: the sizes and ids the target gives, then the drafter's options (DrafterOptions), the
+# per-layer ones as one window and one attention rule per drafter layer (PER_LAYER: layer_types and sliding_window
+# -> layer_windows, causal_in_block -> layer_causal); window_from is None without a sliding layer. DFlash drafters
+# carry the DSpark options at DFLASH_ONLY and DFlash2's at 0, 16, 0, 16. `architecture` and every engine view return
+# these keys.
+PER_LAYER = {"layer_types": "layer_windows", "sliding_window": None, "causal_in_block": "layer_causal"}
 ARCHITECTURE = (
     "hidden_size",
     "num_attention_heads",
@@ -43,26 +47,10 @@ ARCHITECTURE = (
     "target_hidden_size",
     "layer_ids",
     "mask_token_id",
-    "block_size",
     "rms_norm_eps",
     "rope_parameters",
     "max_position_embeddings",
-    "num_layers",
-    "layer_windows",
-    "layer_causal",
-    "window_from",  # where a sliding window ends (masks.WINDOW_RULES); None without a sliding layer
-    # DSpark (spec.md §8); DFlash drafters: false, 0, "vanilla", false, true
-    "sample_from_anchor",
-    "markov_rank",
-    "markov_head_type",
-    "confidence_head",
-    "confidence_head_with_markov",
-    # DFlash2 (spec.md §9); DFlash and DSpark drafters: 0, 16, 0, 16
-    "conv_kernel_size",
-    "conv_group_size",
-    "selector_rank",
-    "selector_top_k",
-)
+) + tuple(PER_LAYER.get(key, key) for key in DrafterOptions.names() if PER_LAYER.get(key, key))
 # Why an engine reads a field differently, and the fix, for the mismatches that have a known cause.
 # Fields where an engine that serves another rule than the drafter trained with still runs it, at a lower acceptance:
 # export warns of them (naming the field) instead of refusing, and reads them back from our own metadata.

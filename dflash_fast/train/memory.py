@@ -52,6 +52,8 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from dflash_fast.data.batches import COMPUTE_DTYPE_FIELDS, INT64_FIELDS
+from dflash_fast.data.config import OnlineConfig
+from dflash_fast.data.source import Source
 from dflash_fast.drafter.config import DrafterConfig
 from dflash_fast.drafter.losses import needs_last
 from dflash_fast.drafter.weights import trainable_shapes
@@ -62,7 +64,7 @@ from dflash_fast.kernels.lm_head_loss import GPU_CHUNK_BYTES, GPU_ROW_ALIGN, chu
 from dflash_fast.store.format import Layout, normalise_dtype
 from dflash_fast.store.fp8 import FP8, SCALE_FIELDS
 from dflash_fast.target.load import device_memory, weight_bytes
-from dflash_fast.train.config import OnlineConfig, TrainConfig
+from dflash_fast.train.config import TrainConfig
 
 GIB = 1 << 30
 ZERO_STAGES = (0, 1, 2, 3)
@@ -389,13 +391,9 @@ def run_plan(cfg: TrainConfig, drafter: DrafterConfig, ds: Dict, world_size: int
     """The Plan of a run's step: its config, drafter, completed DeepSpeed JSON (optim.deepspeed_config), world size,
     compute dtype, loss kind, and its store's manifest (or the online source's); `limit`, the device's bytes
     (None: no device), sizes the share an in-process vLLM takes (data.source=vllm)."""
-    online = None
-    if cfg.data.source == "online":
-        online = online_target(target, dtype, cfg.data.online, len(manifest["layer_ids"]))
-    elif cfg.data.source == "vllm" and not cfg.data.online.address:  # served elsewhere: nothing on this device
-        online = online_target(target, dtype, cfg.data.online, len(manifest["layer_ids"]), "vllm", limit)
-    elif cfg.data.source == "vllm_serve":  # `vllm serve` elsewhere; here VllmRunner's lm_head, capture and teacher
-        online = online_target(target, dtype, cfg.data.online, len(manifest["layer_ids"]), "vllm_serve")
+    share = Source.of(cfg.data).device_share  # vLLM served elsewhere: nothing on this device
+    online = None if share is None else online_target(target, dtype, cfg.data.online, len(manifest["layer_ids"]),
+                                                      share, limit if share == "vllm" else None)
     setup = run_setup(cfg, ds, world_size, dtype.itemsize, needs_last(loss_kind, stored_labels=True),
                       Layout.from_manifest(manifest), online)
     return step_memory(drafter, step_of(cfg), setup)

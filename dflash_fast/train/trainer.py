@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from dflash_fast.data.batches import derive_seed
+from dflash_fast.data.source import Source
 from dflash_fast.drafter import ops
 from dflash_fast.drafter.losses import has_kl, needs_last
 from dflash_fast.drafter.model import DrafterOutput
@@ -381,7 +382,8 @@ def plan(cfg: TrainConfig, device_memory: Optional[int] = None) -> str:
     not extracted yet, the one the extraction settings give on model.target (data.planned_manifest)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     d = cfg.data
-    extracted = d.source == "store" and os.path.exists(d.store)
+    source = Source.of(d)
+    extracted = source.reads_store and os.path.exists(d.store)
     if not extracted and not cfg.model.target:
         raise ConfigError(f"data.store={d.store} does not exist: extract it first, or pass model.target=TARGET to "
                           f"plan from the target's config and the extraction settings (docs/memory.md)")
@@ -398,8 +400,8 @@ def plan(cfg: TrainConfig, device_memory: Optional[int] = None) -> str:
              f"data.seq_len={d.seq_len} tokens, data.num_anchors={d.num_anchors}; activation checkpointing "
              f"{'on' if cfg.model.activation_checkpointing else 'off'}"]
     if not extracted:
-        source = "of the store not extracted yet" if d.source == "store" else f"data.source={d.source}"
-        lines.append(f"hidden states ({source}): layer ids {manifest['layer_ids']}, {manifest['dtype']}, top-k "
+        origin = "of the store not extracted yet" if source.reads_store else str(source)
+        lines.append(f"hidden states ({origin}): layer ids {manifest['layer_ids']}, {manifest['dtype']}, top-k "
                      f"{manifest['topk']}, `last` {'kept' if manifest['has_last'] else 'not kept'}, from "
                      f"{target}'s config, model.layer_ids and data.online.dtype / data.online.topk")
     lines.append(memory.lines())
