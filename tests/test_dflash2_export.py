@@ -11,7 +11,8 @@ from test_drafter import random_batch
 
 from dflash_fast.drafter.dflash2 import head_shapes
 from dflash_fast.serve import export
-from dflash_fast.serve.engines import architecture, config_from_export, served_architectures
+from dflash_fast.serve.architecture import architecture
+from dflash_fast.serve.engines import config_from_export, served_architectures
 from dflash_fast.serve.layouts import DFLASH2_FIELDS, ExportError
 
 # Each DFlash2 tensor and a likely misnaming: z-lab's nn.Embedding codebooks are `.weight` in its module but not in

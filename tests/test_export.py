@@ -21,7 +21,8 @@ from dflash_fast.drafter.config import DrafterConfig
 from dflash_fast.drafter.layers import Rope
 from dflash_fast.drafter.model import DFlashDrafter
 from dflash_fast.serve import engines, export, layouts
-from dflash_fast.serve.engines import ENGINES, SERVING_RULES, architecture, config_from_export, served_architectures
+from dflash_fast.serve.architecture import architecture
+from dflash_fast.serve.engines import ENGINES, SERVING_RULES, config_from_export, served_architectures
 from dflash_fast.serve.export import export_drafter, gate_batch, gate_logits, load_exported
 from dflash_fast.serve.layouts import FORMATS, ExportError
 

@@ -30,7 +30,8 @@ from dflash_fast.evaluate.evaluate import evaluate, response_row  # noqa: E402
 from dflash_fast.evaluate.quickstart import ASSETS, TARGET  # noqa: E402
 from dflash_fast.evaluate.vllm import evaluate_vllm, speculative_config, v2_runner_available, vllm_architecture  # noqa: E402
 from dflash_fast.extract.regenerate import regenerate  # noqa: E402
-from dflash_fast.serve.engines import architecture, config_from_export, served_architectures  # noqa: E402
+from dflash_fast.serve.architecture import architecture
+from dflash_fast.serve.engines import config_from_export, served_architectures  # noqa: E402
 from dflash_fast.serve.export import export_drafter, read_export_config  # noqa: E402
 from dflash_fast.target.prompts import load_model, read_prompts  # noqa: E402
 from dflash_fast.target.vllm import engine_args  # noqa: E402

@@ -26,8 +26,8 @@ from dflash_fast.drafter.model import DFlashDrafter
 from dflash_fast.drafter.targets import gather_rows, slot_targets
 from dflash_fast.drafter.weights import check_tensors, load_frozen_tensors, read_tensors, stderr_line
 from dflash_fast.errors import Is, MapOf, Obj, check_schema, read_mapping
+from dflash_fast.serve.architecture import architecture
 from dflash_fast.serve.engines import (
-    architecture,
     check_made_for,
     check_servable,
     config_from_export,

@@ -186,7 +186,7 @@ _OPT_INT, _OPT_BOOL = Nullable(INT), Nullable(BOOL)
 
 _DFLASH_KEYS = {"target_layer_ids": ListOf(INT), "num_target_layers": _OPT_INT, "mask_token_id": _OPT_INT,
                 "block_size": _OPT_INT,
-                # z-lab's scalings (engines.ZLAB_NEUTRAL: only their neutral values are read)
+                # z-lab's scalings (views.ZLAB_NEUTRAL: only their neutral values are read)
                 "input_embedding_scale": NUMBER, "output_multiplier": NUMBER,
                 "final_logit_softcapping": Nullable(NUMBER), **{key: _OPT_INT for key in DFLASH2_FIELDS}}
 
