@@ -72,6 +72,10 @@ class LossConfig:
     confidence_alpha: float = 1.0  # DSpark: weight of the confidence head's BCE in the loss (model.confidence_head)
     selector_alpha: float = 1.0  # DFlash2: weight of the candidate selector's CE in the loss (model.selector_rank)
 
+    def family_weights(self) -> Dict[str, float]:
+        """The weights of the families' loss terms, by the name each family's `family_terms` reads."""
+        return {"confidence_alpha": self.confidence_alpha, "selector_alpha": self.selector_alpha}
+
 
 @dataclasses.dataclass
 class OptimizerConfig:

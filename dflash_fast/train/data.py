@@ -11,7 +11,7 @@ stream of training micro-batches a resume continues exactly.
     data_identity  what must not change between a checkpoint and its resume for that position to line up
     to_device      a batch on the device, its hidden states in the compute dtype
 """
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -19,6 +19,7 @@ from dflash_fast.data.batches import COMPUTE_DTYPE_FIELDS, make_loader, row_batc
 from dflash_fast.data.online import OnlineBatches, OnlineSource
 from dflash_fast.data.source import Source
 from dflash_fast.drafter.losses import needs_last
+from dflash_fast.drafter.targets import slot_targets
 from dflash_fast.errors import ConfigError, UserError
 from dflash_fast.extract.plan import ExtractOptions, plan_job
 from dflash_fast.store.reader import HiddenStateStore
@@ -170,3 +171,14 @@ def close_batches(batches) -> None:
     """End what open_batches returned: online, the forward computed ahead is dropped (a DataLoader needs nothing)."""
     if isinstance(batches, OnlineBatches):
         batches.close()
+
+
+def step_batches(stream: "TrainStream", grad_accum: int, block_size: int, sample_from_anchor: bool,
+                 device) -> Tuple[List[Dict[str, torch.Tensor]], List[int], float]:
+    """One step's micro-batches from `stream`, each one's valid slot count, and the step's count over every rank
+    (>= 1): the denominator that makes the step's gradient that of sum(l * w * mask) / sum(mask) (spec.md §5)."""
+    micro = [next(stream) for _ in range(grad_accum)]
+    counts = [int(slot_targets(b, block_size, sample_from_anchor).slot_mask.sum()) for b in micro]
+    total = torch.tensor(float(sum(counts)), dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(total)
+    return micro, counts, max(float(total), 1.0)

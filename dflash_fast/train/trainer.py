@@ -45,7 +45,7 @@ import os
 import signal
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -55,7 +55,6 @@ from dflash_fast.data.source import Source
 from dflash_fast.drafter import ops
 from dflash_fast.drafter.losses import has_kl, needs_last
 from dflash_fast.drafter.model import DrafterOutput
-from dflash_fast.drafter.targets import slot_targets
 from dflash_fast.errors import DEBUG_ENV, ConfigError, UserError, run_reporting_errors
 from dflash_fast.extract.vllm_runner import GPU_MEMORY_UTILIZATION
 from dflash_fast.lock import output_lock
@@ -81,6 +80,7 @@ from dflash_fast.train.data import (
     open_batches,
     open_source,
     planned_manifest,
+    step_batches,
     to_device,
 )
 from dflash_fast.train.distributed import gathered_state, init_distributed, quiet_deepspeed, resolve_precision, sharing
@@ -208,18 +208,8 @@ class Trainer:
 
     def _forward(self, batch: Dict[str, torch.Tensor], noise_std: float, seed: int) -> DrafterOutput:
         loss = self.cfg.loss
-        return self.engine(batch, loss_kind=self.loss_kind, noise_std=noise_std, seed=seed,
-                           gamma=loss.gamma, weighting=loss.weighting,
-                           dpace_alpha=loss.dpace_alpha, confidence_alpha=loss.confidence_alpha,
-                           selector_alpha=loss.selector_alpha)
-
-    def _fetch(self) -> Tuple[List[Dict[str, torch.Tensor]], List[int], float]:
-        """The step's micro-batches, each one's valid slot count, and the step's count over every rank (>= 1)."""
-        micro = [next(self.stream) for _ in range(self.cfg.schedule.grad_accum)]
-        counts = [int(slot_targets(b, self.block_size, self.sample_from_anchor).slot_mask.sum()) for b in micro]
-        total = torch.tensor(float(sum(counts)), dtype=torch.float64, device=self.device)
-        dist.all_reduce(total)
-        return micro, counts, max(float(total), 1.0)
+        return self.engine(batch, loss_kind=self.loss_kind, noise_std=noise_std, seed=seed, gamma=loss.gamma,
+                           weighting=loss.weighting, dpace_alpha=loss.dpace_alpha, **loss.family_weights())
 
     def train_step(self) -> Tuple[Sums, Dict[str, float], Optional[float]]:
         """One optimizer step -> (sums reduced over ranks, seconds per phase, grad norm)."""
@@ -229,7 +219,8 @@ class Trainer:
         gas = self.cfg.schedule.grad_accum
         times = dict.fromkeys(("fetch", "forward", "backward", "optimizer"), 0.0)
         with timed(times, "fetch"):
-            micro, counts, total = self._fetch()
+            micro, counts, total = step_batches(self.stream, self.cfg.schedule.grad_accum, self.block_size,
+                                                self.sample_from_anchor, self.device)
         target_seconds = self.stream.take_target_seconds()
         if target_seconds is not None:
             times["target_forward"] = target_seconds  # online; on the side thread, hidden by the steps before
