@@ -208,8 +208,9 @@ class Trainer:
 
     def _forward(self, batch: Dict[str, torch.Tensor], noise_std: float, seed: int) -> DrafterOutput:
         loss = self.cfg.loss
-        return self.engine(batch, loss_kind=self.loss_kind, noise_std=noise_std, seed=seed, gamma=loss.gamma,
-                           weighting=loss.weighting, dpace_alpha=loss.dpace_alpha, **loss.family_weights())
+        return self.engine(batch, loss_kind=self.loss_kind, noise_std=noise_std, seed=seed,
+                           gamma=loss.gamma, weighting=loss.weighting,
+                           dpace_alpha=loss.dpace_alpha, **loss.family_weights())
 
     def train_step(self) -> Tuple[Sums, Dict[str, float], Optional[float]]:
         """One optimizer step -> (sums reduced over ranks, seconds per phase, grad norm)."""
