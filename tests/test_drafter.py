@@ -426,3 +426,20 @@ def test_a_target_without_an_embedding_is_refused_by_name(tmp_path):
     save_file({"model.norm.weight": torch.ones(8)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match=r"none of .*embed_tokens.* found for the target's embed_tokens"):
         load_frozen_tensors(str(tmp_path))
+
+
+# ---------------------------------------------------------------- one home per family
+def test_each_family_is_built_as_its_own_modules_class():
+    """DFlashDrafter(cfg) is the class of cfg.family, defined in that family's module (families.FAMILIES); DFlash
+    is DFlashDrafter itself."""
+    from dflash_fast.drafter import families
+
+    assert type(DFlashDrafter(small_config())) is DFlashDrafter
+    built = {"dspark": DFlashDrafter(small_config(markov_rank=4)),
+             "dflash2": DFlashDrafter(small_config(selector_rank=8, selector_top_k=4))}
+    assert set(built) == set(families.FAMILIES) == set(DFlashDrafter.families)
+    for name, drafter in built.items():
+        assert drafter.config.family == name and type(drafter).family == name
+        assert type(drafter).__module__ == families.FAMILIES[name].__name__
+    with pytest.raises(ValueError, match="choose one family"):
+        small_config(markov_rank=4, selector_rank=8)

@@ -210,3 +210,23 @@ def test_an_import_through_importlib_is_an_import():
     graph["dflash_fast.drafter.losses"] = imports_of(open(MODULES["dflash_fast.drafter.losses"]).read() + lazy,
                                                      "dflash_fast.drafter.losses")
     assert any("dflash_fast.drafter.losses" in c and "dflash_fast.kernels.lm_head_loss" in c for c in circles(graph))
+
+
+# The attributes only a drafter family's own module may touch (its modules, named as the engines name them).
+# (DSpark's confidence_head is also the name of its option, read from configs everywhere, so it is not among them.)
+FAMILY_ATTRIBUTES = {"markov_head", "candidate_selector", "dspark_heads", "selector_walk"}
+FAMILY_MODULES = {"dflash_fast.drafter.dspark", "dflash_fast.drafter.dflash2"}
+
+
+def family_attribute_uses(source: str) -> set:
+    return {node.attr for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Attribute) and node.attr in FAMILY_ATTRIBUTES}
+
+
+def test_no_module_but_a_familys_own_reaches_into_its_modules():
+    """Each family has one home: outside its module nothing reads its heads or calls its walk (the backbone calls
+    the family hooks; the export names the parameters by their strings)."""
+    found = {m: sorted(family_attribute_uses(open(path).read())) for m, path in MODULES.items()
+             if m not in FAMILY_MODULES}
+    assert {m: uses for m, uses in found.items() if uses} == {}
+    assert family_attribute_uses("def f(d):\n    return d.candidate_selector.top_k\n") == {"candidate_selector"}

@@ -19,6 +19,7 @@ options) and overrides the hooks below; nothing outside its module branches on t
                                       -> the export gate's materialised logits and confidence
     walk(x, hidden, logits, anchor_token, draw, with_confidence)
                                       -> the proposal of one block (spec.md §6, §10) and its confidence or None
+    gate_outputs(batch, logits)       -> what the export gate compares beside the logits (DFlash2: selector scores)
 
 `DFlashDrafter(cfg)` builds the family `cfg.family` names: the subclass registers itself when its module is
 imported, and families.py (imported by weights.py and model.py) imports every family (docs/contributing.md, "A drafter
@@ -270,6 +271,12 @@ class DFlashDrafter(nn.Module):
         [B, V] -> (the drafted tokens, each one's acceptance probability [same length] or None). DFlash: every
         drafted slot's logits through `draw` at once (default argmax)."""
         return (draw or _argmax)(logits[self.config.first_slot:]), None
+
+    def gate_outputs(self, batch: Dict[str, torch.Tensor],  # noqa: ARG002 (a hook: DFlash adds nothing)
+                     logits: torch.Tensor) -> Dict[str, torch.Tensor]:  # noqa: ARG002
+        """What the export gate compares beside the logits, by name, on the one-row gate batch: the family's own
+        outputs, given the reference drafter's fp32 logits [1, A*B, V(+1)] to choose from (DFlash: nothing)."""
+        return {}
 
     @property
     def proposes_confidence(self) -> bool:

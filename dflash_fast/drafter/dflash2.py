@@ -26,6 +26,7 @@ from dflash_fast.drafter import ops
 from dflash_fast.drafter.backbone import DFlashDrafter, FamilyTerms, Step
 from dflash_fast.drafter.conv import DynamicConv
 from dflash_fast.drafter.losses import DPace, LossOutput, dpace_weights
+from dflash_fast.drafter.targets import gather_rows, slot_targets
 
 CONV_NAMES = ("attention_conv", "mlp_conv")
 
@@ -221,6 +222,19 @@ class DFlash2Drafter(DFlashDrafter):
         return FamilyTerms(weights.get("selector_alpha", 1.0) * sel.loss, sel.draft,
                            {"selector_loss": sel.loss, "recall": sel.recall.view(shape),
                             "selector_hit": sel.hit.view(shape)})
+
+    def gate_outputs(self, batch: Dict[str, torch.Tensor], logits: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """The candidate selector's fp32 scores [A*B, K] of the candidates of every slot of the one row of `batch`
+        (the unary top-K of `logits`, the trained drafter's), `prev` the ground-truth previous token: what the
+        selector walk ranks."""
+        if self.candidate_selector is None:
+            return {}
+        ids = logits[0, :, : self.config.vocab_size].topk(self.config.selector_top_k).indices
+        x = self.batch_states(batch)
+        targets = slot_targets(batch, self.config.block_size, self.config.sample_from_anchor)
+        prev = gather_rows(batch["input_ids"], targets.prev_position)
+        hidden = self.norm(x).reshape(ids.shape[0], -1)
+        return {"candidate selector scores": self.candidate_selector.scores(hidden, self.lm_head, prev, ids)}
 
     def walk(self, x: torch.Tensor, hidden: torch.Tensor, logits: torch.Tensor, anchor_token: int, draw=None,
              with_confidence: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
