@@ -28,7 +28,9 @@ LINE_LENGTH = 120
 
 
 def rewrite(text: str, path: str) -> str:
-    spec = os.path.relpath(os.path.join(REPO, SPEC), os.path.dirname(os.path.join(REPO, path)))
+    # a Markdown page links relative to itself; code and other text name the repository path
+    spec = os.path.relpath(os.path.join(REPO, SPEC), os.path.dirname(os.path.join(REPO, path))) \
+        if path.endswith(".md") else SPEC
     text = OUTSIDE_PATH.sub(spec, text)
     for pattern, replacement in RULES:
         text = pattern.sub(replacement, text)
