@@ -30,7 +30,7 @@ FLOP_NOTE = (
 
 
 def flex_mask_mod(anchors, anchor_valid, document_ids, block_size, window, causal):
-    """SPEC §4 as a FlexAttention mask_mod over keys [context T ; block A*B]."""
+    """spec.md §4 as a FlexAttention mask_mod over keys [context T ; block A*B]."""
     t = document_ids.shape[1]
 
     def mask_mod(b, _h, q_idx, kv_idx):

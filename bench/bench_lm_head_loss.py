@@ -14,7 +14,7 @@ LigerFusedLinearCrossEntropyLoss for `ce`; both get the normed states
 and include the norm in the timing (their loss is a plain token mean, so the `loss`
 column compares eager and triton only). Results: <out>/lm_head_loss.{json,md,png}.
 
---dflash2: DFlash2's head (SPEC §9) as DFlashDrafter.loss runs it, `kl` plus the candidate selector's loss and its
+--dflash2: DFlash2's head (spec.md §9) as DFlashDrafter.loss runs it, `kl` plus the candidate selector's loss and its
 backward: `triton` is the fused pass with topk = K (the unary top-K and their logits out of the chunk's tiles), the
 Triton RMSNorm for the selector's input and the selector scoring those logits (their gradient by one embedding_bag);
 `eager` is eager.lm_head_loss with topk = K, the torch norm and the selector over the K gathered lm_head rows. No peer

@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.bench_extract import MODELS, build_target  # noqa: E402
 from bench.harness import write_results  # noqa: E402
+from dflash_fast.data.source import Source  # noqa: E402
 from dflash_fast.evaluate.quickstart import REPO, TARGET  # noqa: E402
 from dflash_fast.extract.extract import extract  # noqa: E402
 from dflash_fast.train import trainer  # noqa: E402
@@ -94,7 +95,7 @@ def time_path(path, overrides, steps):
         "path": path,
         "step_ms": step_ms,
         "wait_ms": mean_ms("fetch"),
-        "target_forward_ms": mean_ms("target_forward") if d.source == "online" else None,
+        "target_forward_ms": mean_ms("target_forward") if Source.of(d).runs_target else None,
         "drafter_ms": mean_ms("drafter"),
         "tokens_per_s": d.seq_len * d.batch_rows * cfg.schedule.grad_accum / (step_ms / 1e3),
     }

@@ -54,7 +54,8 @@ from bench.harness import peak_memory_mb, time_calls_ms, time_ms, write_results 
 from dflash_fast.data.batches import sample_anchors  # noqa: E402
 from dflash_fast.drafter import ops  # noqa: E402
 from dflash_fast.drafter.config import DrafterConfig  # noqa: E402
-from dflash_fast.drafter.eager import LOSS_KINDS, needs_last  # noqa: E402
+from dflash_fast.drafter.eager import needs_last  # noqa: E402
+from dflash_fast.drafter.losses import LOSS_KINDS
 from dflash_fast.drafter.model import DFlashDrafter  # noqa: E402
 from dflash_fast.serve.layouts import qwen3_layer  # noqa: E402
 from dflash_fast.train.model import resolve_loss_kind  # noqa: E402
@@ -133,7 +134,7 @@ def make_batch(s, dtype, device, seed=0):
 
 
 def visible_pairs(batch, block_size: int) -> int:
-    """Visible (query, key) pairs of one head (SPEC §4, bidirectional blocks): each valid anchor's
+    """Visible (query, key) pairs of one head (spec.md §4, bidirectional blocks): each valid anchor's
     B queries see its document's context before it (= the anchor's position id) and its B slots."""
     valid = batch["anchor_valid"]
     ctx = batch["position_ids"].gather(1, batch["anchors"])[valid].sum()

@@ -378,7 +378,7 @@ def lm_head_loss_cases(mod, s, dtype) -> Dict[str, Callable[[], None]]:
     """Every loss kind (the full teacher's `last` is the row's T positions, which the A*B slots index, as the
     drafter passes it); D-PACE weights (no kernel of their own, checked with kl); a trainable lm_head (its
     weight-gradient GEMM; the drafter's head is frozen); DSpark's Markov bias (the logits GEMM's HAS_BIAS
-    columns, r = H / 16, and the de / dW2 GEMMs); DFlash2's selector (SPEC §9): the pass with topk = 16 (its top-K
+    columns, r = H / 16, and the de / dW2 GEMMs); DFlash2's selector (spec.md §9): the pass with topk = 16 (its top-K
     is host code over the kernels' outputs: no kernel of its own) and the selector's input norm by the Triton
     RMSNorm with autograd (kernels/_common.py rms_norm: its backward is the HAS_SCALE=False variant, which the loss
     never launches).
@@ -434,7 +434,7 @@ def lm_head_loss_cases(mod, s, dtype) -> Dict[str, Callable[[], None]]:
 
 
 def grouped_dynamic_conv_cases(mod, s, dtype) -> Dict[str, Callable[[], None]]:
-    """DFlash2's convolution (SPEC §9), forward and backward, at N = A x B slots: its default (taps 2, groups of 16)
+    """DFlash2's convolution (spec.md §9), forward and backward, at N = A x B slots: its default (taps 2, groups of 16)
     with delta read in place as a slice of the kernel projection's [N, 2, taps, G] output, as DynamicConv reads it,
     and taps 3 in groups of 128 (another GS and group tile); conv_in without a residual, conv_out with the residual
     add fused (HAS_RESIDUAL), as a DFlash2 sublayer runs them."""

@@ -30,7 +30,7 @@ dense kinds (`tv`, `lk`, `lk_hybrid`, `rkl`, `jsd`) need the teacher's logits as
 GEMMs as `kl` (their extra row pass over the chunk's stored logits is HBM traffic, no GEMM);
 `kl(DSpark)` is `kl` with DSpark's Markov bias of rank r = H / 16 (256 at H = 4096) folded into the GEMM,
 with gradients for e and W2: 3 + 3 r / H units.
-`kl(DFlash2)` is `kl` with DFlash2's selector (SPEC §9, r = H / 16, K = 16) as the drafter runs it: the lm_head
+`kl(DFlash2)` is `kl` with DFlash2's selector (spec.md §9, r = H / 16, K = 16) as the drafter runs it: the lm_head
 pass with `topk=K` (each row's unary top-K and their logits from its chunk, only the K tiles with the largest maxima
 read), the selector's input norm(h) by the Triton RMSNorm, then in torch its K-way loss over the candidates (unary
 logits from the pass, the transition) and the backward of that loss to h and the selector's weights (the unary part
@@ -65,8 +65,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.harness import write_results  # noqa: E402
 from dflash_fast.data.batches import sample_anchors  # noqa: E402
-from dflash_fast.drafter.eager import DPace, Markov, Teacher  # noqa: E402
-from dflash_fast.drafter.model import slot_targets, teacher_index  # noqa: E402
+from dflash_fast.drafter.eager import Teacher  # noqa: E402
+from dflash_fast.drafter.losses import DPace, Markov
+from dflash_fast.drafter.model import teacher_index  # noqa: E402
+from dflash_fast.drafter.targets import slot_targets
 from dflash_fast.store.format import torch_dtype  # noqa: E402
 
 H200 = dict(flops=790e12, hbm=4.3e12, sms=132, l2=50 << 20, smem_per_sm=233472, regs=65536, warps=64, blocks=32)
@@ -557,10 +559,10 @@ def conv_rows(s: Dict, rows: int, dtype) -> List[Dict]:
     `extra_passes` = `nh_passes` - `dflash_passes`, and `kernel_extra_passes` the conv kernels' bytes less the add
     (conv_out reads the residual and writes the sum in the add's place). The issue's budget, on the extra: one [N, H]
     read and write per convolution, 4 passes for the two of a sublayer forward (8 with their backward)."""
-    from dflash_fast.drafter import dflash2, ops
+    from dflash_fast.drafter import conv, ops
 
     n, hid = rows * s["A"] * s["B"], s["H"]
-    conv = dflash2.DynamicConv(hid, s["B"], CONV_TAPS, CONV_GROUP).to(dtype)
+    conv = conv.DynamicConv(hid, s["B"], CONV_TAPS, CONV_GROUP).to(dtype)
     x = torch.zeros(1, n, hid, dtype=dtype, requires_grad=True)
     residual = torch.zeros(1, n, hid, dtype=dtype, requires_grad=True)
     passes = n * hid * torch.empty((), dtype=dtype).element_size()

@@ -8,7 +8,6 @@ error ends the command in one `error: ...` line (exit 2 for usage, 1 for data);
 """
 import argparse
 import importlib
-import inspect
 import sys
 
 from dflash_fast.errors import DEBUG_ENV, run_reporting_errors
@@ -26,13 +25,6 @@ COMMANDS = {
     "plot": ("dflash_fast.evaluate.plot", "draw loss, tau_offline and per-slot accuracy curves of a run"),
 }
 DEBUG_HELP = f"show the traceback of an error (also: {DEBUG_ENV}=1)"
-
-
-def call_with_flags(fn, args: argparse.Namespace, **overrides):
-    """fn called with each parsed flag named as one of its parameters (`--max-new-tokens` -> max_new_tokens),
-    then `overrides` (flags whose meaning is not the parameter's, such as `--no-baseline`)."""
-    names = inspect.signature(fn).parameters
-    return fn(**{k: v for k, v in vars(args).items() if k in names}, **overrides)
 
 
 def command_parser(name: str):

@@ -201,3 +201,8 @@ def read_json_object(path: str, what: str, schema: Optional[Obj] = None) -> Dict
     every failure one ValueError naming the file and, with `schema`, the field."""
     return read_mapping(path, json.load, json.JSONDecodeError, ValueError, "JSON", what, schema=schema)
 
+
+def check_config(ok: bool, message: str) -> None:
+    """A config check: ConfigError(message) unless `ok`."""
+    if not ok:
+        raise ConfigError(message)

@@ -1,4 +1,4 @@
-"""Anchored block-sparse attention (SPEC §4): flash-style Triton forward and backward.
+"""Anchored block-sparse attention (spec.md §4): flash-style Triton forward and backward.
 
 Math, per query row (anchor i, slot j), q head h and its kv head h // g (GQA, g = Hq / Hkv):
 
@@ -62,7 +62,7 @@ import triton
 import triton.language as tl
 from dflash_fast.kernels._common import autotune_configs, check_device, dot_precision
 
-from dflash_fast.drafter.eager import check_window, document_starts
+from dflash_fast.drafter.masks import check_window, document_starts
 
 
 def _configs(gpu_configs, interpreter_config):
@@ -497,7 +497,7 @@ def _attn_bwd_dkdv_kernel(
 
 
 class VisibilityPlan(NamedTuple):
-    """Per-anchor context intervals (SPEC §4) for the kernels.
+    """Per-anchor context intervals (spec.md §4) for the kernels.
 
     lo, hi: [R, A] int32, slot 0 of anchor i sees context keys lo <= p < hi (0, 0 when invalid);
     valid: [R, A] int32 (1 = valid anchor);
@@ -756,7 +756,7 @@ def anchored_attention(
     scale: Optional[float] = None,
     window_from: str = "anchor",
 ) -> torch.Tensor:
-    """Anchored block attention of the drafter (SPEC §4), block-sparse Triton kernel.
+    """Anchored block attention of the drafter (spec.md §4), block-sparse Triton kernel.
 
     q: [R, A*B, Hq, D]; k_ctx, v_ctx: [R, T, Hkv, D]; k_blk, v_blk: [R, A*B, Hkv, D];
     anchors: [R, A] int, sorted, row positions; anchor_valid: [R, A] bool;

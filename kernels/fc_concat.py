@@ -1,4 +1,4 @@
-"""Fused fc-concat projection: ctx = rms_norm(concat_k(hidden[:, k] + noise) @ fc_weight.T) (SPEC §3).
+"""Fused fc-concat projection: ctx = rms_norm(concat_k(hidden[:, k] + noise) @ fc_weight.T) (spec.md §3).
 
 Math, for N tokens, K tapped layers of width H_t, drafter width H:
 

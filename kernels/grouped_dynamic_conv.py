@@ -1,4 +1,4 @@
-"""DFlash2's grouped dynamic causal convolution inside each draft block, one Triton kernel per direction (SPEC §9).
+"""DFlash2's grouped dynamic causal convolution inside each draft block, one Triton kernel per direction (spec.md §9).
 
 Math, for N rows x [N, H] (row n is slot s(n) = n % B of its block of B slots), taps T <= B, H / GS groups of GS
 channels (g(c) = c // GS), delta [N, T, G], base [T, H]:
@@ -23,7 +23,7 @@ plus T - 1 rows per tile), delta [N, T, G] and base [T, H] read once, the residu
 written once. Backward: x, dy, delta,
 base read once each (the later rows dx needs are again the tile's neighbours), dx [N, H] and d delta [N, T, G]
 written once, d base as fp32 partials [N / BLOCK_N, T, H] and their sum. The eager twin
-(`dflash_fast.drafter.dflash2.grouped_dynamic_conv`) moves ~9x (forward) to ~12x (with backward) more.
+(`dflash_fast.drafter.conv.grouped_dynamic_conv`) moves ~9x (forward) to ~12x (with backward) more.
 
 Around the kernels, as a DFlash2 sublayer runs them: `grouped_dynamic_conv(..., residual=)` is conv_out with the
 layer's residual add (DynamicConv.finish); `projected_conv` is the kernel projection (a torch GEMM) and conv_in in one
@@ -264,7 +264,7 @@ def grouped_dynamic_conv(x: torch.Tensor, delta: torch.Tensor, base: torch.Tenso
     x [..., H] (rows in order, block starts at row multiples of block_size; a last short block is allowed), delta
     [..., taps, H / group_size] (any strides with a unit last one: a slice of the kernel projection's output is
     read in place), base [taps, H], residual [..., H] (x's shape and dtype) or None -> y [..., H] in x.dtype.
-    Semantics: `dflash_fast.drafter.dflash2.grouped_dynamic_conv` (its x is [R, A*B, H]; rows here run on across
+    Semantics: `dflash_fast.drafter.conv.grouped_dynamic_conv` (its x is [R, A*B, H]; rows here run on across
     R, which is the same as R*A*B rows).
     """
     d2 = delta.reshape(-1, *delta.shape[-2:])
@@ -278,7 +278,7 @@ def projected_conv(x: torch.Tensor, weight: torch.Tensor, base: torch.Tensor, bl
                    group_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """x [..., H] (a sublayer's normed input), weight [2 taps G, H] (the kernel projection), base [taps, H] (conv_in's)
     -> (conv_in(x) [..., H], conv_out's delta [..., taps, G]) with delta = x W^T viewed [..., 2, taps, G]; the
-    backward as `ProjectedConvFunction`. Semantics: `dflash_fast.drafter.dflash2.projected_conv`."""
+    backward as `ProjectedConvFunction`. Semantics: `dflash_fast.drafter.conv.projected_conv`."""
     taps, groups = base.shape[0], x.shape[-1] // group_size
     y, delta_out = ProjectedConvFunction.apply(_rows(x), weight, base, block_size, group_size)
     return y.view(x.shape), delta_out.view(*x.shape[:-1], taps, groups)

@@ -1,4 +1,4 @@
-"""Fused drafter norm + lm_head + loss against the teacher (SPEC §5) that never builds [N, V] logits.
+"""Fused drafter norm + lm_head + loss against the teacher (spec.md §5) that never builds [N, V] logits.
 
 Same signature, result and semantics as `dflash_fast.drafter.eager.lm_head_loss`; the gradients (dh,
 d norm_weight, and d lm_head_weight when it requires grad) are computed during the forward,
@@ -13,11 +13,11 @@ Math (per drafter row n; s = drafter logits, t = teacher logits, fp32-accumulate
     kl_topk l = -(sum_i p_i (s_{id_i} - lse(s)) + p_rest (lse_{v not in ids}(s) - lse(s)))
     dl/ds_v = c q_v - target_v, q = softmax(s), c = sum of the target mass (1 except kl_topk)
     tv, lk, lk_hybrid, rkl, jsd: functions of q, p and alpha = sum_v min(p_v, q_v) (eager.dense_row_losses);
-    their gradients in `_dense_grad`. alpha [N] comes out for every kind (eager.LossOutput).
-    DSpark (markov, SPEC §8): s_v = xd_n . W_v + e_n . W2_v, i.e. [xd_n, e_n] against [W, W2]: the Markov bias
+    their gradients in `_dense_grad`. alpha [N] comes out for every kind (losses.LossOutput).
+    DSpark (markov, spec.md §8): s_v = xd_n . W_v + e_n . W2_v, i.e. [xd_n, e_n] against [W, W2]: the Markov bias
     is r more columns of the same GEMM (no [N, V] bias); de_n = w_n/denom dl/ds_n @ W2, dW2 = sum_n w_n/denom
     dl/ds_n e_n^T; alpha_n = sum_v min(q_v, p_v) (the confidence target) comes out of pass 4 as for every kind.
-    row weight w_n = weights_n, or weights_n * D-PACE_n (eager.dpace_weights, from the confidence
+    row weight w_n = weights_n, or weights_n * D-PACE_n (losses.dpace_weights, from the confidence
     exp(s_y - lse(s)) of the label y the loss reports as teacher_argmax); loss = sum_n w_n l_n / denom.
 
 Passes, for each chunk of C drafter rows (C sized so that the chunk's buffers fit CHUNK_BYTES: 1024
@@ -85,7 +85,7 @@ from dflash_fast.kernels._common import (
     rms_norm_forward,
 )
 
-from dflash_fast.drafter.eager import (
+from dflash_fast.drafter.losses import (
     DENSE_KINDS,
     LK_HYBRID_ETA,
     LK_MIN_ALPHA,
@@ -1012,14 +1012,14 @@ def lm_head_loss(
     markov: Optional[Markov] = None,
     topk: int = 0,
 ) -> LossOutput:
-    """Drafter norm + lm_head + loss against the teacher (SPEC §5) without [N, V] logits.
+    """Drafter norm + lm_head + loss against the teacher (spec.md §5) without [N, V] logits.
 
     h: [N, H] drafter pre-norm states; norm_weight: [H]; lm_head_weight: [V, H] (gets a gradient
-    only if it requires grad); weights: [N]; teacher: `dflash_fast.drafter.eager.Teacher`; dpace: D-PACE
-    weights or None; markov: DSpark's Markov bias (`dflash_fast.drafter.eager.Markov`: e [N, r], w2 [V, r]), folded
+    only if it requires grad); weights: [N]; teacher: `dflash_fast.drafter.losses.Teacher`; dpace: D-PACE
+    weights or None; markov: DSpark's Markov bias (`dflash_fast.drafter.losses.Markov`: e [N, r], w2 [V, r]), folded
     into the lm_head GEMM as r more columns, with gradients for e and w2. Semantics and kinds exactly as
-    `dflash_fast.drafter.eager.lm_head_loss`; logits are accumulated in fp32. topk > 0 (DFlash2's unary candidates, SPEC
-    §9): each row's top-`topk` ids and their logits (fp32, no gradient), from each chunk's logits as the pass
+    `dflash_fast.drafter.eager.lm_head_loss`; logits are accumulated in fp32. topk > 0 (DFlash2's unary candidates,
+    spec.md §9): each row's top-`topk` ids and their logits (fp32, no gradient), from each chunk's logits as the pass
     computes them.
     """
     e, w2 = (markov.e, markov.w2) if markov is not None else (None, None)

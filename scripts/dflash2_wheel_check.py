@@ -29,8 +29,9 @@ def import_reference(wheel_dir: str):
 
 
 def main(wheel_dir: str) -> None:
-    from dflash_fast.drafter.dflash2 import CandidateSelector, grouped_dynamic_conv, selector_loss, training_candidates
-    from dflash_fast.drafter.eager import DPace
+    from dflash_fast.drafter.conv import grouped_dynamic_conv
+    from dflash_fast.drafter.dflash2 import CandidateSelector, selector_loss, training_candidates
+    from dflash_fast.drafter.losses import DPace
 
     ref, ref_metrics = import_reference(wheel_dir)
     gen = torch.Generator().manual_seed(0)
@@ -76,7 +77,7 @@ def main(wheel_dir: str) -> None:
 def unary_dpace(gen: torch.Generator, n: int, b: int, mask: torch.Tensor, j: torch.Tensor, alpha: float = 0.3) -> None:
     """The unary loss under D-PACE against speculators' dpace_loss_decay (losses/utils.py). Its confidence is
     exp(-elementwise loss) of the loss it weights; its trainer accepts D-PACE only with --loss-fn ce
-    (train/config/schema.py `_validate_dpace`), where that is exp(-CE) against the teacher argmax, ours (SPEC §5)
+    (train/config/schema.py `_validate_dpace`), where that is exp(-CE) against the teacher argmax, ours (spec.md §5)
     for every kind. For `kl` (our DSpark and DFlash2 default, refused by its trainer) the script shows both: our
     gradient equals its KL weighted by the CE confidence, and differs from its function fed the KL."""
     from functools import partial
@@ -84,7 +85,8 @@ def unary_dpace(gen: torch.Generator, n: int, b: int, mask: torch.Tensor, j: tor
     from speculators.losses import dpace_loss_decay, loss_function
     from speculators.losses.eager import ce_loss, kl_div_loss  # its utils' are the fused (GPU) ones
 
-    from dflash_fast.drafter.eager import DPace, Teacher, lm_head_loss
+    from dflash_fast.drafter.eager import lm_head_loss
+    from dflash_fast.drafter.losses import DPace, Teacher
 
     v, h = 41, 16
     last, lm_head = torch.randn(n, h, generator=gen, dtype=torch.float64), torch.randn(v, h, generator=gen,

@@ -35,7 +35,7 @@ class Mutation(NamedTuple):
     line: str  # the target line, stripped; must occur exactly once
     mutant: Optional[str]  # the replacement (indentation is kept); None deletes the line
     tests: Sequence[str]  # pytest node ids or files, relative to the repo root
-    why: str  # the SPEC rule it breaks
+    why: str  # the spec.md rule it breaks
 
 
 T_ALIGN = "tests/test_teacher_alignment.py"
@@ -49,10 +49,10 @@ T_EXPORT = "tests/test_export.py::test_export_round_trip_names_and_layer_ids"
 T_ANCHOR = "tests/test_batches.py::test_anchor_needs_loss_mask_on_itself_and_next_token"
 
 MUTATIONS: List[Mutation] = [
-    # ---- SPEC §5: which slots train (dflash_fast/drafter/model.py)
+    # ---- spec.md §5: which slots train (dflash_fast/drafter/targets.py)
     Mutation(
         "slot-mask-ignores-anchor-valid",
-        "dflash_fast/drafter/model.py",
+        "dflash_fast/drafter/targets.py",
         "& valid[:, :, None]",
         None,
         [T_ALIGN],
@@ -60,7 +60,7 @@ MUTATIONS: List[Mutation] = [
     ),
     Mutation(
         "slot-mask-ignores-document",
-        "dflash_fast/drafter/model.py",
+        "dflash_fast/drafter/targets.py",
         '& (gather(batch["document_ids"]) == anchor_doc)',
         None,
         [T_ALIGN],
@@ -68,7 +68,7 @@ MUTATIONS: List[Mutation] = [
     ),
     Mutation(
         "slot-mask-ignores-loss-mask",
-        "dflash_fast/drafter/model.py",
+        "dflash_fast/drafter/targets.py",
         '& gather(batch["loss_mask"].bool())',
         None,
         [T_ALIGN],
@@ -76,16 +76,16 @@ MUTATIONS: List[Mutation] = [
     ),
     Mutation(
         "slot-zero-trained",
-        "dflash_fast/drafter/model.py",
+        "dflash_fast/drafter/targets.py",
         "(j >= (0 if sample_from_anchor else 1))",
         "(j >= 0)",
         [T_ALIGN],
         "slot 0 is never trained",
     ),
-    # ---- SPEC §5: the teacher at p - 1, the data label at p
+    # ---- spec.md §5: the teacher at p - 1, the data label at p
     Mutation(
         "teacher-row-at-p",
-        "dflash_fast/drafter/model.py",
+        "dflash_fast/drafter/targets.py",
         "return Targets(mask, in_row, (p - 1).clamp(0, t - 1), prev)",
         "return Targets(mask, in_row, p.clamp(0, t - 1), prev)",
         [T_ALIGN],
@@ -93,7 +93,7 @@ MUTATIONS: List[Mutation] = [
     ),
     Mutation(
         "kl-last-at-p",
-        "dflash_fast/drafter/model.py",
+        "dflash_fast/drafter/targets.py",
         "return (targets.teacher_row + offsets).flatten()",
         "return (targets.position + offsets).flatten()",
         [T_ALIGN],
@@ -101,7 +101,7 @@ MUTATIONS: List[Mutation] = [
     ),
     Mutation(
         "ce-stored-label-at-p",
-        "dflash_fast/drafter/model.py",
+        "dflash_fast/drafter/targets.py",
         'gather_rows(batch["teacher_topk_ids"], targets.teacher_row)[:, 0] if "teacher_topk_ids" in batch else None',
         'gather_rows(batch["teacher_topk_ids"], targets.position)[:, 0] if "teacher_topk_ids" in batch else None',
         [T_ALIGN],
@@ -109,7 +109,7 @@ MUTATIONS: List[Mutation] = [
     ),
     Mutation(
         "ce_data-label-at-p-minus-1",
-        "dflash_fast/drafter/model.py",
+        "dflash_fast/drafter/targets.py",
         'teacher = Teacher(labels=gather_rows(batch["input_ids"], targets.position))',
         'teacher = Teacher(labels=gather_rows(batch["input_ids"], targets.teacher_row))',
         [T_ALIGN],
@@ -117,7 +117,7 @@ MUTATIONS: List[Mutation] = [
     ),
     Mutation(
         "kl_topk-ids-at-p",
-        "dflash_fast/drafter/model.py",
+        "dflash_fast/drafter/targets.py",
         'topk_ids=gather_rows(batch["teacher_topk_ids"], targets.teacher_row),',
         'topk_ids=gather_rows(batch["teacher_topk_ids"], targets.position),',
         [T_ALIGN],
@@ -125,7 +125,7 @@ MUTATIONS: List[Mutation] = [
     ),
     Mutation(
         "kl_topk-logits-at-p",
-        "dflash_fast/drafter/model.py",
+        "dflash_fast/drafter/targets.py",
         'topk_logits=gather_rows(batch["teacher_topk_logits"], targets.teacher_row),',
         'topk_logits=gather_rows(batch["teacher_topk_logits"], targets.position),',
         [T_ALIGN],
@@ -133,7 +133,7 @@ MUTATIONS: List[Mutation] = [
     ),
     Mutation(
         "kl_topk-lse-at-p",
-        "dflash_fast/drafter/model.py",
+        "dflash_fast/drafter/targets.py",
         'topk_lse=gather_rows(batch["teacher_lse"], targets.teacher_row),',
         'topk_lse=gather_rows(batch["teacher_lse"], targets.position),',
         [T_ALIGN],
@@ -141,17 +141,17 @@ MUTATIONS: List[Mutation] = [
     ),
     Mutation(
         "ce_data-metric-against-the-data",
-        "dflash_fast/drafter/model.py",
+        "dflash_fast/drafter/backbone.py",
         'teacher_argmax = stored_argmax if stored_argmax is not None and loss_kind == "ce_data" '
         "else out.teacher_argmax",
         "teacher_argmax = out.teacher_argmax",
         [T_ALIGN],
         "acc_j compares with argmax(teacher)",
     ),
-    # ---- SPEC §5: weights and the denominator
+    # ---- spec.md §5: weights and the denominator
     Mutation(
         "position-weight-off-by-one",
-        "dflash_fast/drafter/model.py",
+        "dflash_fast/drafter/targets.py",
         "return torch.where(j >= 1, torch.exp(-(j - 1) / gamma), torch.zeros(()))",
         "return torch.where(j >= 1, torch.exp(-j / gamma), torch.zeros(()))",
         [T_ORACLES + "::test_position_weights_are_spec_values"],
@@ -159,7 +159,7 @@ MUTATIONS: List[Mutation] = [
     ),
     Mutation(
         "denominator-is-the-weight-sum",
-        "dflash_fast/drafter/model.py",
+        "dflash_fast/drafter/backbone.py",
         "targets.slot_mask.sum(),",
         "weights.sum(),",
         [T_ALIGN],
@@ -189,7 +189,7 @@ MUTATIONS: List[Mutation] = [
         [T_TRAINER],
         "resume continues exactly",
     ),
-    # ---- SPEC §5: the loss kinds (dflash_fast/drafter/eager.py, the oracle the kernels are tested against)
+    # ---- spec.md §5: the loss kinds (dflash_fast/drafter/eager.py, the oracle the kernels are tested against)
     Mutation(
         "final-norm-twice-in-the-teacher",
         "dflash_fast/drafter/eager.py",
@@ -255,7 +255,7 @@ MUTATIONS: List[Mutation] = [
         [T_ORACLES + "::test_kl_topk_with_k_equal_to_the_vocabulary_is_kl"],
         "kl_topk is exact at k = V, in the kernel",
     ),
-    # ---- SPEC §4: the anchored attention pattern
+    # ---- spec.md §4: the anchored attention pattern
     Mutation(
         "context-includes-the-anchor",
         "dflash_fast/drafter/eager.py",
@@ -312,7 +312,7 @@ MUTATIONS: List[Mutation] = [
         [T_ORACLES + "::test_attention_is_a_softmax_over_the_keys_spec_makes_visible"],
         "context strictly before the anchor, in the kernel",
     ),
-    # ---- SPEC §3: anchors and fc
+    # ---- spec.md §3: anchors and fc
     Mutation(
         "anchor-without-a-next-trainable-token",
         "dflash_fast/data/batches.py",
@@ -329,7 +329,7 @@ MUTATIONS: List[Mutation] = [
         [T_FC],
         "fc over ALL K layers",
     ),
-    # ---- SPEC §1-2: layer ids, taps, `last`
+    # ---- spec.md §1-2: layer ids, taps, `last`
     Mutation(
         "tap-hidden-states-l-not-l-plus-1",
         "dflash_fast/target/taps.py",
@@ -370,7 +370,7 @@ MUTATIONS: List[Mutation] = [
         [T_EXTRACT_LAST],
         "last is BEFORE the final norm (the teacher applies it once)",
     ),
-    # ---- SPEC §1: the export's layer-id convention
+    # ---- spec.md §1: the export's layer-id convention
     Mutation(
         "export-layer-ids-not-shifted",
         "dflash_fast/serve/layouts.py",
@@ -381,7 +381,7 @@ MUTATIONS: List[Mutation] = [
     ),
     Mutation(
         "import-layer-ids-not-shifted",
-        "dflash_fast/serve/engines.py",
+        "dflash_fast/serve/views.py",
         '"layer_ids": [i - 1 for i in aux],',
         '"layer_ids": list(aux),',
         [T_EXPORT],
@@ -426,7 +426,7 @@ MUTATIONS: List[Mutation] = [
         "problems += zlab_tap_problems(cfg.layer_ids, cfg.target_num_layers)",
         "pass",
         ["tests/test_zlab_layout.py::test_a_zlab_export_of_a_drafter_tapping_the_last_layer_is_refused_naming_the_layer"],
-        "z-lab reads layer id L-1 after the final norm (SPEC §1: HF hidden_states[L] is post-norm)",
+        "z-lab reads layer id L-1 after the final norm (spec.md §1: HF hidden_states[L] is post-norm)",
     ),
     Mutation(
         "zlab-scalings-read-unchecked",

@@ -1,4 +1,4 @@
-"""Why a run's val tau_offline and its eval tau_offline differ: SPEC §6's one count, scored over different texts.
+"""Why a run's val tau_offline and its eval tau_offline differ: spec.md §6's one count, scored over different texts.
 
     python scripts/tau_offline_texts.py RUN_DIR --prompts dflash_fast/assets/prompts_eval.jsonl --max-new-tokens 96
 

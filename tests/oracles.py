@@ -1,8 +1,8 @@
-"""SPEC.md written out a second time, by hand, for the tests: plain loops over slots and keys.
+"""spec.md written out a second time, by hand, for the tests: plain loops over slots and keys.
 
 Nothing here imports dflash_fast. An oracle that calls the code it checks (`slot_targets`,
 `gather_rows`, `context_visibility`, `block_visibility`, `tapped_layers`, ...) repeats that code's
-bugs instead of catching them, so every rule below is spelled out again from the SPEC section it
+bugs instead of catching them, so every rule below is spelled out again from the spec.md section it
 cites, in the most literal form a reader can check line by line. Arithmetic runs in float64.
 """
 import math
@@ -15,7 +15,7 @@ def _ints(x) -> List[int]:
     return [int(v) for v in (x.tolist() if isinstance(x, torch.Tensor) else x)]
 
 
-# ---------------------------------------------------------------- SPEC §4: who sees what
+# ---------------------------------------------------------------- spec.md §4: who sees what
 
 
 def visible_keys(
@@ -30,7 +30,7 @@ def visible_keys(
     """One row -> [A*B, T + A*B] bool: query (block i, slot j) against context keys 0..T-1, then
     the block keys of every block (slot j' of block i' at column T + i'*B + j').
 
-    window_from "anchor" is SPEC §4's window: W keys before the anchor, the same for every slot. "query" is
+    window_from "anchor" is spec.md §4's window: W keys before the anchor, the same for every slot. "query" is
     a standard sliding window of the query's own position a + j (vLLM, SGLang, z-lab): a key at p is in it
     iff a + j - p < W, so slot j sees j + 1 fewer context keys than the anchor's window."""
     anchors, valid, doc = _ints(anchors), [bool(v) for v in anchor_valid], _ints(document_ids)
@@ -78,7 +78,7 @@ def attention(q, k_ctx, v_ctx, k_blk, v_blk, masks: Sequence[torch.Tensor], scal
     return out
 
 
-# ---------------------------------------------------------------- SPEC §5: which slots train, on what
+# ---------------------------------------------------------------- spec.md §5: which slots train, on what
 
 
 def trained_slots(batch, block_size: int, sample_from_anchor: bool = False) -> Iterator[Tuple[int, int, int, int]]:
@@ -86,7 +86,7 @@ def trained_slots(batch, block_size: int, sample_from_anchor: bool = False) -> I
 
     Slot 0 never trains; nor does an invalid anchor's block, a position past the row, in another
     document than the anchor's, or with loss_mask 0.
-    SPEC §8 sample_from_anchor: slot j predicts p = a_i + j + 1, slot 0 included; the same masks at that p."""
+    spec.md §8 sample_from_anchor: slot j predicts p = a_i + j + 1, slot 0 included; the same masks at that p."""
     for r in range(batch["anchors"].shape[0]):
         doc, loss_mask = _ints(batch["document_ids"][r]), _ints(batch["loss_mask"][r])
         t = len(doc)
@@ -163,7 +163,7 @@ def divergence(kind: str, teacher: torch.Tensor, drafter: torch.Tensor, eta: flo
     """One slot's loss against the full teacher, p = softmax(teacher), q = softmax(drafter) logits [V] -> scalar,
     differentiable in `drafter`. The formulas of vllm-project/speculators 0.9.0 `src/speculators/losses/eager.py`
     (tv_loss, neg_log_acceptance_loss, lk_hybrid_loss, reverse_kl_div_loss, js_div_loss; kl_div_loss is the KL
-    inside lk_hybrid), written as sums over the vocabulary; `kl` is SPEC §5's soft cross-entropy."""
+    inside lk_hybrid), written as sums over the vocabulary; `kl` is spec.md §5's soft cross-entropy."""
     p, q = torch.softmax(teacher.double(), 0), torch.softmax(drafter.double(), 0)
     ids = range(len(p))
     alpha = sum(torch.minimum(p[v], q[v]) for v in ids)  # the acceptance rate: 1 - TV(p, q)
@@ -192,7 +192,7 @@ def overlap(teacher: torch.Tensor, drafter: torch.Tensor) -> float:
 
 
 def dpace_weight_loops(confidence: Sequence[float], mask: Sequence[bool], alpha: float, block_size: int) -> List[float]:
-    """SPEC §5 D-PACE weights, block by block: s_j = (1 - alpha) c_j + alpha on trained slots and 1 elsewhere,
+    """spec.md §5 D-PACE weights, block by block: s_j = (1 - alpha) c_j + alpha on trained slots and 1 elsewhere,
     P_j = prod_{i <= j} s_i, w_j = sum_{i >= j} P_i m_i on trained slots, 0 elsewhere."""
     weights = []
     for start in range(0, len(mask), block_size):
@@ -205,7 +205,7 @@ def dpace_weight_loops(confidence: Sequence[float], mask: Sequence[bool], alpha:
 
 
 def slot_loss(kind: str, batch, r: int, p: int, logits: torch.Tensor, final_norm_weight, lm_head, eps: float):
-    """SPEC §5 loss of the slot at position p of row r, whose drafter logits are `logits` [V]. Its
+    """spec.md §5 loss of the slot at position p of row r, whose drafter logits are `logits` [V]. Its
     teacher is the target's next-token distribution at p - 1; ce_data's label is the token at p."""
     t = p - 1
     if kind == "kl":
@@ -242,7 +242,7 @@ def drafter_logits(drafter, batch, eps: float) -> torch.Tensor:
 
 def batch_loss(kind: str, batch, logits: torch.Tensor, block_size: int, gamma: float, final_norm_weight=None,
                lm_head=None, eps: float = 1e-6):
-    """SPEC §5 loss = sum(l * w * mask) / sum(mask) of a batch, and the KL metric likewise (None for the ce kinds).
+    """spec.md §5 loss = sum(l * w * mask) / sum(mask) of a batch, and the KL metric likewise (None for the ce kinds).
 
     logits: [R, A*B, V] the drafter's logits of every slot."""
     slots = list(trained_slots(batch, block_size))
@@ -256,7 +256,7 @@ def batch_loss(kind: str, batch, logits: torch.Tensor, block_size: int, gamma: f
     return loss / count, (kl / count if kind in ("kl", "kl_topk") else None)
 
 
-# ---------------------------------------------------------------- SPEC §8: DSpark, after speculators 0.9.0
+# ---------------------------------------------------------------- spec.md §8: DSpark, after speculators 0.9.0
 # (models/dspark/core.py DSparkDraftModel.forward, model_definitions.py MarkovHead / ConfidenceHead,
 # metrics.py compute_metrics), one block and one slot at a time.
 
@@ -301,11 +301,11 @@ def dspark_block_heads(heads, prev: Sequence[int], hidden: torch.Tensor):
 
 def dspark_batch_loss(batch, hidden: torch.Tensor, heads, block_size: int, gamma: float, sample_from_anchor: bool,
                       final_norm_weight, lm_head, eps: float, alpha: float, dpace_alpha: Optional[float] = None):
-    """SPEC §8 `kl` loss of a batch -> (loss, confidence BCE, {(r, i, j): (biased logits [V], acceptance,
+    """spec.md §8 `kl` loss of a batch -> (loss, confidence BCE, {(r, i, j): (biased logits [V], acceptance,
     confidence logit)}). hidden: [R, A*B, H] normed drafter states; the teacher of the token at p is the
     target at p - 1; acceptance = sum_v min(q_v, p_v); BCE weighted with the decay, / trained slots.
     dpace_alpha given: the `kl` terms take D-PACE weights per block (`dpace_weight_loops`) from the confidence
-    exp(-CE) of the biased logits against the teacher's argmax (SPEC §5); the BCE keeps the decay (speculators)."""
+    exp(-CE) of the biased logits against the teacher's argmax (spec.md §5); the BCE keeps the decay (speculators)."""
     r_count, a_count = batch["anchors"].shape
     slots = list(trained_slots(batch, block_size, sample_from_anchor))
     terms, confidence, decay = {}, {}, {}
@@ -337,7 +337,7 @@ def dspark_batch_loss(batch, hidden: torch.Tensor, heads, block_size: int, gamma
     return loss / count + alpha * bce / count, bce / count, seen
 
 
-# ---------------------------------------------------------------- SPEC §9: DFlash2, after speculators 0.9.0
+# ---------------------------------------------------------------- spec.md §9: DFlash2, after speculators 0.9.0
 # (models/dflash2/model_definitions.py grouped_dynamic_conv, GroupedDynamicCausalConv, Qwen3DFlash2DecoderLayer,
 # CandidateSelector; metrics.py selector_training_candidates, compute_selector_loss; core.py DFlash2DraftModel.forward),
 # one block, one slot and one tap at a time.
@@ -402,7 +402,7 @@ def dflash2_scores(unary: torch.Tensor, hidden: torch.Tensor, prev: int, ids: Se
 def dflash2_batch_loss(kind: str, batch, hidden: torch.Tensor, selector, lm_head, block_size: int, top_k: int,
                        sample_from_anchor: bool, final_norm_weight, eps: float, selector_alpha: float,
                        gamma: float = 7.0, dpace_alpha: Optional[float] = None):
-    """SPEC §9 loss of a batch -> (loss, selector loss, {(r, i, j): (unary logits [V], candidate ids, scores [K],
+    """spec.md §9 loss of a batch -> (loss, selector loss, {(r, i, j): (unary logits [V], candidate ids, scores [K],
     label index, contains, the selector's serving pick)}). hidden: [R, A*B, H] normed drafter states.
 
     Unary loss: `divergence` against the teacher at p - 1 for the dense kinds, the hard CE against the stored
@@ -448,7 +448,7 @@ def dflash2_batch_loss(kind: str, batch, hidden: torch.Tensor, selector, lm_head
     return unary_loss + selector_alpha * selector_loss, selector_loss, seen
 
 
-# ---------------------------------------------------------------- SPEC §1: layer ids
+# ---------------------------------------------------------------- spec.md §1: layer ids
 
 
 def hf_taps(model, input_ids: Sequence[int], layer_ids: Sequence[int]):

@@ -1,4 +1,4 @@
-"""Packing, anchor sampling, sharding and the loader of dflash_fast.data.batches (SPEC §3)."""
+"""Packing, anchor sampling, sharding and the loader of dflash_fast.data.batches (spec.md §3)."""
 import numpy as np
 import pytest
 import torch

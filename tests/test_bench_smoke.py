@@ -15,7 +15,8 @@ sys.path.insert(0, REPO)
 from launch_env import launch_env  # noqa: E402
 
 from bench.bench_step import FULL, PEER_LOSS, SMOKE, make_batch, parse_args, step_flops, visible_pairs  # noqa: E402
-from dflash_fast.drafter.eager import LOSS_KINDS, anchored_attention_mask  # noqa: E402
+from dflash_fast.drafter.eager import anchored_attention_mask  # noqa: E402
+from dflash_fast.drafter.losses import LOSS_KINDS  # noqa: E402
 
 
 def run_smoke(script, out_dir, *extra):
@@ -43,7 +44,7 @@ def step_run(request, tmp_path_factory):
 
 
 def test_step_accepts_every_loss_kind_the_config_accepts():
-    """--loss takes loss.kind's values (eager.LOSS_KINDS and `auto`, which is kl: the synthetic row has `last`)."""
+    """--loss takes loss.kind's values (losses.LOSS_KINDS and `auto`, which is kl: the synthetic row has `last`)."""
     for kind in LOSS_KINDS:
         assert parse_args(["--loss", kind]).loss == kind
     assert parse_args(["--loss", "auto"]).loss == "kl"

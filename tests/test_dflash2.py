@@ -1,4 +1,4 @@
-"""DFlash2 (SPEC §9): the dynamic convolutions inside each block, the candidate selector and the loss, against
+"""DFlash2 (spec.md §9): the dynamic convolutions inside each block, the candidate selector and the loss, against
 speculators 0.9.0's semantics written out as loops (tests/oracles.py: dflash2_*)."""
 import pytest
 import torch
@@ -13,8 +13,9 @@ from oracles import (
 from test_drafter import B, H, V, proposal_fed_back, random_batch, random_drafter
 from test_trainer import tiny  # noqa: F401 (the fixture: a tiny target and its store)
 
-from dflash_fast.drafter import eager, ops
-from dflash_fast.drafter.dflash2 import CandidateSelector, grouped_dynamic_conv
+from dflash_fast.drafter import eager, losses, ops
+from dflash_fast.drafter.conv import grouped_dynamic_conv
+from dflash_fast.drafter.dflash2 import CandidateSelector
 
 EPS = 1e-6
 GROUP, TOP_K, RANK = 8, 5, 8
@@ -121,7 +122,7 @@ def test_candidate_scores_and_unary_top_k_equal_the_loops():
     hidden, lm_head = torch.randn(n, H, generator=gen), torch.randn(V, H, generator=gen)
     prev = torch.randint(0, V, (n,), generator=gen)
     out = eager.lm_head_loss(hidden, torch.ones(H), lm_head, torch.ones(n), "ce", n, EPS,
-                             eager.Teacher(labels=torch.zeros(n, dtype=torch.long)), topk=TOP_K)
+                             losses.Teacher(labels=torch.zeros(n, dtype=torch.long)), topk=TOP_K)
     unary = rms_norm(hidden, torch.ones(H), EPS) @ lm_head.double().T
     normed = rms_norm(hidden, torch.ones(H), EPS).float()
     scores = selector.scores(normed, lm_head, prev, out.topk_ids)
@@ -191,7 +192,7 @@ def test_the_selector_reaches_the_lm_head_only_through_its_candidates_rows():
     assert touched == set(candidates.flatten().tolist())
 
 
-@pytest.mark.parametrize("kind, dpace", [("kl", None), ("ce", eager.DPace(0.5, 5)), ("kl_topk", None)])
+@pytest.mark.parametrize("kind, dpace", [("kl", None), ("ce", losses.DPace(0.5, 5)), ("kl_topk", None)])
 def test_fused_unary_top_k_equals_the_eager_twins_across_chunks(kind, dpace):
     """The Triton pass takes each row's top-K from its chunk's logits (N = 45 rows in chunks of 16 under the
     interpreter, V = 97, K = 7): the ids of the eager twin, whose loss and gradients are unchanged by it."""
@@ -202,7 +203,7 @@ def test_fused_unary_top_k_equals_the_eager_twins_across_chunks(kind, dpace):
     x, w = torch.randn(n, h, generator=gen), torch.randn(v, h, generator=gen)
     ids = torch.randint(0, v, (n, 3), generator=gen)
     logits = torch.randn(n, 3, generator=gen).sort(-1, descending=True).values
-    teacher = eager.Teacher(last=torch.randn(u, h, generator=gen), final_norm_weight=torch.ones(h),
+    teacher = losses.Teacher(last=torch.randn(u, h, generator=gen), final_norm_weight=torch.ones(h),
                             index=torch.randint(0, u, (n,), generator=gen), labels=ids[:, 0] if kind == "ce" else None,
                             topk_ids=ids, topk_logits=logits, topk_lse=logits.logsumexp(-1) + 1)
     results = []

@@ -1,5 +1,5 @@
 """The Triton grouped dynamic convolution (kernels/grouped_dynamic_conv.py) equals its eager twin
-(dflash_fast.drafter.dflash2.grouped_dynamic_conv): forward and the gradients of x, delta and base.
+(dflash_fast.drafter.conv.grouped_dynamic_conv): forward and the gradients of x, delta and base.
 
 On CPU the kernels run under TRITON_INTERPRET=1 (set by conftest) in fp32 and fp16, with 64-row tiles of ~256
 channels: the shapes below have partial row tiles, partial group tiles and a group size that is not a power of two.
@@ -11,9 +11,9 @@ from dflash_fast.kernels.grouped_dynamic_conv import grouped_dynamic_conv as tri
 from dflash_fast.kernels.grouped_dynamic_conv import projected_conv as triton_projected
 
 from dflash_fast.drafter import ops
-from dflash_fast.drafter.dflash2 import DynamicConv, conv_impl, projected_conv_impl
-from dflash_fast.drafter.dflash2 import grouped_dynamic_conv as eager_conv
-from dflash_fast.drafter.dflash2 import projected_conv as eager_projected
+from dflash_fast.drafter.conv import DynamicConv, conv_impl, projected_conv_impl
+from dflash_fast.drafter.conv import grouped_dynamic_conv as eager_conv
+from dflash_fast.drafter.conv import projected_conv as eager_projected
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Max |actual - expected| relative to max |expected| (the eager twin rounds after every tap in 16-bit).

@@ -1,4 +1,4 @@
-"""DFlash2's export (SPEC §9, docs/export.md): speculators' `dflash2` type and z-lab's DFlash2DraftModel layout, the
+"""DFlash2's export (spec.md §9, docs/export.md): speculators' `dflash2` type and z-lab's DFlash2DraftModel layout, the
 convolutions' and the selector's tensors under the names vLLM's qwen3_dflash2.py, SGLang and z-lab load, through the
 export gate (read back as each engine reads it, rebuilt, logits and candidate scores compared). The real vLLM
 serving a trained DFlash2 export is tests/test_vllm.py's."""
@@ -11,7 +11,8 @@ from test_drafter import random_batch
 
 from dflash_fast.drafter.dflash2 import head_shapes
 from dflash_fast.serve import export
-from dflash_fast.serve.engines import architecture, config_from_export, served_architectures
+from dflash_fast.serve.architecture import architecture
+from dflash_fast.serve.engines import config_from_export, served_architectures
 from dflash_fast.serve.layouts import DFLASH2_FIELDS, ExportError
 
 # Each DFlash2 tensor and a likely misnaming: z-lab's nn.Embedding codebooks are `.weight` in its module but not in

@@ -10,7 +10,7 @@ from dflash_fast.kernels._common import rms_norm as triton_rms_norm
 from dflash_fast.kernels.lm_head_loss import LOGITS_BLOCK_V, topk_from_tiles
 from dflash_fast.kernels.lm_head_loss import lm_head_loss as fused
 
-from dflash_fast.drafter import eager
+from dflash_fast.drafter import eager, losses
 from dflash_fast.drafter.dflash2 import CandidateSelector, selector_loss
 from dflash_fast.target.norm import rms_norm as eager_rms_norm
 
@@ -47,7 +47,7 @@ def test_fused_unary_top_k_equals_the_eager_twin_where_the_tile_path_runs(kind, 
     gen = torch.Generator().manual_seed(5)
     n, h, u = 37, 24, 11
     x, w = torch.randn(n, h, generator=gen), torch.randn(v, h, generator=gen)
-    teacher = eager.Teacher(last=torch.randn(u, h, generator=gen), final_norm_weight=torch.ones(h),
+    teacher = losses.Teacher(last=torch.randn(u, h, generator=gen), final_norm_weight=torch.ones(h),
                             index=torch.randint(0, u, (n,), generator=gen),
                             labels=torch.randint(0, v, (n,), generator=gen) if kind == "ce" else None)
     weights = torch.rand(n, generator=gen)

@@ -20,6 +20,7 @@ import itertools
 import json
 import os
 import re
+import subprocess
 
 import pytest
 
@@ -182,7 +183,9 @@ def problems(text: str, doc_dir: str = REPO) -> list:
         if re.match(r"^[a-z]+:", target):
             continue
         path = os.path.join(doc_dir, target)
-        if target and not os.path.exists(path):
+        if target and not os.path.realpath(path).startswith(os.path.realpath(REPO) + os.sep):
+            found.append(f"link target `{target}` is outside the repository: a clone cannot follow it")
+        elif target and not os.path.exists(path):
             found.append(f"link target `{target}` does not exist")
         elif anchor and (not target or target.endswith(".md")):
             page = open(path, encoding="utf-8").read() if target else text
@@ -286,3 +289,51 @@ def test_the_docs_index_lists_every_page():
         name = os.path.basename(doc)
         if doc.startswith("docs") and name != "README.md":
             assert f"]({name})" in index, f"docs/README.md does not list {doc}: add a row for it"
+
+
+# ---------------------------------------------------------------- citations of the semantics (docs/spec.md)
+SPEC_SECTIONS = frozenset(int(n) for n in re.findall(r"^## (\d+)\. ", open(os.path.join(REPO, "docs", "spec.md"),
+                                                                             encoding="utf-8").read(), re.M))
+SPEC_CITATION = re.compile(r"spec\.md\s+((?:§\d+(?:-\d+)?(?:,\s*)?)+)")
+# The semantics lived outside the repository once: each way it was cited then (scripts/cite_spec.py rewrites them).
+OUTSIDE_SPEC = re.compile(r"\bSPEC(?:\.md)?\s+§|\bSPEC\.md\b|shared/SPEC|\bSPEC's\b|/work/shared/")
+
+
+def citation_problems(text: str) -> list:
+    """Citations of the semantics that a clone cannot follow: an outside path or name, or a § docs/spec.md lacks."""
+    found = [f"`{m.group(0)}` cites the semantics outside the repository: cite docs/spec.md (scripts/cite_spec.py)"
+             for m in OUTSIDE_SPEC.finditer(text)]
+    for m in SPEC_CITATION.finditer(text):
+        for first, last in re.findall(r"§(\d+)(?:-(\d+))?", m.group(1)):
+            missing = [n for n in range(int(first), int(last or first) + 1) if n not in SPEC_SECTIONS]
+            if missing:
+                found.append(f"`{m.group(0).strip()}` cites §{missing[0]}, which docs/spec.md does not have")
+    return found
+
+
+def tracked_text_files() -> list:
+    out = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, check=True, capture_output=True).stdout.decode()
+    return [p for p in out.split("\0") if p and p not in ("docs/spec.md", "scripts/cite_spec.py", "tests/test_docs.py")
+            and p.endswith((".py", ".md", ".yaml", ".yml", ".json", ".toml", ".sh", ".txt", ".cfg"))
+            and os.path.isfile(os.path.join(REPO, p))]
+
+
+def test_every_citation_of_the_semantics_is_docs_spec_md_and_a_section_it_has():
+    found = []
+    for path in tracked_text_files():
+        try:
+            text = open(os.path.join(REPO, path), encoding="utf-8").read()
+        except UnicodeDecodeError:
+            continue
+        found += [f"{path}: {problem}" for problem in citation_problems(text)]
+    assert not found, "\n".join(found)
+
+
+def test_an_outside_citation_or_a_missing_section_is_reported():
+    bad = ("as SPEC §5 says; see ../shared/SPEC.md and SPEC.md §1-2; (the SPEC's loops); spec.md §4, §99; "
+           "spec.md §1-42")
+    found = "\n".join(citation_problems(bad))
+    for name in ("SPEC §", "shared/SPEC", "SPEC.md", "SPEC's", "§99", "spec.md §1-42"):
+        assert name in found, f"{name} not reported:\n{found}"
+    assert citation_problems("spec.md §1-2, §5 and spec.md §10") == []
+    assert "outside the repository" in "\n".join(problems("[the semantics](../../shared/SPEC.md)", REPO))

@@ -1,4 +1,4 @@
-"""D-PACE position weights (SPEC §5): the weights of a hand-computed block, the eager loss that uses them,
+"""D-PACE position weights (spec.md §5): the weights of a hand-computed block, the eager loss that uses them,
 and the drafter's `weighting="dpace"`. The fused kernel is compared with the eager loss in
 tests/test_kernel_lm_head_loss.py; the trainer's wiring in tests/test_trainer.py."""
 import pytest
@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_fast.drafter import eager
-from dflash_fast.drafter.eager import DPace, Teacher, dpace_weights
+from dflash_fast.drafter.losses import DPace, Teacher, dpace_weights
 
 
 def test_weights_of_a_hand_computed_block():

@@ -1,4 +1,4 @@
-"""The drafter, its anchored mask, targets at p-1 and metrics (SPEC §3-6); export is tests/test_export.py."""
+"""The drafter, its anchored mask, targets at p-1 and metrics (spec.md §3-6); export is tests/test_export.py."""
 
 import pytest
 import torch
@@ -6,16 +6,10 @@ import torch.nn.functional as F
 from oracles import position_weight, trained_slots, visible_keys
 from tiny_targets import tiny_model, tiny_sizes
 
-from dflash_fast.drafter import eager, ops
+from dflash_fast.drafter import eager, masks, ops
 from dflash_fast.drafter.config import DrafterConfig
-from dflash_fast.drafter.model import (
-    DFlashDrafter,
-    DrafterOutput,
-    build_drafter,
-    position_weights,
-    resolve_mask_token_id,
-    slot_metrics,
-)
+from dflash_fast.drafter.model import DFlashDrafter, DrafterOutput, build_drafter, resolve_mask_token_id, slot_metrics
+from dflash_fast.drafter.targets import position_weights
 
 V, H, K, B = 96, 32, 3, 4
 
@@ -47,7 +41,7 @@ def random_batch(seed=0, t=24, anchors=((2, 7, 15, 22),), valid=((True, True, Tr
     g = torch.Generator().manual_seed(seed)
     r = len(anchors)
     doc = torch.tensor(docs) if docs is not None else torch.zeros(r, t, dtype=torch.long)
-    starts = eager.document_starts(doc)
+    starts = masks.document_starts(doc)
     t_logits = torch.randn(r, t, V, generator=g)
     top = t_logits.topk(topk, -1)
     return dict(
@@ -76,7 +70,7 @@ def proposal_fed_back(d, sample_from_anchor):
     return guess, d(batch, "kl"), batch
 
 
-# ---------------------------------------------------------------- the anchored mask (SPEC §4)
+# ---------------------------------------------------------------- the anchored mask (spec.md §4)
 
 
 def row_mask(anchors, doc, window=None, causal=False, valid=None):
@@ -139,7 +133,7 @@ def test_causal_in_block_and_the_window_apply_per_layer(monkeypatch):
 
 def test_the_window_rule_reaches_every_layer_in_training_and_drafting(monkeypatch):
     """model.window_from: the training forward and the evaluator's propose both attend with the drafter's rule;
-    a config without the key (an old checkpoint) has SPEC §4's."""
+    a config without the key (an old checkpoint) has spec.md §4's."""
     seen = []
     real = ops.anchored_attention
 
@@ -162,7 +156,7 @@ def test_invalid_anchor_sees_nothing():
     assert not m[B:].any() and m[:B].any()
 
 
-# ---------------------------------------------------------------- inputs and targets (SPEC §3, §5)
+# ---------------------------------------------------------------- inputs and targets (spec.md §3, §5)
 
 
 def test_every_tapped_layer_reaches_fc():
@@ -214,7 +208,7 @@ def test_slots_leaving_the_document_or_masked_are_not_trained():
 def ce_against_stored_argmax(d: DFlashDrafter, batch):
     """Per-slot CE [A*B] of the drafter's materialised logits against the stored teacher argmax at p - 1,
     and the slot mask [R, A, B]: a reference for the `ce` loss outside ops.lm_head_loss (one row)."""
-    from dflash_fast.drafter.model import gather_rows, slot_targets
+    from dflash_fast.drafter.targets import gather_rows, slot_targets
 
     tg = slot_targets(batch, d.config.block_size)
     x = d.batch_states(batch)
@@ -231,7 +225,7 @@ def test_loss_weights_and_denominator():
     out = d(batch, "ce")
     x = d.batch_states(batch)
     logq = F.log_softmax(F.linear(d.norm(x[0]), d.lm_head).float(), -1)
-    slots = list(trained_slots(batch, B))  # SPEC §5 by hand (tests/oracles.py), not the drafter's slot_targets
+    slots = list(trained_slots(batch, B))  # spec.md §5 by hand (tests/oracles.py), not the drafter's slot_targets
     assert len(slots) == 9
     expected = sum(position_weight(j, 7.0) * -logq[i * B + j, batch["teacher_topk_ids"][0, p - 1, 0]]
                    for _, i, j, p in slots) / len(slots)
@@ -386,7 +380,7 @@ def test_propose_equals_training_forward_at_the_same_anchor():
     assert torch.equal(guess, out.draft_argmax[0, 0, 1:])
 
 
-# ---------------------------------------------------------------- metrics (SPEC §6)
+# ---------------------------------------------------------------- metrics (spec.md §6)
 
 
 def test_tau_offline_counts_leading_matches_only():
@@ -411,7 +405,7 @@ def test_eager_attention_equals_softmax_over_the_dense_mask(window, causal):
     kc, vc = torch.randn(r, t, hkv, d), torch.randn(r, t, hkv, d)
     kb, vb = torch.randn(r, a * B, hkv, d), torch.randn(r, a * B, hkv, d)
     out = eager.anchored_attention(q, kc, vc, kb, vb, anchors, valid, doc, B, window, causal)
-    mask = torch.stack([visible_keys(*row, B, window, causal) for row in zip(anchors, valid, doc)])  # SPEC §4 loops
+    mask = torch.stack([visible_keys(*row, B, window, causal) for row in zip(anchors, valid, doc)])  # spec.md §4 loops
     k = torch.cat([kc, kb], 1).repeat_interleave(hq // hkv, 2)
     v = torch.cat([vc, vb], 1).repeat_interleave(hq // hkv, 2)
     scores = torch.einsum("rqhd,rshd->rhqs", q, k) / d**0.5
@@ -432,3 +426,20 @@ def test_a_target_without_an_embedding_is_refused_by_name(tmp_path):
     save_file({"model.norm.weight": torch.ones(8)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match=r"none of .*embed_tokens.* found for the target's embed_tokens"):
         load_frozen_tensors(str(tmp_path))
+
+
+# ---------------------------------------------------------------- one home per family
+def test_each_family_is_built_as_its_own_modules_class():
+    """DFlashDrafter(cfg) is the class of cfg.family, defined in that family's module (families.FAMILIES); DFlash
+    is DFlashDrafter itself."""
+    from dflash_fast.drafter import families
+
+    assert type(DFlashDrafter(small_config())) is DFlashDrafter
+    built = {"dspark": DFlashDrafter(small_config(markov_rank=4)),
+             "dflash2": DFlashDrafter(small_config(selector_rank=8, selector_top_k=4))}
+    assert set(built) == set(families.FAMILIES) == set(DFlashDrafter.families)
+    for name, drafter in built.items():
+        assert drafter.config.family == name and type(drafter).family == name
+        assert type(drafter).__module__ == families.FAMILIES[name].__name__
+    with pytest.raises(ValueError, match="choose one family"):
+        small_config(markov_rank=4, selector_rank=8)

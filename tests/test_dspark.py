@@ -1,12 +1,13 @@
-"""DSpark (SPEC §8): slot alignment with sample_from_anchor, the Markov and confidence heads, and the loss,
+"""DSpark (spec.md §8): slot alignment with sample_from_anchor, the Markov and confidence heads, and the loss,
 against speculators 0.9.0's semantics written out as loops (tests/oracles.py: dspark_*)."""
 import pytest
 import torch
 from oracles import dspark_batch_loss, position_weight, rms_norm
 from test_drafter import B, V, proposal_fed_back, random_batch, random_drafter
 
-from dflash_fast.drafter import eager, ops
-from dflash_fast.drafter.model import DrafterOutput, position_weights, slot_metrics, slot_targets
+from dflash_fast.drafter import eager, losses, ops
+from dflash_fast.drafter.model import DrafterOutput, slot_metrics
+from dflash_fast.drafter.targets import position_weights, slot_targets
 
 EPS = 1e-6
 HEAD_TYPES = ("vanilla", "gated", "rnn")
@@ -108,7 +109,7 @@ def test_markov_bias_changes_the_drafter_logits_and_only_through_the_previous_to
     assert torch.equal(moved, base), "a previous token reached another slot"
 
 
-# ---------------------------------------------------------------- slot alignment (SPEC §8 sample_from_anchor)
+# ---------------------------------------------------------------- slot alignment (spec.md §8 sample_from_anchor)
 
 
 def test_sample_from_anchor_slot_j_predicts_p_plus_1_against_the_teacher_at_p():
@@ -160,7 +161,7 @@ def test_acceptance_rate_is_the_overlap_of_drafter_and_teacher():
     x, last = torch.randn(n, h, generator=gen), torch.randn(n, h, generator=gen)
     w, e, w2 = torch.randn(v, h, generator=gen), torch.randn(n, r, generator=gen), torch.randn(v, r, generator=gen)
     out = eager.lm_head_loss(x, torch.ones(h), w, torch.ones(n), "kl", n, EPS,
-                             eager.Teacher(last=last, final_norm_weight=torch.ones(h)), markov=eager.Markov(e, w2))
+                             losses.Teacher(last=last, final_norm_weight=torch.ones(h)), markov=losses.Markov(e, w2))
     q = torch.softmax(rms_norm(x, torch.ones(h), EPS) @ w.double().T + e.double() @ w2.double().T, -1)
     p = torch.softmax(rms_norm(last, torch.ones(h), EPS) @ w.double().T, -1)
     torch.testing.assert_close(out.alpha.double(), 1 - 0.5 * (q - p).abs().sum(-1), rtol=1e-5, atol=1e-6)
@@ -259,7 +260,7 @@ def test_a_markov_head_vllm_does_not_serve_is_never_exported(tmp_path, head_type
         export_drafter(dspark_drafter(), str(tmp_path / "z"), "t", torch.float32, fmt="zlab")
 
 
-@pytest.mark.parametrize("kind, dpace", [("kl", None), ("tv", None), ("kl", eager.DPace(0.5, 5))])
+@pytest.mark.parametrize("kind, dpace", [("kl", None), ("tv", None), ("kl", losses.DPace(0.5, 5))])
 def test_fused_markov_bias_equals_the_eager_twin_across_chunks(kind, dpace):
     """Odd shapes (N = 45 rows in 16- or 32-row chunks under the interpreter, V = 97, H = 24, r = 5), fp32:
     loss, alpha, argmaxes and the gradients of h, norm_weight, e and w2."""
@@ -272,12 +273,12 @@ def test_fused_markov_bias_equals_the_eager_twin_across_chunks(kind, dpace):
     e, w2 = torch.randn(n, r, generator=gen), torch.randn(v, r, generator=gen)
     weights = torch.rand(n, generator=gen)
     weights[::4] = 0
-    teacher = eager.Teacher(last=torch.randn(u, h, generator=gen), final_norm_weight=torch.ones(h),
+    teacher = losses.Teacher(last=torch.randn(u, h, generator=gen), final_norm_weight=torch.ones(h),
                             index=torch.randint(0, u, (n,), generator=gen))
     results = []
     for fn in (eager.lm_head_loss, fused):
         inputs = [t.clone().requires_grad_(True) for t in (x, norm, e, w2)]
-        out = fn(inputs[0], inputs[1], w, weights, kind, 30, EPS, teacher, dpace, markov=eager.Markov(*inputs[2:]))
+        out = fn(inputs[0], inputs[1], w, weights, kind, 30, EPS, teacher, dpace, markov=losses.Markov(*inputs[2:]))
         out.loss.backward()
         results.append((out, [t.grad for t in inputs]))
     (want, want_grads), (got, got_grads) = results
@@ -312,9 +313,9 @@ def test_fused_markov_gradients_come_from_one_read_of_dlogits_on_odd_shapes(dtyp
     for fn, dt in ((eager.lm_head_loss, torch.float32), (fused, dtype)):
         inputs = [t.to(dtype).to(dt).requires_grad_(grad) for t, grad in
                   ((x, True), (norm, True), (e, train["e"]), (w2, train["w2"]))]
-        teacher = eager.Teacher(last=last.to(dtype).to(dt), final_norm_weight=torch.ones(h, dtype=dt), index=index)
+        teacher = losses.Teacher(last=last.to(dtype).to(dt), final_norm_weight=torch.ones(h, dtype=dt), index=index)
         out = fn(inputs[0], inputs[1], w.to(dtype).to(dt), weights, "kl", 30, EPS, teacher,
-                 markov=eager.Markov(*inputs[2:]))
+                 markov=losses.Markov(*inputs[2:]))
         out.loss.backward()
         results.append((out, [t.grad for t in inputs]))
     (want, want_grads), (got, got_grads) = results

@@ -1,4 +1,4 @@
-"""Real block speculative decoding (SPEC §6) on tiny dense and hybrid targets, and the plot command."""
+"""Real block speculative decoding (spec.md §6) on tiny dense and hybrid targets, and the plot command."""
 import json
 
 import pytest
@@ -243,7 +243,7 @@ def test_eval_cli_loads_an_export_and_writes_the_report(targets, tmp_path):
 
 
 def offline_tau_by_hand(path, drafter, prompts, max_new_tokens):
-    """SPEC §6 tau_offline of the target's greedy replies, one anchor at a time through `propose`: per
+    """spec.md §6 tau_offline of the target's greedy replies, one anchor at a time through `propose`: per
     anchor a of the reply (a + 1 in it), 1 + the leading guesses equal to the reply's next tokens."""
     model, tok = load(path)
     runner = TargetRunner(model, LAYER_IDS)
@@ -284,7 +284,7 @@ def test_plot_without_any_known_metric_says_so(tmp_path):
         plot_run(str(tmp_path))
 
 
-# ---------------------------------------------------------------- DSpark (SPEC §8): the Markov chain and calibration
+# ---------------------------------------------------------------- DSpark (spec.md §8): the Markov chain and calibration
 
 
 def test_confidence_calibration_is_predicted_and_measured_acceptance_over_the_blocks_reaching_each_position(targets):

@@ -21,7 +21,8 @@ from dflash_fast.drafter.config import DrafterConfig
 from dflash_fast.drafter.layers import Rope
 from dflash_fast.drafter.model import DFlashDrafter
 from dflash_fast.serve import engines, export, layouts
-from dflash_fast.serve.engines import ENGINES, SERVING_RULES, architecture, config_from_export, served_architectures
+from dflash_fast.serve.architecture import architecture
+from dflash_fast.serve.engines import ENGINES, SERVING_RULES, config_from_export, served_architectures
 from dflash_fast.serve.export import export_drafter, gate_batch, gate_logits, load_exported
 from dflash_fast.serve.layouts import FORMATS, ExportError
 
@@ -159,7 +160,7 @@ SLIDING_CAUSAL = dict(layer_types=["sliding", "sliding"], sliding_window=6, caus
 def test_window_rule_an_engine_serves_otherwise_is_warned_of_naming_model_window_from(window_from, fmt, warned,
                                                                                         tmp_path):
     """vLLM and SGLang end a sliding window at each query's own position, speculators trains it at the anchor
-    (SPEC §4): the export is written, with one warning line per engine that serves the other rule."""
+    (spec.md §4): the export is written, with one warning line per engine that serves the other rule."""
     lines = []
     d = make_drafter(**SLIDING_CAUSAL, window_from=window_from)
     export_drafter(d, str(tmp_path / "export"), "tiny-target", torch.float32, fmt=fmt, warn=lines.append)

@@ -1,4 +1,4 @@
-"""Extraction: what lands in the store is exactly what the target computes (SPEC.md §1-2).
+"""Extraction: what lands in the store is exactly what the target computes (spec.md §1-2).
 
 Targets are tiny random models built in code (tests/tiny_targets.py), run in
 fp32 and stored in fp32 so that "equal" means bit-equal where the forward is

@@ -1,4 +1,4 @@
-"""The anchored-attention Triton kernel against its eager twin (SPEC §4).
+"""The anchored-attention Triton kernel against its eager twin (spec.md §4).
 
 On CPU the kernel runs under TRITON_INTERPRET=1 with 32x32 tiles, so the shapes
 below span several query and key tiles and end mid-tile. A tile packs whole blocks

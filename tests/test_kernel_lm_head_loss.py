@@ -20,7 +20,7 @@ import triton.language as tl
 from dflash_fast.kernels.lm_head_loss import lm_head_loss
 
 from dflash_fast.drafter import eager, ops
-from dflash_fast.drafter.eager import DPace, Teacher
+from dflash_fast.drafter.losses import DPace, Teacher
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.lm_head_model import tile_order  # noqa: E402

@@ -31,10 +31,41 @@ def modules() -> dict:
 MODULES = modules()
 
 
+IMPORT_CALLS = ("import_module", "__import__")
+
+
+def dynamic_imports(tree: ast.AST) -> set:
+    """The modules a module loads by name at run time: `importlib.import_module("dflash_fast.x")` and
+    `__import__(...)` with a literal name, or an f-string (`f"dflash_fast.kernels.{op}"`: every module whose
+    name fits, each formatted part standing for any text). A call whose name is neither (a variable, a table
+    lookup such as cli's `COMMANDS[name][0]`) counts every module name written as a string literal in the
+    module, since that is where such a table spells them."""
+    found, opaque = set(), False
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and node.args and getattr(node.func, "attr", getattr(node.func, "id", None))
+                in IMPORT_CALLS):
+            continue
+        arg = node.args[0]
+        if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+            found.add(arg.value)
+        elif isinstance(arg, ast.JoinedStr):
+            pattern = "".join(re.escape(part.value) if isinstance(part, ast.Constant) else ".+"
+                              for part in arg.values)
+            found.update(m for m in MODULES if re.fullmatch(pattern, m))
+        else:
+            opaque = True
+    if opaque:
+        found.update(node.value for node in ast.walk(tree)
+                     if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in MODULES)
+    return found
+
+
 def imports_of(source: str, importer: str) -> set:
-    """The dflash_fast modules `source` (the text of module `importer`) imports, wherever the statement sits."""
-    found = set()
-    for node in ast.walk(ast.parse(source)):
+    """The dflash_fast modules `source` (the text of module `importer`) imports, wherever the statement sits,
+    the ones it loads through importlib included (`dynamic_imports`)."""
+    tree = ast.parse(source)
+    found = dynamic_imports(tree)
+    for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("dflash_fast"):
             for a in node.names:  # `from dflash_fast.store import format` names a module; `import X` a name
                 found.add(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES else node.module)
@@ -158,3 +189,44 @@ def test_a_circle_through_a_lazy_import_is_reported():
                                                    "dflash_fast.extract.plan")
     assert ["dflash_fast.extract.plan", "dflash_fast.extract.vllm_runner", "dflash_fast.extract.plan"] in circles(graph)
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+
+
+def test_an_import_through_importlib_is_an_import():
+    """A module loaded by name is an edge of the graph like an import statement: a literal name, an f-string, and
+    a table of names read by a computed lookup (cli.COMMANDS) are each seen, and one that climbs is reported."""
+    graph = import_graph()
+    assert "dflash_fast.kernels.lm_head_loss" in graph["dflash_fast.drafter.ops"]  # f"dflash_fast.kernels.{op}"
+    assert "dflash_fast.evaluate.quickstart" in graph["dflash_fast.cli"]  # COMMANDS[name][0]
+    floors = pipeline_floors(LAYOUT)
+    for call in ('importlib.import_module("dflash_fast.train.trainer")',
+                 'importlib.import_module(f"dflash_fast.train.{name}")',
+                 'importlib.import_module(NAMES[k])\nNAMES = {"t": "dflash_fast.train.trainer"}'):
+        source = open(MODULES["dflash_fast.store.reader"]).read() + f"\ndef f(name, k):\n    {call}\n"
+        graph["dflash_fast.store.reader"] = imports_of(source, "dflash_fast.store.reader")
+        assert "dflash_fast.store.reader imports dflash_fast.train.trainer" in upward_imports(graph, floors), call
+    # the loop the kernels once closed: the loss vocabulary loading a kernel by name, which imports it back
+    graph = import_graph()
+    lazy = "def f(op):\n    return importlib.import_module(f'dflash_fast.kernels.{op}')\n"
+    graph["dflash_fast.drafter.losses"] = imports_of(open(MODULES["dflash_fast.drafter.losses"]).read() + lazy,
+                                                     "dflash_fast.drafter.losses")
+    assert any("dflash_fast.drafter.losses" in c and "dflash_fast.kernels.lm_head_loss" in c for c in circles(graph))
+
+
+# The attributes only a drafter family's own module may touch (its modules, named as the engines name them).
+# (DSpark's confidence_head is also the name of its option, read from configs everywhere, so it is not among them.)
+FAMILY_ATTRIBUTES = {"markov_head", "candidate_selector", "dspark_heads", "selector_walk"}
+FAMILY_MODULES = {"dflash_fast.drafter.dspark", "dflash_fast.drafter.dflash2"}
+
+
+def family_attribute_uses(source: str) -> set:
+    return {node.attr for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Attribute) and node.attr in FAMILY_ATTRIBUTES}
+
+
+def test_no_module_but_a_familys_own_reaches_into_its_modules():
+    """Each family has one home: outside its module nothing reads its heads or calls its walk (the backbone calls
+    the family hooks; the export names the parameters by their strings)."""
+    found = {m: sorted(family_attribute_uses(open(path).read())) for m, path in MODULES.items()
+             if m not in FAMILY_MODULES}
+    assert {m: uses for m, uses in found.items() if uses} == {}
+    assert family_attribute_uses("def f(d):\n    return d.candidate_selector.top_k\n") == {"candidate_selector"}

@@ -63,7 +63,7 @@ def test_dspark_markov_bias_costs_a_tenth_more_than_kl_and_no_n_by_v_tensor(tmp_
 
 
 def test_dflash2_selector_costs_under_a_tenth_more_than_kl_and_no_n_by_v_tensor(tmp_path):
-    """DFlash2's selector (SPEC §9) on kl's pass: no GEMM unit more, HBM bytes (kernels and torch ops) within 1.1x of
+    """DFlash2's selector (spec.md §9) on kl's pass: no GEMM unit more, HBM bytes (kernels and torch ops) within 1.1x of
     kl's, no [N, V] tensor of its own. Checked on the small rows with V = 65536 (512 tiles, `--medium`), where the
     unary top-K's share of a row is near the reference's. Both designs before this one fail it (the model on
     2026-12-03): a torch.topk over each chunk's [C, V] logits (one more read of them) comes to 1.27x here, the

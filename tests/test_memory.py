@@ -20,7 +20,7 @@ from test_trainer import TINY_YAML, losses, run, settings, tiny  # noqa: F401 (t
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dflash_fast.data.batches import collate_rows, pack_rows, row_fields, sample_anchors
-from dflash_fast.drafter import model as drafter_module
+from dflash_fast.drafter import backbone as drafter_module
 from dflash_fast.drafter import ops
 from dflash_fast.drafter.config import DrafterConfig
 from dflash_fast.drafter.model import DFlashDrafter

@@ -1,4 +1,4 @@
-"""Speculative sampling (SPEC §10): the output distribution under speculation is the target's own, and the check that
+"""Speculative sampling (spec.md §10): the output distribution under speculation is the target's own, and the check that
 says so rejects the usual broken rules (always accept; a residual without the max(0, .); a residual that is p).
 
 The check: chi-square of the counts of emitted tokens against the target's probabilities, cells with an expected
@@ -371,7 +371,7 @@ def test_engine_vllm_gets_the_same_sampling_settings_and_samples_its_drafts(targ
 @pytest.mark.parametrize("sample_from_anchor", [True, False], ids=["from_anchor", "dflash_alignment"])
 @pytest.mark.parametrize("head_type", ["vanilla", "gated", "rnn"])
 def test_dspark_q_of_each_slot_is_its_biased_softmax_given_the_token_sampled_before_it(head_type, sample_from_anchor):
-    """The sampled chain fed back as ground truth: the training forward (SPEC §8, its Markov bias from those tokens)
+    """The sampled chain fed back as ground truth: the training forward (spec.md §8, its Markov bias from those tokens)
     has each slot's argmax where the recorded q has its mode. A hot temperature makes the draws leave the argmax
     chain, so the bias of every slot must come from the sampled token, not the greedy one."""
     from test_drafter import V as V_SMALL

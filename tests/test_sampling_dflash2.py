@@ -1,4 +1,4 @@
-"""DFlash2's selector sampled at T > 0 (SPEC §9-10), as vLLM 0.32 drafts it (v1/worker/gpu/spec_decode/dflash2
+"""DFlash2's selector sampled at T > 0 (spec.md §9-10), as vLLM 0.32 drafts it (v1/worker/gpu/spec_decode/dflash2
 `_selector_walk_kernel` + `_cache_draft_logits_kernel`): slot by slot, a Gumbel-max draw from softmax(score / T) over
 the slot's K unary candidates, the next slot's `prev` the candidate drawn; q handed to the rejection sampler is that
 softmax (the scores at the candidates' ids, -inf elsewhere). The chi-square check is tests/test_sampling.py's."""
@@ -22,7 +22,7 @@ def hot_drafter(sample_from_anchor):
 
 
 def walk_scores(d, hidden, anchor, drafts):
-    """The loops' reading of SPEC §9 for the drafts of one block: per drafted slot, its unary top-K ids [K] and the
+    """The loops' reading of spec.md §9 for the drafts of one block: per drafted slot, its unary top-K ids [K] and the
     selector's scores [K] with prev = the token drafted before it (the anchor's first)."""
     shift, first = int(d.config.sample_from_anchor), d.config.first_slot
     ctx = d.context(hidden[None])

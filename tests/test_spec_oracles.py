@@ -1,8 +1,8 @@
-"""The eager twins, and the kernels that must equal them, against SPEC written out by hand (tests/oracles.py).
+"""The eager twins, and the kernels that must equal them, against spec.md written out by hand (tests/oracles.py).
 
 The kernel tests compare each kernel with its eager twin; these tests compare the eager twin (and, on
 small shapes, the kernel too) with loops over keys, slots and vocabulary ids that a reader can check
-against SPEC.md line by line, so that a bug shared by twin and kernel cannot pass.
+against spec.md line by line, so that a bug shared by twin and kernel cannot pass.
 """
 import math
 
@@ -27,8 +27,8 @@ from oracles import (
 )
 
 from dflash_fast.data.batches import sample_anchors
-from dflash_fast.drafter import eager
-from dflash_fast.drafter.model import position_weights, slot_targets
+from dflash_fast.drafter import eager, losses
+from dflash_fast.drafter.targets import position_weights, slot_targets
 
 BACKENDS = {"eager": (eager.anchored_attention, eager.lm_head_loss), "triton": (attention_kernel, loss_kernel)}
 EPS = 1e-6
@@ -39,7 +39,7 @@ def device_of(backend):
     return "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
 
 
-# ---------------------------------------------------------------- SPEC §4: the anchored attention pattern
+# ---------------------------------------------------------------- spec.md §4: the anchored attention pattern
 
 # Two rows of T = 23. Row 0: documents [0, 9) [9, 23); an anchor at a document start (no context), one
 # right after it, one invalid (repeating the last valid anchor). Row 1: one document; anchors close
@@ -58,7 +58,7 @@ def spec_masks(window, causal, window_from):
 
 
 def test_visibility_loops_see_what_spec_says():
-    """The oracle itself, on cases read straight off SPEC §4."""
+    """The oracle itself, on cases read straight off spec.md §4."""
     mask = visible_keys([5, 5], [1, 0], [0] * 2 + [1] * 8, 4, window=2, causal_in_block=True)
     t = 10
     assert mask[0, :t].nonzero().flatten().tolist() == [3, 4], "own document, p < a, p >= a - W"
@@ -69,7 +69,7 @@ def test_visibility_loops_see_what_spec_says():
 
 def test_a_per_query_window_ends_at_each_slots_own_position():
     """window_from="query": slot j of the block at a sits at a + j and sees the W - 1 keys before it, so the
-    context keys a + j - W + 1 .. a - 1 (j + 1 fewer than SPEC §4's a - W .. a - 1)."""
+    context keys a + j - W + 1 .. a - 1 (j + 1 fewer than spec.md §4's a - W .. a - 1)."""
     a, w, b = 9, 5, 4
     mask = visible_keys([a], [1], [0] * 12, b, window=w, window_from="query")
     assert [mask[j, :12].nonzero().flatten().tolist() for j in range(b)] == [[5, 6, 7, 8], [6, 7, 8], [7, 8], [8]]
@@ -103,14 +103,14 @@ def test_attention_is_a_softmax_over_the_keys_spec_makes_visible(backend, window
     torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=1e-5)
 
 
-# ---------------------------------------------------------------- SPEC §5: slots and weights
+# ---------------------------------------------------------------- spec.md §5: slots and weights
 
 
 @pytest.mark.parametrize("sample_from_anchor", [False, True], ids=["dflash", "dspark_from_anchor"])
 @pytest.mark.parametrize("seed", range(4))
 def test_slot_mask_is_the_hand_built_mask(seed, sample_from_anchor):
     """Random documents, loss masks and anchors (drawn as batches.py draws them, plus invalid padding); with
-    DSpark's sample_from_anchor (SPEC §8) the masks apply to the predicted position p + 1, slot 0 included."""
+    DSpark's sample_from_anchor (spec.md §8) the masks apply to the predicted position p + 1, slot 0 included."""
     gen = torch.Generator().manual_seed(seed)
     r_count, t, a_count, b = 3, 41, 9, 5
     document_ids = torch.stack([torch.randint(0, 4, (t,), generator=gen).sort().values for _ in range(r_count)])
@@ -135,7 +135,7 @@ def test_position_weights_are_spec_values(block_size, gamma):
     torch.testing.assert_close(position_weights(block_size, gamma), want, rtol=1e-6, atol=0)
 
 
-# ---------------------------------------------------------------- SPEC §5: the loss kinds
+# ---------------------------------------------------------------- spec.md §5: the loss kinds
 
 N, HIDDEN, VOCAB = 31, 16, 47
 
@@ -166,7 +166,7 @@ def call(backend, inputs, kind, normalizer=20.0):
     keys = {"kl": ("last", "final_norm_weight"), "kl_topk": ("topk_ids", "topk_logits", "topk_lse")}[kind]
     on_dev = {k: inputs[k].to(dev) for k in ("norm_weight", "lm_head_weight", "weights") + keys}
     args = (on_dev.pop("norm_weight"), on_dev.pop("lm_head_weight"), on_dev.pop("weights"), kind, normalizer, EPS)
-    out = BACKENDS[backend][1](h, *args, eager.Teacher(**on_dev))
+    out = BACKENDS[backend][1](h, *args, losses.Teacher(**on_dev))
     out.loss.backward()
     return type(out)(*(None if x is None else x.detach().cpu() for x in out)), h.grad.cpu()
 
@@ -177,7 +177,7 @@ def drafter_logits(inputs):
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_kl_topk_with_k_equal_to_the_vocabulary_is_kl(backend):
-    """SPEC §5: the stored top-k teacher is exact in the limit k = V (no rest mass is left)."""
+    """spec.md §5: the stored top-k teacher is exact in the limit k = V (no rest mass is left)."""
     inputs = loss_inputs(topk=VOCAB)
     full, d_full = call(backend, inputs, "kl")
     topk, d_topk = call(backend, inputs, "kl_topk")
@@ -266,8 +266,8 @@ def test_dense_kinds_equal_the_speculators_losses_written_as_loops(backend, kind
     inputs = {k: v.to(dtype) for k, v in inputs.items()}
     dev = device_of(backend)
     h = inputs["h"].clone().to(dev).requires_grad_()
-    dpace = eager.DPace(dpace_alpha, block) if with_dpace else None
-    teacher = eager.Teacher(last=inputs["last"].to(dev), final_norm_weight=inputs["final_norm_weight"].to(dev))
+    dpace = losses.DPace(dpace_alpha, block) if with_dpace else None
+    teacher = losses.Teacher(last=inputs["last"].to(dev), final_norm_weight=inputs["final_norm_weight"].to(dev))
     out = BACKENDS[backend][1](h, inputs["norm_weight"].to(dev), inputs["lm_head_weight"].to(dev),
                                weights.to(dev), kind, 20.0, EPS, teacher, dpace)
     out.loss.backward()
@@ -299,6 +299,6 @@ def test_alpha_against_a_hard_label_is_the_drafters_probability_of_it(backend):
     labels = torch.randint(0, VOCAB, (N,), generator=torch.Generator().manual_seed(3))
     dev = device_of(backend)
     args = [inputs[k].to(dev) for k in ("h", "norm_weight", "lm_head_weight", "weights")]
-    out = BACKENDS[backend][1](*args, "ce_data", 20.0, EPS, eager.Teacher(labels=labels.to(dev)))
+    out = BACKENDS[backend][1](*args, "ce_data", 20.0, EPS, losses.Teacher(labels=labels.to(dev)))
     q = torch.softmax(drafter_logits(inputs), -1)
     torch.testing.assert_close(out.alpha.cpu().double(), q[torch.arange(N), labels], rtol=1e-5, atol=1e-6)

@@ -1,4 +1,4 @@
-"""The trainer's val tau_offline and `dflash-fast eval`'s tau_offline are one metric (SPEC §6): on the same documents
+"""The trainer's val tau_offline and `dflash-fast eval`'s tau_offline are one metric (spec.md §6): on the same documents
 they give the same sums. The trainer scores a store's held-out rows (stored taps and `last`, anchors sampled per row,
 the drafter's training forward, slot_metrics); eval's offline_tau runs the live target over prompt + response and
 scores an anchor at every response position. With every eligible anchor sampled, both must count the same blocks and
@@ -58,7 +58,7 @@ def tiny(tmp_path_factory):
 def test_val_tau_offline_equals_evals_offline_tau_on_the_same_documents(tiny):
     batches = row_batches(tiny.store, SEQ_LEN, ANCHORS, 2, 0, split="val", with_last=True, **SPLIT)
     val = [batches[s] for s in range(len(batches))]
-    for b in val:  # every eligible anchor is drawn (SPEC §3: a and a + 1 trained, in one document)
+    for b in val:  # every eligible anchor is drawn (spec.md §3: a and a + 1 trained, in one document)
         m, doc = b["loss_mask"], b["document_ids"]
         eligible = (m[:, :-1] & m[:, 1:] & (doc[:, :-1] == doc[:, 1:])).sum(-1)
         assert torch.equal(b["anchor_valid"].sum(-1), eligible)

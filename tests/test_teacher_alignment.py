@@ -1,9 +1,9 @@
-"""Every loss kind scores slot j of the block at anchor a against the teacher at a + j - 1 (SPEC §5).
+"""Every loss kind scores slot j of the block at anchor a against the teacher at a + j - 1 (spec.md §5).
 
 The batch's teacher is recognisable: at row r, position t, the stored top-1 id is `teacher_id(r, t)`,
 and `last[r, t]` is built so that lm_head(final_norm(last)) has that same argmax. The data tokens
 `input_ids[r, t] = data_token(r, t)` are distinct too. The expected loss is written slot by slot
-from SPEC (tests/oracles.py: no slot_targets, no gather_rows): a slot reading its teacher one
+from spec.md (tests/oracles.py: no slot_targets, no gather_rows): a slot reading its teacher one
 position off, or the data label one position off, changes the number.
 """
 import pytest

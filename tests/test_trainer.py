@@ -226,7 +226,7 @@ def test_loss_falls_and_the_export_holds_the_trained_weights(tiny, tmp_path):
 
 def test_loss_weighting_dpace_reaches_the_loss(tiny, tmp_path, monkeypatch):
     from dflash_fast.drafter import ops
-    from dflash_fast.drafter.eager import DPace
+    from dflash_fast.drafter.losses import DPace
 
     calls = []
     loss_fn = ops.lm_head_loss

@@ -1,6 +1,6 @@
 """The trainer on a store extracted without `last`: loss.kind auto is kl_topk, loss.gamma is not 7.
 
-The first step's loss is recomputed by hand from the first batch (tests/oracles.py: SPEC §5's stored
+The first step's loss is recomputed by hand from the first batch (tests/oracles.py: spec.md §5's stored
 top-k teacher at p - 1, weights exp(-(j - 1) / gamma), the mean over trained slots), and a run stopped
 by SIGTERM and resumed reproduces the uninterrupted one step for step.
 """

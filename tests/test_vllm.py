@@ -21,13 +21,17 @@ if os.environ.get("DFLASH_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm")
 
 from dflash_fast.drafter import ops  # noqa: E402 (vLLM's absence skips the module first)
-from dflash_fast.drafter.model import DFlashDrafter, build_drafter  # noqa: E402
+from dflash_fast.drafter.model import (
+    DFlashDrafter,
+    build_drafter,  # noqa: E402
+)
 from dflash_fast.evaluate.decode import TargetRunner, greedy_generate  # noqa: E402
 from dflash_fast.evaluate.evaluate import evaluate, response_row  # noqa: E402
 from dflash_fast.evaluate.quickstart import ASSETS, TARGET  # noqa: E402
 from dflash_fast.evaluate.vllm import evaluate_vllm, speculative_config, v2_runner_available, vllm_architecture  # noqa: E402
 from dflash_fast.extract.regenerate import regenerate  # noqa: E402
-from dflash_fast.serve.engines import architecture, config_from_export, served_architectures  # noqa: E402
+from dflash_fast.serve.architecture import architecture
+from dflash_fast.serve.engines import config_from_export, served_architectures  # noqa: E402
 from dflash_fast.serve.export import export_drafter, read_export_config  # noqa: E402
 from dflash_fast.target.prompts import load_model, read_prompts  # noqa: E402
 from dflash_fast.target.vllm import engine_args  # noqa: E402
@@ -42,7 +46,7 @@ TAU_TOLERANCE = 0.1
 SLIDING_24 = dict(num_layers=1, layer_types=["sliding"], sliding_window=24, causal_in_block=True)
 DRAFTERS = {
     "full": dict(num_layers=1),
-    # trained with the window vLLM serves (each slot's own position), and with SPEC §4's (the anchor's)
+    # trained with the window vLLM serves (each slot's own position), and with spec.md §4's (the anchor's)
     "sliding": dict(SLIDING_24, window_from="query"),
     "sliding-anchor": SLIDING_24,
     # served by vLLM's V2 runner only: a sliding layer (causal, the window vLLM serves) under a bidirectional full one,
@@ -51,7 +55,7 @@ DRAFTERS = {
     "mixed": dict(num_layers=2, layer_types=["sliding", "full"], sliding_window=24, window_from="query",
                   causal_in_block=[True, False]),
     "dspark": dict(num_layers=1, sample_from_anchor=True, markov_rank=16, confidence_head=True),
-    # DFlash2 (SPEC §9): both additions, served by vLLM's DFlash2DraftModel (qwen3_dflash2.py, the V2 speculator's
+    # DFlash2 (spec.md §9): both additions, served by vLLM's DFlash2DraftModel (qwen3_dflash2.py, the V2 speculator's
     # selector walk)
     "dflash2": dict(num_layers=1, conv_kernel_size=2, conv_group_size=16, selector_rank=16, selector_top_k=8),
 }
@@ -91,7 +95,7 @@ def overfit(kind: str, steps: int = 60) -> torch.nn.Module:
     with ops.backend("eager"):
         for _ in range(steps):
             for row in rows:
-                drafter(row, loss_kind="kl" if drafter.confidence_head is not None else "ce").loss.backward()
+                drafter(row, loss_kind="kl" if drafter.proposes_confidence else "ce").loss.backward()
                 opt.step()
                 opt.zero_grad()
     return drafter.eval()
@@ -135,12 +139,12 @@ def diagnosis(export_dir: str, hf: dict, served: dict) -> str:
     return f"{where}; per-prompt tau (ours, vLLM): {per_prompt}"
 
 
-# vLLM serves a drafter trained with SPEC §4's window (every slot sees a-W..a-1) with the same greedy output but less
+# vLLM serves a drafter trained with spec.md §4's window (every slot sees a-W..a-1) with the same greedy output but less
 # acceptance (2026-12-01: tau 2.879 against our 3.097 on these prompts): its window is each query's own, keys
 # p > a+j-W (test_vllms_attention_windows_each_query_at_its_own_position). Export warns of it (model.window_from);
 # the drafter trained with window_from=query is the "sliding" case. Strict: it turns red if the two ever agree.
-SPEC_WINDOW_GAP = pytest.mark.xfail(strict=True, reason="trained with SPEC §4's window at the anchor, which vLLM does "
-                                    "not serve: see docs/vllm.md")
+SPEC_WINDOW_GAP = pytest.mark.xfail(strict=True, reason="trained with spec.md §4's window at the anchor, which vLLM "
+                                    "does not serve: see docs/vllm.md")
 
 
 @pytest.mark.parametrize("name", ["speculators", "zlab", "sliding",

@@ -1,6 +1,6 @@
 """`extract --engine vllm`: the store vLLM's capture gives is the store the HF path gives, field by field.
 
-The layer-id trap (SPEC §1): vLLM numbers its aux layers as HF's hidden_states (embeddings at 0), one higher than
+The layer-id trap (spec.md §1): vLLM numbers its aux layers as HF's hidden_states (embeddings at 0), one higher than
 our layer ids, and its aux id L is `last`. A tap shifted by one changes every stored hidden state, and these tests
 compare each one. The engine tests run where vLLM is installed (.ci/run's second venv, docs/engine-target.md);
 DFLASH_REQUIRE_VLLM=1 turns their skip into a failure there. The rest runs in every venv.

@@ -94,8 +94,8 @@ def test_several_servers_parse_from_one_override():
 
 
 def test_the_memory_plan_counts_our_lm_head_on_the_trainer_and_no_vllm_share():
+    from dflash_fast.data.config import OnlineConfig
     from dflash_fast.evaluate.quickstart import TARGET
-    from dflash_fast.train.config import OnlineConfig
     from dflash_fast.train.memory import online_target
 
     served = online_target(TARGET, torch.float32, OnlineConfig(), 3, "vllm_serve", limit=int(141e9))

@@ -1,4 +1,4 @@
-"""DFlash2 (SPEC §9) under DeepSpeed ZeRO-3 on the CPU (gloo): its convolutions' base kernels and the selector's
+"""DFlash2 (spec.md §9) under DeepSpeed ZeRO-3 on the CPU (gloo): its convolutions' base kernels and the selector's
 codebooks are parameters its modules read outside their own forward, so ZeRO-3 must gather them there. One launch
 of 2 ranks trains with ZeRO-1, -2 and -3 (parameters really partitioned: no persistence threshold), as
 tests/test_trainer.py does for DFlash; the three must give the same losses and the same weights. With Muon, one

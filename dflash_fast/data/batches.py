@@ -1,4 +1,4 @@
-"""Batches: pack store documents into rows of T tokens, sample anchors, collate (SPEC §3).
+"""Batches: pack store documents into rows of T tokens, sample anchors, collate (spec.md §3).
 
     store (memmap) ──pack_rows──▶ rows ──epoch_schedule──▶ this rank's steps ──collate_rows──▶ batch dict
 
@@ -172,7 +172,7 @@ def epoch_schedule(
 def sample_anchors(
     loss_mask: torch.Tensor, document_ids: torch.Tensor, num_anchors: int, generator: torch.Generator
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """SPEC §3 anchors of one row: loss_mask [T], document_ids [T] -> anchors [A] int64, anchor_valid [A] bool.
+    """spec.md §3 anchors of one row: loss_mask [T], document_ids [T] -> anchors [A] int64, anchor_valid [A] bool.
 
     Eligible a: loss_mask[a] = loss_mask[a+1] = 1 and document_ids[a] = document_ids[a+1]
     (a + 1 < T). min(A, #eligible) of them are drawn uniformly without replacement

@@ -1,15 +1,15 @@
-"""The drafter's architecture (SPEC §3-5, §8): `DrafterConfig`, built from the target's config, and the value rules
+"""The drafter's architecture (spec.md §3-5, §8): `DrafterConfig`, built from the target's config, and the value rules
 every drafter config read from a file goes through (`value_problems`: a config built from a target, a checkpoint
 marker's, an export's architecture)."""
 import dataclasses
 import math
 from typing import Dict, List, Mapping, Optional, Union
 
-from dflash_fast.drafter.dspark import MARKOV_HEAD_TYPES
-from dflash_fast.drafter.eager import WINDOW_RULES, check_window
+from dflash_fast.drafter.masks import WINDOW_RULES, check_window
 from dflash_fast.errors import is_int
 
 LAYER_KINDS = ("full", "sliding")
+MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")  # DSpark's Markov heads (spec.md §8, dspark.MarkovHead)
 # Sizes and counts of a DrafterConfig and the least value each may take: 1 for the sizes, 2 for the block (the given
 # token and one to draft), 0 for the mask token (a token id).
 SIZE_FIELDS = {
@@ -22,11 +22,55 @@ SIZE_FIELDS = {
 # The block is the one size no weight backs (every slot of every anchor is a query row): published DFlash drafters use
 # 16 and no verifier step accepts hundreds of drafted tokens, so a larger block is a typo or a forged file.
 MAX_BLOCK_SIZE = 256
+# The DSpark fields of a DFlash drafter (DrafterConfig's defaults): a drafter whose DSpark fields all equal these is no
+# DSpark (DrafterConfig.family); what a view of a DFlash-only layout serves.
+DFLASH_ONLY = dict(sample_from_anchor=False, markov_rank=0, markov_head_type="vanilla", confidence_head=False,
+                   confidence_head_with_markov=True)
 
 
 @dataclasses.dataclass
-class DrafterConfig:
-    """Architecture of the drafter; built from the target's config by `from_target`."""
+class DrafterOptions:
+    """The drafter's architecture options, their one definition: the `model.*` keys a training config sets (the
+    train config's ModelConfig is these plus its own), what `DrafterConfig.from_target` takes beside the target's
+    sizes, and (with those sizes) what an export's architecture carries. Their value rules: `value_problems` and
+    `DrafterConfig.__post_init__`."""
+
+    num_layers: int = 5
+    block_size: int = 16
+    layer_types: Optional[List[str]] = None  # per drafter layer "full" | "sliding"; None = all full
+    sliding_window: Optional[int] = None
+    # Where a sliding window's keys end: "anchor" (spec.md §4, speculators' training) or "query" (each slot's own
+    # position: what vLLM and SGLang serve; docs/training.md, Sliding windows)
+    window_from: str = "anchor"
+    causal_in_block: bool = False  # a config's one flag for every layer (DrafterConfig keeps one per layer)
+    # DSpark (spec.md §8, docs/dspark.md): the DFlash backbone plus a Markov logit bias and a confidence head; the
+    # defaults are DFlash (DFLASH_ONLY).
+    sample_from_anchor: bool = False  # slot j predicts the token at anchor + j + 1 (slot 0 included); DSpark's default
+    markov_rank: int = 0  # rank r of the Markov bias W2 W1[previous token]; 0 = none (DFlash)
+    markov_head_type: str = "vanilla"  # vanilla | gated | rnn
+    confidence_head: bool = False  # predict each slot's acceptance rate (trained with loss.confidence_alpha)
+    confidence_head_with_markov: bool = True  # the confidence head reads [hidden, W1[prev]] (needs markov_rank > 0)
+    # DFlash2 (spec.md §9, docs/dflash2.md): the DFlash backbone plus dynamic convolutions and a candidate selector;
+    # 0 = off (DFlash). DFlash2's own defaults: taps 2, group 16, rank 256, top-K 16.
+    conv_kernel_size: int = 0  # taps of the causal convolutions inside each block (<= block_size); 0 = none
+    conv_group_size: int = 16  # hidden channels sharing one dynamic coefficient; divides the hidden size
+    selector_rank: int = 0  # rank r of the candidate selector's codebooks P, S [V, r]; 0 = none
+    selector_top_k: int = 16  # K unary candidates the selector re-ranks; <= vocab_size
+
+    @classmethod
+    def names(cls):
+        """The option keys, in their order."""
+        return tuple(f.name for f in dataclasses.fields(DrafterOptions))
+
+    def options(self) -> Dict:
+        """The option values by key (what `DrafterConfig.from_target` takes)."""
+        return {key: getattr(self, key) for key in DrafterOptions.names()}
+
+
+@dataclasses.dataclass(kw_only=True)
+class DrafterConfig(DrafterOptions):
+    """Architecture of the drafter: its options (DrafterOptions) and the sizes, RoPE and ids the target gives;
+    built from the target's config by `from_target`."""
 
     hidden_size: int
     num_attention_heads: int
@@ -34,31 +78,15 @@ class DrafterConfig:
     head_dim: int
     intermediate_size: int
     vocab_size: int
-    layer_ids: List[int]  # target layer ids tapped (SPEC §1 convention: HF hidden_states[id + 1])
+    layer_ids: List[int]  # target layer ids tapped (spec.md §1 convention: HF hidden_states[id + 1])
     target_num_layers: int
     target_hidden_size: int
     mask_token_id: int
     rms_norm_eps: float = 1e-6
     rope_parameters: Dict = dataclasses.field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
     max_position_embeddings: int = 32768
-    num_layers: int = 5
-    block_size: int = 16
-    layer_types: Optional[List[str]] = None  # per layer "full" | "sliding"; None = all full
-    sliding_window: Optional[int] = None
-    window_from: str = "anchor"  # a sliding window's keys end at the anchor (SPEC §4) or at each query (the engines)
     causal_in_block: Union[bool, List[bool]] = False  # one flag for every layer, or one per layer (kept as a list)
     target_model_type: str = ""
-    # DSpark (SPEC §8); the defaults are DFlash.
-    sample_from_anchor: bool = False  # slot j predicts the token at a + j + 1 (slot 0 included)
-    markov_rank: int = 0  # r of the Markov bias W2 W1[prev]; 0 = no Markov head
-    markov_head_type: str = "vanilla"  # vanilla | gated | rnn
-    confidence_head: bool = False
-    confidence_head_with_markov: bool = True  # the confidence head reads [hidden, W1[prev]], not hidden alone
-    # DFlash2 (SPEC §9); 0 = off (DFlash). DFlash2's own defaults: taps 2, group 16, rank 256, top-K 16.
-    conv_kernel_size: int = 0  # taps of the dynamic causal convolutions around both sublayers; <= block_size
-    conv_group_size: int = 16  # hidden channels sharing one dynamic coefficient; divides hidden_size
-    selector_rank: int = 0  # r of the candidate selector's codebooks P, S [V, r]
-    selector_top_k: int = 16  # K unary candidates the selector re-ranks; <= vocab_size
 
     def __post_init__(self):
         problems = value_problems(dataclasses.asdict(self))
@@ -101,8 +129,17 @@ class DrafterConfig:
                              "(markov_rank, confidence_head): choose one family")
 
     @property
+    def family(self) -> str:
+        """The drafter family the options describe: dflash2 (either DFlash2 addition on, spec.md §9), dspark (a
+        DSpark option other than DFlash's, spec.md §8) or dflash. `DFlashDrafter(cfg)` builds that family's class,
+        and the export writes it as speculators_model_type."""
+        if self.is_dflash2:
+            return "dflash2"
+        return "dspark" if any(getattr(self, key) != value for key, value in DFLASH_ONLY.items()) else "dflash"
+
+    @property
     def is_dflash2(self) -> bool:
-        """Either DFlash2 addition is on (SPEC §9)."""
+        """Either DFlash2 addition is on (spec.md §9)."""
         return bool(self.conv_kernel_size or self.selector_rank)
 
     @property
@@ -194,7 +231,7 @@ def value_problems(values: Mapping) -> List[str]:
 
 
 def dflash2_problems(values: Mapping) -> List[str]:
-    """DFlash2's fields (SPEC §9): counts >= 0 (0 = off), a convolution whose taps fit the block and whose groups
+    """DFlash2's fields (spec.md §9): counts >= 0 (0 = off), a convolution whose taps fit the block and whose groups
     divide the hidden size, a selector whose K fits the vocabulary."""
     problems = [f"{field}={values[field]!r} is not an integer >= {least}"
                 for field, least in (("conv_kernel_size", 0), ("conv_group_size", 1), ("selector_rank", 0),

@@ -1,6 +1,7 @@
-"""DFlash2's two additions to the DFlash backbone (SPEC §9): grouped dynamic causal convolutions inside each draft
-block around both sublayers of every decoder layer, and the low-rank candidate selector that re-ranks each slot's
-unary top-K with the previous token.
+"""The DFlash2 family (spec.md §9): the DFlash backbone plus grouped dynamic causal convolutions inside each draft
+block around both sublayers of every decoder layer (conv.py: they live in the backbone's decoder layer), and the
+low-rank candidate selector that re-ranks each slot's unary top-K with the previous token; `DFlash2Drafter` trains
+and proposes with the selector.
 
     convolution (per sublayer): x -> norm -> conv_in -> attention | MLP -> conv_out -> + residual (one op: `finish`)
         delta = kernel_projection(norm(x)) [.., S, 2, taps, G]  (G = H / group groups, one coefficient each)
@@ -15,14 +16,17 @@ compute_selector_loss, compute_metrics). Parameter names are speculators' (atten
 .kernel_projection.weight; candidate_selector.predecessor_codebook, .successor_codebook, .hidden_projection.weight),
 so that its checkpoints and vLLM's loader can read ours.
 """
-from typing import Dict, NamedTuple, Optional, Tuple
+from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from dflash_fast.drafter import ops
-from dflash_fast.drafter.eager import DPace, dpace_weights
+from dflash_fast.drafter.backbone import DFlashDrafter, FamilyTerms, Step
+from dflash_fast.drafter.conv import DynamicConv
+from dflash_fast.drafter.losses import DPace, LossOutput, dpace_weights
+from dflash_fast.drafter.targets import gather_rows, slot_targets
 
 CONV_NAMES = ("attention_conv", "mlp_conv")
 
@@ -45,79 +49,6 @@ def head_shapes(cfg) -> Dict[str, Tuple[int, ...]]:
             "candidate_selector.hidden_projection.weight": (rank, h),
         })
     return shapes
-
-
-def grouped_dynamic_conv(
-    x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size: int, group_size: int,
-    residual: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    """The causal convolution inside each block: x [R, A*B, H] (the A blocks of B slots one after another),
-    delta [R, A*B, taps, G] (each output slot's dynamic coefficients, G = H / group_size), base [taps, H]
-    -> y [R, A*B, H] with y_s = sum_{t <= s} x_{s-t} * (base[t] + delta_s[t, group]); taps never reach into the
-    block before. With residual [R, A*B, H]: residual + y (the decoder layer's residual add, which the kernel fuses
-    into its one write)."""
-    r, q, h = x.shape
-    taps, groups = base.shape[0], h // group_size
-    xb = x.view(r, q // block_size, block_size, groups, group_size)
-    db = delta.view(r, q // block_size, block_size, taps, groups)
-    y = torch.zeros_like(xb)
-    for t in range(taps):
-        shifted = F.pad(xb[:, :, : block_size - t], (0, 0, 0, 0, t, 0))  # x_{s-t}, zeros for s < t
-        y = y + shifted * (base[t].to(x.dtype).view(groups, group_size) + db[:, :, :, t, :, None])
-    return y.view(r, q, h) if residual is None else residual + y.view(r, q, h)
-
-
-def projected_conv(
-    x: torch.Tensor, weight: torch.Tensor, base: torch.Tensor, block_size: int, group_size: int
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The kernel projection and conv_in of one sublayer: x [R, A*B, H] (its normed input), weight [2 taps G, H],
-    base [taps, H] (conv_in's) -> (conv_in(x) [R, A*B, H], conv_out's delta [R, A*B, taps, G]), the projection's
-    output delta = x W^T viewed [R, A*B, 2, taps, G] (index 0 conv_in's, 1 conv_out's)."""
-    delta = F.linear(x, weight).view(*x.shape[:-1], 2, base.shape[0], x.shape[-1] // group_size)
-    y = grouped_dynamic_conv(x, delta[..., 0, :, :], base, block_size, group_size)
-    return y, delta[..., 1, :, :]
-
-
-def conv_impl():
-    """The convolution the ops backend `grouped_dynamic_conv` selects: kernels/grouped_dynamic_conv.py (one pass
-    each way) or `grouped_dynamic_conv` above, its eager twin."""
-    return ops.kernel_or("grouped_dynamic_conv", grouped_dynamic_conv)
-
-
-def projected_conv_impl():
-    """`projected_conv` on the same switch: the kernel module's (conv_in's dx and the projection's dgrad summed by
-    one in-place addmm) or the one above."""
-    return ops.kernel_or("grouped_dynamic_conv", projected_conv, name="projected_conv")
-
-
-class DynamicConv(nn.Module):
-    """The input- and output-side convolutions of one sublayer, both driven by one projection of its normed input."""
-
-    def __init__(self, hidden_size: int, block_size: int, kernel_size: int, group_size: int):
-        super().__init__()
-        self.block_size, self.kernel_size, self.group_size = block_size, kernel_size, group_size
-        self.num_groups = hidden_size // group_size
-        self.base_kernel = nn.Parameter(torch.empty(2, kernel_size, hidden_size))
-        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.num_groups, bias=False)
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        """Identity (base[0] = 1, the other taps and the projection 0): a fresh DFlash2 layer is a DFlash layer."""
-        with torch.no_grad():
-            self.base_kernel.zero_()
-            self.base_kernel[:, 0] = 1.0
-            self.kernel_projection.weight.zero_()
-
-    def prepare(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """x [R, A*B, H] (normed sublayer input) -> (conv_in(x) [R, A*B, H], the output side's delta
-        [R, A*B, taps, G])."""
-        return projected_conv_impl()(x, self.kernel_projection.weight, self.base_kernel[0], self.block_size,
-                                     self.group_size)
-
-    def finish(self, y: torch.Tensor, delta: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual [R, A*B, H] + the sublayer's output y [R, A*B, H] through conv_out with the delta `prepare`
-        computed: the decoder layer's residual add inside the convolution (the kernel writes the sum once)."""
-        return conv_impl()(y, delta, self.base_kernel[1], self.block_size, self.group_size, residual)
 
 
 class CandidateSelector(nn.Module):
@@ -187,7 +118,7 @@ def candidate_unary(hidden: torch.Tensor, lm_head: torch.Tensor, ids: torch.Tens
 
 
 def training_candidates(topk_ids: torch.Tensor, label: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The selector's training candidates (SPEC §9): topk_ids [N, K] (unary top-K, best first), label [N] (the
+    """The selector's training candidates (spec.md §9): topk_ids [N, K] (unary top-K, best first), label [N] (the
     teacher argmax) -> (candidate ids [N, K]: the top-K with the label in the K-th place when it is not among them,
     the label's index [N], contains [N] bool: the label was in the unary top-K)."""
     k = topk_ids.shape[1]
@@ -250,3 +181,84 @@ def selector_loss(
         serving[:, -1] = torch.where(contains, serving[:, -1], replaced)
         draft = topk_ids.gather(1, serving.argmax(-1, keepdim=True))[:, 0]
     return SelectorOutput(loss, contains, hit, draft)
+
+
+class DFlash2Drafter(DFlashDrafter):
+    """DFlash2: the backbone with its convolutions (in the layers, conv_kernel_size > 0) plus candidate_selector
+    (selector_rank > 0)."""
+
+    family = "dflash2"
+
+    def add_heads(self) -> None:
+        cfg = self.config
+        self.candidate_selector = (
+            CandidateSelector(cfg.vocab_size, cfg.hidden_size, cfg.selector_rank, cfg.selector_top_k)
+            if cfg.selector_rank else None
+        )
+
+    def reset_parameters(self, std: float = 0.02):
+        super().reset_parameters(std)
+        for m in self.modules():
+            if isinstance(m, DynamicConv):
+                m.reset_parameters()  # identity: a fresh DFlash2 is DFlash
+        if self.candidate_selector is not None:
+            self.candidate_selector.reset_parameters(std)
+
+    def loss_head(self, step: Step) -> Tuple[Dict[str, Any], Any]:  # noqa: ARG002 (the step is family_terms')
+        """The fused lm_head pass also returns each slot's unary top-K, the selector's candidates."""
+        return ({"topk": self.candidate_selector.top_k} if self.candidate_selector is not None else {}), None
+
+    def family_terms(self, step: Step, out: LossOutput, teacher_argmax: torch.Tensor, state: Any,  # noqa: ARG002
+                     weights: Dict[str, float]) -> FamilyTerms:
+        """loss += selector_alpha x the selector's K-way CE against the teacher argmax (`selector_loss`), weighted
+        like the main loss; the draft is the selector's pick (spec.md §9): acc_j and tau_offline are the selector's."""
+        selector = self.candidate_selector
+        if selector is None:
+            return FamilyTerms(None, out.draft_argmax, {})
+        n, shape = step.weights.shape[0], step.targets.slot_mask.shape
+        hidden = ops.rms_norm(step.x.reshape(n, -1), self.norm.weight, self.norm.eps)
+        sel = selector_loss(selector, hidden, self.lm_head, step.prev_ids, out.topk_ids, teacher_argmax,
+                            step.weights, step.targets.slot_mask.sum(), step.dpace, out.topk_logits)
+        return FamilyTerms(weights.get("selector_alpha", 1.0) * sel.loss, sel.draft,
+                           {"selector_loss": sel.loss, "recall": sel.recall.view(shape),
+                            "selector_hit": sel.hit.view(shape)})
+
+    def gate_outputs(self, batch: Dict[str, torch.Tensor], logits: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """The candidate selector's fp32 scores [A*B, K] of the candidates of every slot of the one row of `batch`
+        (the unary top-K of `logits`, the trained drafter's), `prev` the ground-truth previous token: what the
+        selector walk ranks."""
+        if self.candidate_selector is None:
+            return {}
+        ids = logits[0, :, : self.config.vocab_size].topk(self.config.selector_top_k).indices
+        x = self.batch_states(batch)
+        targets = slot_targets(batch, self.config.block_size, self.config.sample_from_anchor)
+        prev = gather_rows(batch["input_ids"], targets.prev_position)
+        hidden = self.norm(x).reshape(ids.shape[0], -1)
+        return {"candidate selector scores": self.candidate_selector.scores(hidden, self.lm_head, prev, ids)}
+
+    def walk(self, x: torch.Tensor, hidden: torch.Tensor, logits: torch.Tensor, anchor_token: int, draw=None,
+             with_confidence: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """With the selector, greedy without a draw takes the best score, not the argmax of a row
+        (`selector_walk`)."""
+        if self.candidate_selector is None:
+            return super().walk(x, hidden, logits, anchor_token, draw, with_confidence)
+        return self.selector_walk(hidden, logits, anchor_token, draw), None
+
+    def selector_walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_token: int, draw=None) -> torch.Tensor:
+        """spec.md §9 inference of one block: hidden [B, H] (norm(x)), unary logits [B, V] -> the drafted tokens
+        [drafted_tokens]. Slot by slot over the slot's unary top-K, `prev` being the token drafted for the position
+        before the slot's own (the anchor's token for the first slot): greedy takes the best score; `draw` (logits
+        [1, V] -> token [1]) is handed the scores at the K candidates' ids and -inf elsewhere, vLLM's cached
+        draft logits (spec_decode/dflash2 `_cache_draft_logits_kernel`), so a DraftSampler draws from and records
+        q = softmax(score / T) over the K candidates, and the next slot's prev is the token it drew."""
+        selector, shift = self.candidate_selector, int(self.config.sample_from_anchor)
+        tokens = [torch.tensor(anchor_token, device=logits.device)]  # tokens[m]: the token at position T + m
+        for k in range(self.config.first_slot, self.config.block_size):
+            ids = logits[k].topk(selector.top_k).indices[None]  # [1, K]
+            scores = selector.scores(hidden[k][None], self.lm_head, tokens[k + shift - 1][None], ids)
+            if draw is None:
+                tokens.append(ids[0, scores[0].argmax()])
+            else:
+                candidate_logits = scores.new_full((1, logits.shape[-1]), float("-inf")).scatter(1, ids, scores)
+                tokens.append(draw(candidate_logits)[0])
+        return torch.stack(tokens[1:])

@@ -1,4 +1,4 @@
-"""The drafter's decoder layer (SPEC §4): Qwen3-style RMSNorm, RoPE (HF's rotate-half, partial rotary), attention
+"""The drafter's decoder layer (spec.md §4): Qwen3-style RMSNorm, RoPE (HF's rotate-half, partial rotary), attention
 whose queries come from the block and keys/values from [ctx ; block] through `ops.anchored_attention`, and the
 SwiGLU MLP. `DFlashDrafter` stacks `DecoderLayer`s."""
 from typing import Dict
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from dflash_fast.drafter import ops
 from dflash_fast.drafter.config import DrafterConfig
-from dflash_fast.drafter.dflash2 import DynamicConv
+from dflash_fast.drafter.conv import DynamicConv
 from dflash_fast.target.norm import rms_norm
 
 
@@ -86,7 +86,7 @@ class Attention(nn.Module):
         r, q_len, _ = x.shape
         q = rope.rotate(self.q_norm(self.q_proj(x).view(r, q_len, self.hq, self.d)), *blk_cos_sin)
         k_blk, v_blk = self.kv(x, rope, blk_cos_sin)
-        k_ctx, v_ctx = self.kv(ctx, rope, ctx_cos_sin)  # ctx gets no input_layernorm (SPEC §4)
+        k_ctx, v_ctx = self.kv(ctx, rope, ctx_cos_sin)  # ctx gets no input_layernorm (spec.md §4)
         out = ops.anchored_attention(q, k_ctx, v_ctx, k_blk, v_blk, scale=self.d**-0.5, **attn)
         return self.o_proj(out.reshape(r, q_len, self.hq * self.d))
 
@@ -112,7 +112,7 @@ class DecoderLayer(nn.Module):
         self.window = cfg.sliding_window if cfg.layer_types[index] == "sliding" else None
         self.window_from = cfg.window_from
         self.causal_in_block = cfg.causal_in_block[index]
-        if cfg.conv_kernel_size:  # DFlash2 (SPEC §9): norm -> conv_in -> sublayer -> conv_out, around both sublayers
+        if cfg.conv_kernel_size:  # DFlash2 (spec.md §9): norm -> conv_in -> sublayer -> conv_out, around both sublayers
             conv = (cfg.hidden_size, cfg.block_size, cfg.conv_kernel_size, cfg.conv_group_size)
             self.attention_conv, self.mlp_conv = DynamicConv(*conv), DynamicConv(*conv)
         else:

@@ -7,10 +7,10 @@
               document_ids [R, T], block_size, window=None, causal_in_block=False,
               scale=None, window_from="anchor") -> out [R, A*B, Hq, D]
     lm_head_loss(h [N, H], norm_weight [H], lm_head_weight [V, H], weights [N],
-              kind, normalizer, eps, teacher: eager.Teacher, dpace: eager.DPace = None,
-              markov: eager.Markov = None, topk=0) -> LossOutput
+              kind, normalizer, eps, teacher: losses.Teacher, dpace: losses.DPace = None,
+              markov: losses.Markov = None, topk=0) -> LossOutput
     grouped_dynamic_conv(x [R, A*B, H], delta [R, A*B, taps, H / group], base [taps, H],
-              block_size, group_size, residual=None) -> y [R, A*B, H]   (DFlash2, SPEC §9; through `kernel_or`,
+              block_size, group_size, residual=None) -> y [R, A*B, H]   (DFlash2, spec.md §9; through `kernel_or`,
               which also gives the same backend's projected_conv: the kernel projection and conv_in in one)
 
 Full semantics in `dflash_fast/drafter/eager.py` (the convolution's in `dflash_fast/drafter/dflash2.py`).
@@ -26,7 +26,7 @@ from typing import Dict, Optional
 
 import torch
 
-from dflash_fast.drafter import eager
+from dflash_fast.drafter import eager, losses
 from dflash_fast.errors import UserError
 
 OPS = ("fc_concat", "anchored_attention", "lm_head_loss", "grouped_dynamic_conv")
@@ -110,12 +110,12 @@ def anchored_attention(*args, **kwargs):
     return _impl("anchored_attention")(*args, **kwargs)
 
 
-def lm_head_loss(*args, **kwargs) -> eager.LossOutput:
+def lm_head_loss(*args, **kwargs) -> losses.LossOutput:
     return _impl("lm_head_loss")(*args, **kwargs)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The drafter's final norm where the lm_head loss does not fuse it (DFlash2's selector input, SPEC §9): the
+    """The drafter's final norm where the lm_head loss does not fuse it (DFlash2's selector input, spec.md §9): the
     Triton RMSNorm of kernels/_common.py when lm_head_loss runs Triton, else its eager twin. x [..., H] -> [..., H]."""
     if backend_of("lm_head_loss") == "triton":
         return importlib.import_module("dflash_fast.kernels._common").rms_norm(x, weight, eps)

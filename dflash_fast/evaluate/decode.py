@@ -1,4 +1,4 @@
-"""Real block speculative decoding with an HF target and a drafter (SPEC §6), and plain greedy decoding.
+"""Real block speculative decoding with an HF target and a drafter (spec.md §6), and plain greedy decoding.
 
     prompt ──target prefill──▶ x_T (the first bonus token), taps of 0..T-1
     loop:
@@ -14,11 +14,11 @@ of Qwen3-Next / Qwen3.5 linear attention, sliding windows) are copied before
 the verification and restored after a rejection, then the accepted tokens are
 re-run through the target (one extra forward, counted as `recompute_forwards`).
 
-DSpark drafters (SPEC §8) draft their block as the engines do, slot k's Markov bias from the token drafted
+DSpark drafters (spec.md §8) draft their block as the engines do, slot k's Markov bias from the token drafted
 at slot k-1 (DFlashDrafter.propose); with sample_from_anchor they draft B tokens, so a verification block
 is B + 1 tokens; with a confidence head a proposal also returns each drafted token's predicted acceptance.
 
-At temperature T > 0 (SPEC §10) the first token and every accepted / replacement / bonus token come from
+At temperature T > 0 (spec.md §10) the first token and every accepted / replacement / bonus token come from
 evaluate/sampling.py's lossless rule instead of the argmax, the drafter sampling its drafts (q) through the same
 seeded generator. T = 0 is the greedy loop above, unchanged.
 """
@@ -53,7 +53,7 @@ class Step(NamedTuple):
 
 class TargetRunner:
     """One sequence through an HF causal LM with a KV cache, tapping layer ids as extraction does:
-    id l < L-1 is HF hidden_states[l + 1]; id L-1 is the input of the final norm (SPEC §1-2)."""
+    id l < L-1 is HF hidden_states[l + 1]; id L-1 is the input of the final norm (spec.md §1-2)."""
 
     def __init__(self, model, layer_ids: Sequence[int]):
         self.model = model

@@ -6,7 +6,7 @@
     --benchmark gsm8k,mt-bench,...: public benchmarks instead of --data, one report row each (evaluate/benchmarks.py)
 
 `tau_offline` runs the drafter's training forward over the target's own greedy output (an anchor at every eligible
-response position) and averages SPEC §6's per-block value.
+response position) and averages spec.md §6's per-block value.
 """
 
 import json
@@ -16,7 +16,6 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
-from dflash_fast.cli import call_with_flags
 from dflash_fast.drafter.model import DFlashDrafter, slot_metrics
 from dflash_fast.drafter.weights import load_frozen_tensors
 from dflash_fast.evaluate import benchmarks
@@ -24,6 +23,7 @@ from dflash_fast.evaluate.benchmarks import benchmarks_report, decode_suites, fi
 from dflash_fast.evaluate.decode import Proposer, Step, TargetRunner, greedy_generate, speculative_generate
 from dflash_fast.evaluate.report import Tally, mean_acceptance, report, summary
 from dflash_fast.evaluate.sampling import Sampler, add_sampling_arguments, check_sampling, make_sampler
+from dflash_fast.flags import call_with_flags
 from dflash_fast.serve.export import load_exported
 from dflash_fast.store.layer_ids import default_layer_ids
 from dflash_fast.target.load import check_target
@@ -60,7 +60,7 @@ def offline_tau(
     anchors: Optional[Sequence[int]] = None,
     anchors_per_forward: int = 32,
 ) -> Tuple[float, int]:
-    """SPEC §6 tau_offline sums over one sequence -> (tau_sum, blocks).
+    """spec.md §6 tau_offline sums over one sequence -> (tau_sum, blocks).
 
     One target forward over prompt + response gives `hidden` and `last`; the drafter's training
     forward then scores blocks at `anchors` (default: every response position a with a + 1 in the
@@ -123,7 +123,7 @@ def make_proposal(drafter, model, target: str, block_size: Optional[int], layer_
     if isinstance(drafter, DFlashDrafter):
         _check_drafter(drafter, model)
         module = drafter.to(device=model.device, dtype=model.dtype).eval()
-        cfg, with_confidence = module.config, module.confidence_head is not None
+        cfg, with_confidence = module.config, module.proposes_confidence
         draw = None if sampler is None else sampler.draw
         # verification block: the anchor and the drafted tokens (B of them with sample_from_anchor)
         return Proposal(module, lambda hidden, anchor, _ids: module.propose(hidden, anchor, with_confidence, draw),
@@ -191,7 +191,7 @@ def evaluate(
     callable (then `block_size` is required and `layer_ids` defaults to 5 spread ids).
     `baseline` times the target's plain greedy loop and counts prompts where the speculative
     output differs from it; `offline` adds tau_offline over that greedy output (drafters only).
-    `temperature` > 0 samples (SPEC §10, evaluate/sampling.py) with `top_p`, seeded by `seed`: the baseline is then
+    `temperature` > 0 samples (spec.md §10, evaluate/sampling.py) with `top_p`, seeded by `seed`: the baseline is then
     the target's plain sampling loop (timed, not compared: greedy_mismatches is None).
     `benchmark` ("gsm8k,mt-bench=PATH,...", files found in `benchmark_dir`) replaces `data`: one report row per
     benchmark (evaluate/benchmarks.py), each at its own token budget unless `max_new_tokens` is given (default 128

@@ -1,4 +1,4 @@
-"""Speculative sampling at temperature T > 0 (SPEC §10): the lossless accept / reject / residual / bonus rule.
+"""Speculative sampling at temperature T > 0 (spec.md §10): the lossless accept / reject / residual / bonus rule.
 
     p = target_probs(target logits)   softmax(logits / T), then top-p: the target's own sampling distribution
     q = draft_probs(drafter logits)   softmax(logits / T), no top-p (vLLM drafts this way: it "does not affect the
@@ -29,7 +29,7 @@ from dflash_fast.errors import ConfigError
 
 
 class Sampling(NamedTuple):
-    """The sampling settings of an evaluation: temperature 0 is greedy (SPEC §6's exact rule, top_p unused)."""
+    """The sampling settings of an evaluation: temperature 0 is greedy (spec.md §6's exact rule, top_p unused)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -43,7 +43,7 @@ class Sampling(NamedTuple):
 def add_sampling_arguments(p) -> None:
     """`--temperature`, `--top-p`, `--seed` of `dflash-fast eval` (both engines)."""
     p.add_argument("--temperature", type=float, default=0.0,
-                   help="0 = greedy (default); > 0 samples, verified by the lossless rule (SPEC §10)")
+                   help="0 = greedy (default); > 0 samples, verified by the lossless rule (spec.md §10)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass of the target's sampling (default 1: off)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
 

@@ -28,6 +28,7 @@ import time
 from typing import Dict, List, Optional
 
 from dflash_fast.data.online import OnlineSource
+from dflash_fast.data.source import Source
 from dflash_fast.drafter.model import DFlashDrafter
 from dflash_fast.errors import UserError
 from dflash_fast.evaluate.decode import TargetRunner
@@ -123,7 +124,8 @@ class RealAcceptance:
     def _target(self, trainer):
         """(HF model, what keeps others off it while decoding): the online job's own target, or one loaded once."""
         source = trainer.store
-        if isinstance(source, OnlineSource) and trainer.cfg.data.source == "online" and source.runner.model is not None:
+        if (isinstance(source, OnlineSource) and Source.of(trainer.cfg.data).engine == "hf"
+                and source.runner.model is not None):
             return source.runner.model, source.exclusive()
         if self.model is None:
             self.model = load_model(self.target, trainer.device)

@@ -27,7 +27,8 @@ from dflash_fast.evaluate.benchmarks import benchmarks_report, decode_suites, lo
 from dflash_fast.evaluate.decode import SpecResult
 from dflash_fast.evaluate.report import Tally, report
 from dflash_fast.evaluate.sampling import Sampling, check_sampling
-from dflash_fast.serve.engines import DFLASH2_OFF, config_from_export, normal_rope
+from dflash_fast.serve.architecture import DFLASH2_OFF, normal_rope
+from dflash_fast.serve.engines import config_from_export
 from dflash_fast.serve.export import read_export_config
 from dflash_fast.serve.layouts import DFLASH2_FIELDS, DFLASH_ONLY, is_dspark
 from dflash_fast.store.format import normalise_dtype
@@ -198,7 +199,7 @@ def v2_runner_available() -> bool:
 
 
 def vllm_architecture(export_dir: str) -> Dict:
-    """What vLLM itself builds from an export, in `dflash_fast.serve.engines.ARCHITECTURE`'s terms: its own config
+    """What vLLM itself builds from an export, in `dflash_fast.serve.architecture.ARCHITECTURE`'s terms: its own config
     loader (vllm.transformers_utils.config.get_config: the speculators adapter, or transformers for the z-lab layout)
     and its DFlash model's per-layer rule (qwen3_dflash._resolve_layer_attention). Our model of the same reading is
     engines.served_architectures(config)["vllm"]; tests/test_vllm.py holds the two equal."""

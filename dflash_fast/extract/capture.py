@@ -1,4 +1,4 @@
-"""One forward of the frozen target per batch -> per-document arrays in the store's layout (SPEC §2).
+"""One forward of the frozen target per batch -> per-document arrays in the store's layout (spec.md §2).
 
 Per token: the tapped layers (`hidden`) and the residual entering the final norm (`last`), kept by hooks as the
 forward runs (target.LayerTaps: no other layer's states, no [T, V] logits), and the teacher's next-token summary
@@ -43,7 +43,7 @@ def head_chunks(norm, lm_head, last: torch.Tensor) -> Iterator[Tuple[int, torch.
 
 
 def teacher_summary(norm, lm_head, last: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The teacher's next-token summary of last [n, H] (SPEC §2): top-k ids [n, k] int32 and logits [n, k] fp32,
+    """The teacher's next-token summary of last [n, H] (spec.md §2): top-k ids [n, k] int32 and logits [n, k] fp32,
     descending, and the full log-sum-exp [n] fp32, from head_chunks."""
     ids, values, lse = [], [], []
     for _, logits in head_chunks(norm, lm_head, last):

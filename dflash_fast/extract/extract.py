@@ -5,7 +5,7 @@
 Per token it keeps the outputs of the tapped decoder layers (`hidden`), the
 residual entering the final norm (`last`, captured by a hook on the norm) and
 the teacher's next-token summary (top-k ids/logits and the full log-sum-exp)
-taken from the logits the forward computes anyway (SPEC.md §1-2, store_format.py).
+taken from the logits the forward computes anyway (spec.md §1-2, store_format.py).
 
 Before anything is written, and again every `parity_every` batches, the
 extractor recomputes `lm_head(final_norm(last))` with the norm kind it will

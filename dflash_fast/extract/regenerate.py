@@ -29,8 +29,8 @@ from typing import Dict, List, Optional, Sequence, Set, Union
 
 import torch
 
-from dflash_fast.cli import call_with_flags
 from dflash_fast.errors import COUNT, LIST, STR, Obj, schema_problem
+from dflash_fast.flags import call_with_flags
 from dflash_fast.target.load import check_target
 from dflash_fast.target.prompts import (
     ENGINES,

@@ -7,7 +7,7 @@ connector (`dflash_fast.extract.vllm_connector`, loaded by vLLM through kv_conne
 synchronously to a scratch directory, one safetensors file per request, which this module reads (no unpickling) and
 removes.
 vLLM numbers its aux layers as HF's hidden_states: aux id k is hidden_states[k] (embeddings at 0), and aux id L is
-the residual entering the final norm. `aux_layer_ids` is the one place our ids become vLLM's (SPEC §1):
+the residual entering the final norm. `aux_layer_ids` is the one place our ids become vLLM's (spec.md §1):
 
     layer id l (0 <= l < L)  ->  aux id l + 1          `last`  ->  aux id L
 

@@ -22,11 +22,11 @@ import torch
 
 from dflash_fast.drafter import ops
 from dflash_fast.drafter.config import DrafterConfig
-from dflash_fast.drafter.model import DFlashDrafter, gather_rows, slot_targets
+from dflash_fast.drafter.model import DFlashDrafter
 from dflash_fast.drafter.weights import check_tensors, load_frozen_tensors, read_tensors, stderr_line
 from dflash_fast.errors import Is, MapOf, Obj, check_schema, read_mapping
+from dflash_fast.serve.architecture import architecture
 from dflash_fast.serve.engines import (
-    architecture,
     check_made_for,
     check_servable,
     config_from_export,
@@ -157,23 +157,11 @@ def gate_batch(cfg: DrafterConfig, seed: int = 0) -> Dict[str, torch.Tensor]:
 
 
 def gate_logits(drafter: DFlashDrafter, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
-    """fp32 logits of every block slot [1, A*B, V] on the eager ops (the SPEC's reference semantics); a DSpark
+    """fp32 logits of every block slot [1, A*B, V] on the eager ops (spec.md's reference semantics); a DSpark
     drafter's with the Markov bias, and its confidence logit as one more column [1, A*B, V + 1]."""
     with torch.no_grad(), ops.backend("eager"):
         logits, confidence = drafter.block_logits(batch)
     return logits if confidence is None else torch.cat([logits, confidence[..., None]], dim=-1)
-
-
-def gate_selector_scores(drafter: DFlashDrafter, batch: Dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
-    """DFlash2 (SPEC §9): the candidate selector's fp32 scores [A*B, K] of the candidates `ids` [A*B, K] of every
-    slot of the one row of `batch` (the trained drafter's unary top-K), `prev` the ground-truth previous token, on
-    the eager ops: what the selector walk ranks."""
-    with torch.no_grad(), ops.backend("eager"):
-        x = drafter.batch_states(batch)
-        targets = slot_targets(batch, drafter.config.block_size, drafter.config.sample_from_anchor)
-        prev = gather_rows(batch["input_ids"], targets.prev_position)
-        hidden = drafter.norm(x).reshape(ids.shape[0], -1)
-        return drafter.candidate_selector.scores(hidden, drafter.lm_head, prev, ids)
 
 
 def _differing(reference: Dict[str, torch.Tensor], served: Dict[str, torch.Tensor]) -> str:
@@ -209,10 +197,9 @@ def gate(export_dir: str, trained: DrafterConfig, tensors: Dict[str, torch.Tenso
     batch = gate_batch(trained)
     want, got = gate_logits(reference, batch), gate_logits(served, batch)
     compared = [("logits", want, got)]
-    if reference.candidate_selector is not None:
-        ids = want[0, :, : trained.vocab_size].topk(trained.selector_top_k).indices
-        compared.append(("candidate selector scores", gate_selector_scores(reference, batch, ids),
-                         gate_selector_scores(served, batch, ids)))
+    with torch.no_grad(), ops.backend("eager"):  # what a family adds to its logits (DFlash2: the selector's scores)
+        theirs = served.gate_outputs(batch, want)
+        compared += [(what, mine, theirs[what]) for what, mine in reference.gate_outputs(batch, want).items()]
     for what, want, got in compared:
         if not torch.isfinite(want).all() or not torch.allclose(got, want, **GATE_TOLERANCE):
             worst = (got - want).abs().nan_to_num(float("inf")).max().item()

@@ -8,10 +8,10 @@ each serving engine does.
 
     speculators  read by vLLM and vllm-project/speculators: {speculators_model_type: "dflash",
                  transformer_layer_config: a Qwen3 config, aux_hidden_state_layer_ids = ids + 1, block_size, ...};
-                 a DSpark drafter (SPEC §8) as speculators_model_type "dspark" (vLLM's `dspark` method) with
+                 a DSpark drafter (spec.md §8) as speculators_model_type "dspark" (vLLM's `dspark` method) with
                  sample_from_anchor, markov_rank, markov_head_type, enable_confidence_head,
                  confidence_head_with_markov and the heads' weights markov_head.markov_w1 / markov_w2,
-                 confidence_head.proj; a DFlash2 drafter (SPEC §9) as speculators_model_type "dflash2" (vLLM's
+                 confidence_head.proj; a DFlash2 drafter (spec.md §9) as speculators_model_type "dflash2" (vLLM's
                  `dflash` method with its DFlash2DraftModel, V2 runner) with conv_kernel_size, conv_group_size,
                  selector_rank, selector_top_k and the tensors layers.{i}.{attention_conv,mlp_conv}.base_kernel /
                  .kernel_projection.weight, candidate_selector.predecessor_codebook / .successor_codebook /
@@ -22,20 +22,17 @@ each serving engine does.
                  architectures ["DFlash2DraftModel"] and DFlash2's four fields in dflash_config (z-lab's
                  Qwen3.8-27B-DFlash2), the same tensor names as the speculators layout
 
-Layer ids: ours name HF `hidden_states[id + 1]` (SPEC §1), and so do z-lab's target_layer_ids; speculators numbers
+Layer ids: ours name HF `hidden_states[id + 1]` (spec.md §1), and so do z-lab's target_layer_ids; speculators numbers
 the same tensors one higher.
 """
 from typing import Dict, Optional
 
-from dflash_fast.drafter.config import DrafterConfig
+from dflash_fast.drafter.config import DFLASH_ONLY, DrafterConfig
 from dflash_fast.errors import BOOL, INT, NUMBER, OBJECT, STR, ListOf, Nullable, Obj
 
 FORMATS = ("speculators", "zlab")
 HF_LAYER_TYPES = {"full": "full_attention", "sliding": "sliding_attention"}
-# The DSpark fields of a DFlash drafter (DrafterConfig's defaults): what a view of a DFlash-only layout serves.
-DFLASH_ONLY = dict(sample_from_anchor=False, markov_rank=0, markov_head_type="vanilla", confidence_head=False,
-                   confidence_head_with_markov=True)
-# DFlash2's fields (SPEC §9) as speculators' DFlash2SpeculatorConfig names them (models/dflash2/config.py)
+# DFlash2's fields (spec.md §9) as speculators' DFlash2SpeculatorConfig names them (models/dflash2/config.py)
 DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
@@ -93,13 +90,13 @@ def _metadata(cfg: DrafterConfig, verifier: str) -> Dict:
 
 
 def is_dspark(cfg: DrafterConfig) -> bool:
-    """The drafter has a DSpark field other than DFlash's (SPEC §8): exported as speculators' `dspark` type."""
+    """The drafter has a DSpark field other than DFlash's (spec.md §8): exported as speculators' `dspark` type."""
     return any(getattr(cfg, key) != value for key, value in DFLASH_ONLY.items())
 
 
 def speculators_algorithm(cfg: DrafterConfig) -> str:
-    """speculators_model_type of a drafter: dflash2 (SPEC §9), dspark (SPEC §8) or dflash."""
-    return "dflash2" if cfg.is_dflash2 else "dspark" if is_dspark(cfg) else "dflash"
+    """speculators_model_type of a drafter: dflash2 (spec.md §9), dspark (spec.md §8) or dflash."""
+    return cfg.family
 
 
 ARCHITECTURES = {"dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel", "dflash2": "DFlash2DraftModel"}
@@ -132,7 +129,7 @@ def speculators_config(cfg: DrafterConfig, verifier: str) -> Dict:
         "draft_vocab_size": cfg.vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
         "sliding_window_non_causal": not causal_sliding,
-        "sample_from_anchor": cfg.sample_from_anchor,  # false: slot 0 is the given token, never drafted (SPEC §5)
+        "sample_from_anchor": cfg.sample_from_anchor,  # false: slot 0 is the given token, never drafted (spec.md §5)
         **dspark,
         "speculators_config": {
             "algorithm": algorithm,
@@ -189,7 +186,7 @@ _OPT_INT, _OPT_BOOL = Nullable(INT), Nullable(BOOL)
 
 _DFLASH_KEYS = {"target_layer_ids": ListOf(INT), "num_target_layers": _OPT_INT, "mask_token_id": _OPT_INT,
                 "block_size": _OPT_INT,
-                # z-lab's scalings (engines.ZLAB_NEUTRAL: only their neutral values are read)
+                # z-lab's scalings (views.ZLAB_NEUTRAL: only their neutral values are read)
                 "input_embedding_scale": NUMBER, "output_multiplier": NUMBER,
                 "final_logit_softcapping": Nullable(NUMBER), **{key: _OPT_INT for key in DFLASH2_FIELDS}}
 

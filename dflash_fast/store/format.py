@@ -1,4 +1,4 @@
-"""The on-disk format of the hidden-state store: what extraction writes and training reads (SPEC.md §1-2).
+"""The on-disk format of the hidden-state store: what extraction writes and training reads (spec.md §1-2).
 
 One store item is one document (a sequence of `n` tokens). Per token it holds:
 
@@ -38,7 +38,7 @@ INDEX_SCHEMA), a shard name is one directory inside `shards/` and each shard is 
 
 This module holds the format (file names, dtypes, the JSON schemas, Layout, the manifest, the shard checks, and
 the checksummed, crash-safe JSON files every stage writes); store_writer.py writes a store, store.py reads one.
-Layer ids are layer_ids.py's (SPEC §1).
+Layer ids are layer_ids.py's (spec.md §1).
 """
 
 import hashlib

@@ -1,4 +1,4 @@
-"""Layer ids (SPEC §1): which decoder layers a store taps, the default choice, and how the CLI spells them.
+"""Layer ids (spec.md §1): which decoder layers a store taps, the default choice, and how the CLI spells them.
 
 Layer id `l` is the output of decoder layer `l`, `0 <= l <= L-1`; in Hugging Face `outputs.hidden_states` that is
 `hidden_states[l + 1]` (target.LayerTaps applies the rule). Every stage that takes layer ids (extraction,

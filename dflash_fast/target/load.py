@@ -103,7 +103,7 @@ LOGIT_TRANSFORMS = {
 
 
 def check_head(config, target) -> None:
-    """Refuse, before loading, a target whose logits are not lm_head(final_norm(last)) (SPEC §2), with the reason;
+    """Refuse, before loading, a target whose logits are not lm_head(final_norm(last)) (spec.md §2), with the reason;
     the final norm and the weight tying are checked on the loaded model (final_norm_module, detect_norm_kind,
     check_materialised)."""
     text = config.get_text_config()

@@ -1,4 +1,4 @@
-"""The target's final norm and the RMSNorm every stage computes (SPEC §1-2): `last` is the final norm's INPUT, and
+"""The target's final norm and the RMSNorm every stage computes (spec.md §1-2): `last` is the final norm's INPUT, and
 `teacher_logits = lm_head(final_norm(last))`, so the norm's kind and eps travel with every store and export.
 
     rms_norm            Qwen3/Llama RMSNorm (fp32 statistics): the target's final norm, and every drafter norm's twin

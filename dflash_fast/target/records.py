@@ -108,6 +108,44 @@ def reasoning_end(text, start, end, reasoning, special=()) -> int:
     return min(end, cut + len(closing))
 
 
+def chat_messages(turns, tools, reasoning: str):
+    """Checked chat messages of a record's turns (its `conversations` and `tools`), the reasoning of each assistant
+    turn removed under reasoning=drop (REASONING_MODES)."""
+    if not isinstance(turns, list) or not turns:
+        raise BadLine("'conversations' must be a non-empty list of {role, content} objects")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise BadLine("'tools' must be a list of function-definition objects")
+    messages = []
+    for i, t in enumerate(turns):
+        if not isinstance(t, dict):
+            raise BadLine("each turn must be an object with 'role' and 'content'")
+        role = t.get("role", t.get("from"))
+        content = t.get("content", t.get("value"))
+        role = ROLE_ALIASES.get(role, role)
+        if role not in KNOWN_ROLES:
+            raise Skip(f"unknown role {role!r}")
+        if has_image(content):
+            raise BadLine(f"turn {i} holds an image; {IMAGES_UNSUPPORTED}")
+        if not isinstance(content, str):
+            raise Skip("turn content is not text")
+        message = {"role": role, "content": content}
+        if role == "assistant":
+            # Reasoning as the template takes it: `thinking` (gpt-oss's analysis channel), `reasoning_content`.
+            message.update((k, t[k]) for k in REASONING_KEYS if isinstance(t.get(k), str))
+            if isinstance(t.get("tool_calls"), list):  # rendered by the template, trained as the reply
+                message["tool_calls"] = t["tool_calls"]
+            if reasoning == "drop":
+                message = without_reasoning(message)
+        for key, value in message.items():
+            problem = None if key == "tool_calls" else text_problem(value)
+            if problem:
+                raise BadLine(f"the {key} of turn {i} {problem}")
+        messages.append(message)
+    if not any(m["role"] == "assistant" for m in messages):
+        raise Skip("no assistant turn")
+    return messages
+
+
 class ChatTokenizer:
     """Tokenizes the three JSONL formats; builds the assistant-only loss mask of conversations.
 
@@ -200,40 +238,8 @@ class ChatTokenizer:
         return spans
 
     def _messages(self, turns, tools):
-        """Checked chat messages of a record's turns, the reasoning of each assistant turn removed under
-        reasoning=drop."""
-        if not isinstance(turns, list) or not turns:
-            raise BadLine("'conversations' must be a non-empty list of {role, content} objects")
-        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-            raise BadLine("'tools' must be a list of function-definition objects")
-        messages = []
-        for i, t in enumerate(turns):
-            if not isinstance(t, dict):
-                raise BadLine("each turn must be an object with 'role' and 'content'")
-            role = t.get("role", t.get("from"))
-            content = t.get("content", t.get("value"))
-            role = ROLE_ALIASES.get(role, role)
-            if role not in KNOWN_ROLES:
-                raise Skip(f"unknown role {role!r}")
-            if has_image(content):
-                raise BadLine(f"turn {i} holds an image; {IMAGES_UNSUPPORTED}")
-            if not isinstance(content, str):
-                raise Skip("turn content is not text")
-            message = {"role": role, "content": content}
-            if role == "assistant":
-                # Reasoning as the template takes it: `thinking` (gpt-oss's analysis channel), `reasoning_content`.
-                message.update((k, t[k]) for k in REASONING_KEYS if isinstance(t.get(k), str))
-                if isinstance(t.get("tool_calls"), list):  # rendered by the template, trained as the reply
-                    message["tool_calls"] = t["tool_calls"]
-                if self.reasoning == "drop":
-                    message = without_reasoning(message)
-            for key, value in message.items():
-                problem = None if key == "tool_calls" else text_problem(value)
-                if problem:
-                    raise BadLine(f"the {key} of turn {i} {problem}")
-            messages.append(message)
-        if not any(m["role"] == "assistant" for m in messages):
-            raise Skip("no assistant turn")
+        """chat_messages of a record's turns, for a tokenizer that gives character offsets."""
+        messages = chat_messages(turns, tools, self.reasoning)
         if not getattr(self.tok, "is_fast", False):
             raise ValueError("conversations need a fast (Rust) tokenizer for character offsets; the target's is slow")
         return messages

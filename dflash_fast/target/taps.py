@@ -1,4 +1,4 @@
-"""The tap rule (SPEC §1-2) in one place: which tensors of the target's forward a layer id and `last` name.
+"""The tap rule (spec.md §1-2) in one place: which tensors of the target's forward a layer id and `last` name.
 
     layer id l (0 <= l < L)  ->  HF hidden_states[l + 1], the output of decoder layer l, kept by a forward hook
                                  (LayerTaps), except id L-1  ->  `last` (the final norm's input)
@@ -29,7 +29,7 @@ def decoder_layers(model) -> torch.nn.ModuleList:
 
 
 class LayerTaps:
-    """What a stage keeps of a target forward, by hooks (SPEC §1-2): the outputs of the decoder layers of
+    """What a stage keeps of a target forward, by hooks (spec.md §1-2): the outputs of the decoder layers of
     `layer_ids`, each written into one [b, T, K, H] tensor as its layer returns, and `last`, the input of the final
     norm (id L-1 is `last`: HF's hidden_states[L] is after the norm). Unlike output_hidden_states, which holds all
     L + 1 states until the forward returns, nothing else of the forward outlives its layer.

@@ -8,6 +8,6 @@
     checkpoint          checkpoints: safetensors weights, RNG state, the checksummed marker, resume
     distributed         process group, precision, rank sharing, gathered state
     metrics             Sums, windows, metrics.jsonl, TensorBoard, the progress bar
-    trainer             the loop: step, validate, checkpoint, export (reads like SPEC §5-6)
+    trainer             the loop: step, validate, checkpoint, export (reads like spec.md §5-6)
     export_checkpoint   `dflash-fast export`: a run's checkpoint -> an export
 """

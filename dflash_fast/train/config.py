@@ -22,43 +22,27 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
+from dflash_fast.data.config import DataConfig, check_data_source
+from dflash_fast.drafter.config import DrafterOptions
 from dflash_fast.errors import ConfigError, read_mapping
+from dflash_fast.errors import check_config as _check
 
 SCHEDULES = ("cosine", "constant")
 PRECISIONS = ("auto", "bf16", "fp32")
 EXPORT_DTYPES = ("bf16", "fp16", "fp32")
 OPTIMIZERS = ("adamw", "muon")
-DATA_SOURCES = ("store", "online", "vllm", "vllm_serve")
 SHIPPED_CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
-ONLINE_DTYPES = ("bf16", "fp16", "fp32", "fp8")
 
 
 @dataclasses.dataclass
-class ModelConfig:
-    """The drafter. Sizes, RoPE and the frozen embedding / lm_head / final norm come from the target."""
+class ModelConfig(DrafterOptions):
+    """The drafter: its architecture options (dflash_fast.drafter.config.DrafterOptions, the one definition of those
+    keys and their defaults) and what the training run adds. Sizes, RoPE and the frozen embedding / lm_head / final
+    norm come from the target."""
 
     target: Optional[str] = None  # target checkpoint directory or hub id; None = the one the store was extracted from
     layer_ids: Optional[List[int]] = None  # target layer ids the drafter taps; None = the store's
-    num_layers: int = 5
-    block_size: int = 16
     mask_token_id: Optional[int] = None  # None = the tokenizer's mask token, else the last unused embedding row
-    layer_types: Optional[List[str]] = None  # per drafter layer "full" | "sliding"; None = all full
-    sliding_window: Optional[int] = None
-    # Where a sliding window's keys end: "anchor" (SPEC §4, speculators' training) or "query" (each slot's own
-    # position: what vLLM and SGLang serve; docs/training.md, Sliding windows)
-    window_from: str = "anchor"
-    causal_in_block: bool = False
-    # DSpark (SPEC §8, docs/dspark.md): the DFlash backbone plus a Markov logit bias and a confidence head.
-    sample_from_anchor: bool = False  # slot j predicts the token at anchor + j + 1 (slot 0 included); DSpark's default
-    markov_rank: int = 0  # rank r of the Markov bias W2 W1[previous token]; 0 = none (DFlash)
-    markov_head_type: str = "vanilla"  # vanilla | gated | rnn
-    confidence_head: bool = False  # predict each slot's acceptance rate (trained with loss.confidence_alpha)
-    confidence_head_with_markov: bool = True  # the confidence head reads [hidden, W1[prev]] (needs markov_rank > 0)
-    # DFlash2 (SPEC §9, docs/dflash2.md): the DFlash backbone plus dynamic convolutions and a candidate selector.
-    conv_kernel_size: int = 0  # taps of the causal convolutions inside each block (DFlash2's default 2); 0 = none
-    conv_group_size: int = 16  # hidden channels sharing one dynamic coefficient; divides the hidden size
-    selector_rank: int = 0  # rank r of the candidate selector (DFlash2's default 256); 0 = none
-    selector_top_k: int = 16  # K unary candidates the selector re-ranks
     # An export directory (speculators or z-lab layout, ours or a published drafter) to continue training: it fixes
     # the architecture above (a key set to other than its default must agree with it) and the starting weights.
     init_from: Optional[str] = None
@@ -68,82 +52,17 @@ class ModelConfig:
 
     def drafter_options(self) -> Dict[str, Any]:
         """The architecture keys (`DRAFTER_OPTIONS`) as `DrafterConfig.from_target` takes them."""
-        return {key: getattr(self, key) for key in DRAFTER_OPTIONS}
+        return self.options()
 
 
 # The model.* keys that are the drafter's architecture options, named as DrafterConfig names them.
-DRAFTER_OPTIONS = (
-    "num_layers",
-    "block_size",
-    "layer_types",
-    "sliding_window",
-    "window_from",
-    "causal_in_block",
-    "sample_from_anchor",
-    "markov_rank",
-    "markov_head_type",
-    "confidence_head",
-    "confidence_head_with_markov",
-    "conv_kernel_size",
-    "conv_group_size",
-    "selector_rank",
-    "selector_top_k",
-)
-
-
-@dataclasses.dataclass
-class OnlineConfig:
-    """`data.source: online`: the target forward inside the training job, with the `dflash-fast extract`
-    settings of the same names (the batches are those a store extracted with them would give)."""
-
-    max_seq_len: int = 2048  # longer documents are truncated, as extract --max-seq-len
-    batch_tokens: int = 16384  # padded tokens per target forward
-    dtype: str = "bf16"  # hidden and `last` rounded as a store of this dtype holds them: bf16, fp16, fp32, fp8
-    topk: int = 8  # teacher top-k kept per token
-    parity_every: int = 50  # check lm_head(norm(last)) == logits on the first forward and every N
-    skip_bad: bool = False  # skip and count malformed JSONL lines instead of failing
-    prefetch: bool = True  # run the next micro-batch's target forward on a side thread during this step
-    # HOST:PORT of `dflash-fast serve-target` (same engine and settings): it runs the forwards; "": this process
-    address: str = ""
-    # data.source=vllm_serve (extract/vllm_serve.py, docs/engine-target.md): `vllm serve` replicas launched with the
-    # hidden-state extraction flags, their --api-key, the hs_connectors transfer (file, fp8) and the seconds a
-    # replica may stay silent before its requests go to the others
-    servers: List[str] = dataclasses.field(default_factory=list)
-    api_key: str = ""
-    transfer: str = "file"
-    request_timeout_s: float = 120.0
-
-
-@dataclasses.dataclass
-class DataConfig:
-    """Where the hidden states come from and how they are cut into batches (dflash_fast.data.batches)."""
-
-    # store: a directory written by `dflash-fast extract`; online: the target runs in the job; vllm: online, the
-    # target run by vLLM in the job (extract --engine vllm's runner; docs/engine-target.md); vllm_serve: `vllm serve`
-    # replicas at data.online.servers run it (extract/vllm_serve.py)
-    source: str = "store"
-    store: str = ""  # source=store
-    # source=online: what `dflash-fast extract --data` reads (same formats and loss masks): JSONL or a Hugging Face
-    # dataset (a save_to_disk directory, a .parquet / .arrow file, a hub id; docs/extraction.md)
-    jsonl: str = ""
-    split: str = "train"  # a Hugging Face dataset's split (data.jsonl)
-    max_samples: int = 0  # read only the first N records of data.jsonl; 0: all
-    # an assistant turn's reasoning in data.jsonl: train | mask (in the context, no loss) | drop (extract --reasoning)
-    reasoning: str = "train"
-    online: OnlineConfig = dataclasses.field(default_factory=OnlineConfig)
-    seq_len: int = 3072  # T: tokens per packed row
-    num_anchors: int = 512  # A: blocks per row
-    batch_rows: int = 1  # R: rows per micro-batch on each rank
-    val_fraction: float = 0.0  # documents held out for validation
-    split_seed: int = 0
-    num_workers: int = 2  # loader processes (source=store; online batches are built in the training process)
-    noise_std: float = 0.0  # uniform noise on the hidden states (training only)
+DRAFTER_OPTIONS = DrafterOptions.names()
 
 
 @dataclasses.dataclass
 class LossConfig:
-    """`kind`: one of dflash_fast.drafter.eager.LOSS_KINDS, or `auto`: `kl` (exact soft targets from `last`) when the
-    store has `last`, else `kl_topk`. `weighting` of the slots of a block (SPEC §5): `decay`, or `dpace`
+    """`kind`: one of dflash_fast.drafter.losses.LOSS_KINDS, or `auto`: `kl` (exact soft targets from `last`) when the
+    store has `last`, else `kl_topk`. `weighting` of the slots of a block (spec.md §5): `decay`, or `dpace`
     (D-PACE, from the drafter's own confidence against the teacher's argmax)."""
 
     kind: str = "auto"
@@ -152,6 +71,10 @@ class LossConfig:
     dpace_alpha: float = 0.5  # dpace: confidence smoothing s_j = (1 - alpha) c_j + alpha, in [0, 1]
     confidence_alpha: float = 1.0  # DSpark: weight of the confidence head's BCE in the loss (model.confidence_head)
     selector_alpha: float = 1.0  # DFlash2: weight of the candidate selector's CE in the loss (model.selector_rank)
+
+    def family_weights(self) -> Dict[str, float]:
+        """The weights of the families' loss terms, by the name each family's `family_terms` reads."""
+        return {"confidence_alpha": self.confidence_alpha, "selector_alpha": self.selector_alpha}
 
 
 @dataclasses.dataclass
@@ -208,7 +131,7 @@ class ValidationConfig:
     decode_every: int = 0  # steps between real decodings; 0 = only at the end (with validation.prompts)
     num_prompts: int = 8  # the first N prompts
     max_new_tokens: int = 64  # new tokens per prompt
-    temperature: float = 0.0  # > 0: also decode sampled at this temperature (SPEC §10), seeded by validation.seed
+    temperature: float = 0.0  # > 0: also decode sampled at this temperature (spec.md §10), seeded by validation.seed
     seed: int = 0
     thinking: str = ""  # on | off: the chat template's thinking switch (eval --thinking); "": the template's default
     # At the end: warn when real drafted tokens per block, tau - 1, differ from the offline estimate's,
@@ -374,11 +297,6 @@ def config_from_dict(data: Dict[str, Any]) -> TrainConfig:
 # ---------------------------------------------------------------- validation
 
 
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
-
-
 def _numbers(node, prefix: str = ""):
     """(dotted key, value) of every float in a config, tuples (optimizer.betas) included."""
     for f in dataclasses.fields(node):
@@ -397,7 +315,7 @@ def validate(cfg: TrainConfig) -> None:
 
     for key, value in _numbers(cfg):
         _check(math.isfinite(value), f"{key}={value} is not a finite number")
-    _check_data_source(cfg.data, cfg.model)
+    check_data_source(cfg.data, cfg.model.target)
     _check_model(cfg.model)
     _check_rows(cfg.data, cfg.model)
     _check_heads_and_loss(cfg.model, cfg.loss)
@@ -427,36 +345,9 @@ def validate(cfg: TrainConfig) -> None:
                                   f"(or set logging.{key}=false)") from None
 
 
-def _check_data_source(d: DataConfig, m: ModelConfig) -> None:
-    _check(d.source in DATA_SOURCES, f"data.source={d.source!r} is not one of {DATA_SOURCES}")
-    if d.source == "store":
-        _check(bool(d.store),
-               "data.store is not set: pass data.store=PATH (a directory written by `dflash-fast extract`), "
-               "or data.source=online with data.jsonl=FILE")
-    else:
-        n = d.online
-        _check(bool(d.jsonl), f"data.source={d.source} needs data.jsonl=FILE (the JSONL `dflash-fast extract` reads)")
-        _check(bool(m.target), f"data.source={d.source} needs model.target (the target to run: a directory or hub id)")
-        _check(n.dtype in ONLINE_DTYPES, f"data.online.dtype={n.dtype!r} is not one of {ONLINE_DTYPES}")
-        _check(n.max_seq_len >= 2, f"data.online.max_seq_len={n.max_seq_len} must be >= 2")
-        _check(n.batch_tokens >= 1 and n.topk >= 1 and n.parity_every >= 1,
-               "data.online.batch_tokens, data.online.topk and data.online.parity_every must be >= 1")
-        if n.address:
-            from dflash_fast.extract.remote import parse_address
-
-            parse_address(n.address)
-        if d.source == "vllm_serve":
-            from dflash_fast.extract.vllm_serve import TRANSFERS, parse_servers
-
-            _check(bool(parse_servers(n.servers)), "data.source=vllm_serve needs data.online.servers=URL[,URL...] "
-                   "(the `vllm serve` replicas, e.g. http://10.0.0.5:8000)")
-            _check(n.transfer in TRANSFERS, f"data.online.transfer={n.transfer!r} is not one of {TRANSFERS}")
-            _check(n.request_timeout_s > 0, f"data.online.request_timeout_s={n.request_timeout_s} must be > 0")
-
-
 def _check_model(m: ModelConfig) -> None:
     from dflash_fast.drafter.config import MAX_BLOCK_SIZE
-    from dflash_fast.drafter.eager import WINDOW_RULES
+    from dflash_fast.drafter.masks import WINDOW_RULES
 
     _check(m.num_layers >= 1, f"model.num_layers={m.num_layers} must be >= 1")
     _check(m.block_size >= 2, f"model.block_size={m.block_size} must be >= 2 (slot 0 is the given token)")
@@ -492,7 +383,7 @@ def _check_rows(d: DataConfig, m: ModelConfig) -> None:
         f"tokens: set data.seq_len >= {m.block_size}",
     )
     _check(d.num_anchors >= 1, f"data.num_anchors={d.num_anchors} must be >= 1")
-    # An anchor a needs a + 1 inside the row (SPEC §3): a row of T tokens holds at most T - 1 anchors, and each is
+    # An anchor a needs a + 1 inside the row (spec.md §3): a row of T tokens holds at most T - 1 anchors, and each is
     # a block of B query rows in every layer, so anchors past that would only allocate padding.
     _check(
         d.num_anchors <= d.seq_len - 1,
@@ -511,8 +402,8 @@ def _check_rows(d: DataConfig, m: ModelConfig) -> None:
 
 
 def _check_heads_and_loss(m: ModelConfig, loss: LossConfig) -> None:
-    from dflash_fast.drafter.dspark import MARKOV_HEAD_TYPES
-    from dflash_fast.drafter.eager import DENSE_KINDS, LOSS_KINDS, WEIGHTINGS
+    from dflash_fast.drafter.config import MARKOV_HEAD_TYPES
+    from dflash_fast.drafter.losses import DENSE_KINDS, LOSS_KINDS, WEIGHTINGS
 
     _check(m.markov_rank >= 0, f"model.markov_rank={m.markov_rank} must be >= 0 (0 = no Markov head)")
     _check(m.markov_head_type in MARKOV_HEAD_TYPES,

@@ -11,13 +11,15 @@ stream of training micro-batches a resume continues exactly.
     data_identity  what must not change between a checkpoint and its resume for that position to line up
     to_device      a batch on the device, its hidden states in the compute dtype
 """
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from dflash_fast.data.batches import COMPUTE_DTYPE_FIELDS, make_loader, row_batches, steps_per_epoch
 from dflash_fast.data.online import OnlineBatches, OnlineSource
-from dflash_fast.drafter.eager import needs_last
+from dflash_fast.data.source import Source
+from dflash_fast.drafter.losses import needs_last
+from dflash_fast.drafter.targets import slot_targets
 from dflash_fast.errors import ConfigError, UserError
 from dflash_fast.extract.plan import ExtractOptions, plan_job
 from dflash_fast.store.reader import HiddenStateStore
@@ -27,21 +29,19 @@ from dflash_fast.train.config import TrainConfig
 def open_source(cfg: TrainConfig):
     """The hidden states: the store at data.store, or with data.source=online the target run over data.jsonl
     in this process (an OnlineSource, read like a store)."""
-    d = cfg.data
-    if d.source == "store":
+    d, source = cfg.data, Source.of(cfg.data)
+    if source.reads_store:
         return HiddenStateStore(d.store)
     n = d.online
-    if (d.source == "vllm" and not n.address and torch.distributed.is_initialized()
-            and torch.distributed.get_world_size() > 1):
+    if source.vllm_in_process and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         raise UserError("data.source=vllm runs one vLLM engine inside a one-rank trainer; with several ranks serve "
                         "the target (`dflash-fast serve-target --engine vllm`, data.online.address=HOST:PORT) or "
                         "extract a store with `dflash-fast extract --engine vllm` (data.source=store)")
     try:
-        served = dict(servers=n.servers, api_key=n.api_key, transfer=n.transfer, timeout_s=n.request_timeout_s) \
-            if d.source == "vllm_serve" else None
-        return OnlineSource(cfg.model.target, d.jsonl, extraction_options(cfg), address=n.address, served=served)
+        return OnlineSource(cfg.model.target, d.jsonl, extraction_options(cfg), address=n.address,
+                            served=source.replicas(d))
     except (OSError, ValueError) as e:  # bad data or a missing file: exit 1, with the keys that named them
-        raise ValueError(f"data.source={d.source} over data.jsonl={d.jsonl} with model.target={cfg.model.target}: "
+        raise ValueError(f"{source} over data.jsonl={d.jsonl} with model.target={cfg.model.target}: "
                          f"{e}") from None
 
 
@@ -60,7 +60,7 @@ def extraction_options(cfg: TrainConfig) -> ExtractOptions:
         no_last=not (cfg.loss.kind == "auto" or needs_last(cfg.loss.kind, stored_labels=True)),
         skip_bad=n.skip_bad,
         parity_every=n.parity_every,
-        engine="vllm" if d.source in ("vllm", "vllm_serve") else "hf",
+        engine=Source.of(d).engine or "hf",
         split=d.split,
         max_samples=d.max_samples or None,
         reasoning=d.reasoning,
@@ -90,7 +90,7 @@ def open_batches(store, cfg: TrainConfig, rank: int, world_size: int, split: str
     d = cfg.data
     args = (store, d.seq_len, d.num_anchors, d.batch_rows, cfg.seed, rank, world_size, epoch, split)
     kwargs = dict(start_step=start_step, val_fraction=d.val_fraction, split_seed=d.split_seed, with_last=with_last)
-    if d.source != "store":
+    if Source.of(d).runs_target:
         return OnlineBatches(store, row_batches(*args, **kwargs), d.online.prefetch)
     return iter(make_loader(*args, num_workers=d.num_workers, **kwargs))
 
@@ -137,7 +137,7 @@ class TrainStream:
         )
         self.epoch, self.index = epoch, index
         self._it = None
-        self._target_seconds = None if cfg.data.source == "store" else 0.0
+        self._target_seconds = None if Source.of(cfg.data).reads_store else 0.0
 
     def __next__(self) -> Dict[str, torch.Tensor]:
         if self.index >= self.per_epoch:
@@ -171,3 +171,14 @@ def close_batches(batches) -> None:
     """End what open_batches returned: online, the forward computed ahead is dropped (a DataLoader needs nothing)."""
     if isinstance(batches, OnlineBatches):
         batches.close()
+
+
+def step_batches(stream: "TrainStream", grad_accum: int, block_size: int, sample_from_anchor: bool,
+                 device) -> Tuple[List[Dict[str, torch.Tensor]], List[int], float]:
+    """One step's micro-batches from `stream`, each one's valid slot count, and the step's count over every rank
+    (>= 1): the denominator that makes the step's gradient that of sum(l * w * mask) / sum(mask) (spec.md §5)."""
+    micro = [next(stream) for _ in range(grad_accum)]
+    counts = [int(slot_targets(b, block_size, sample_from_anchor).slot_mask.sum()) for b in micro]
+    total = torch.tensor(float(sum(counts)), dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(total)
+    return micro, counts, max(float(total), 1.0)

@@ -25,7 +25,7 @@ here op by op (Q = R*A*B block rows, e = the compute dtype's bytes):
     attention                  q, out [Q, Hq*D]; k, v of the blocks [Q, Hkv*D] and of the context [R*T, Hkv*D]
     SwiGLU MLP                 gate, silu(gate), up and their product [Q, I]
 
-DFlash2 (SPEC §9, dflash_fast/drafter/dflash2.py) adds, per layer, the convolutions around both sublayers as the
+DFlash2 (spec.md §9, dflash_fast/drafter/dflash2.py) adds, per layer, the convolutions around both sublayers as the
 fused path runs them (kernels/grouped_dynamic_conv.py): per sublayer, conv_in's kernel saves the normed input (the
 kernel projection's input too), the sublayer's projections save conv_in's output, conv_out's kernel saves its input,
 and the kernel projection's output [Q, 2 taps H / group] (both convolutions' coefficients, read in place) is kept:
@@ -52,8 +52,10 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from dflash_fast.data.batches import COMPUTE_DTYPE_FIELDS, INT64_FIELDS
+from dflash_fast.data.config import OnlineConfig
+from dflash_fast.data.source import Source
 from dflash_fast.drafter.config import DrafterConfig
-from dflash_fast.drafter.eager import needs_last
+from dflash_fast.drafter.losses import needs_last
 from dflash_fast.drafter.weights import trainable_shapes
 from dflash_fast.errors import UserError
 from dflash_fast.extract.capture import LOGIT_CHUNK
@@ -62,7 +64,7 @@ from dflash_fast.kernels.lm_head_loss import GPU_CHUNK_BYTES, GPU_ROW_ALIGN, chu
 from dflash_fast.store.format import Layout, normalise_dtype
 from dflash_fast.store.fp8 import FP8, SCALE_FIELDS
 from dflash_fast.target.load import device_memory, weight_bytes
-from dflash_fast.train.config import OnlineConfig, TrainConfig
+from dflash_fast.train.config import TrainConfig
 
 GIB = 1 << 30
 ZERO_STAGES = (0, 1, 2, 3)
@@ -389,13 +391,9 @@ def run_plan(cfg: TrainConfig, drafter: DrafterConfig, ds: Dict, world_size: int
     """The Plan of a run's step: its config, drafter, completed DeepSpeed JSON (optim.deepspeed_config), world size,
     compute dtype, loss kind, and its store's manifest (or the online source's); `limit`, the device's bytes
     (None: no device), sizes the share an in-process vLLM takes (data.source=vllm)."""
-    online = None
-    if cfg.data.source == "online":
-        online = online_target(target, dtype, cfg.data.online, len(manifest["layer_ids"]))
-    elif cfg.data.source == "vllm" and not cfg.data.online.address:  # served elsewhere: nothing on this device
-        online = online_target(target, dtype, cfg.data.online, len(manifest["layer_ids"]), "vllm", limit)
-    elif cfg.data.source == "vllm_serve":  # `vllm serve` elsewhere; here VllmRunner's lm_head, capture and teacher
-        online = online_target(target, dtype, cfg.data.online, len(manifest["layer_ids"]), "vllm_serve")
+    share = Source.of(cfg.data).device_share  # vLLM served elsewhere: nothing on this device
+    online = None if share is None else online_target(target, dtype, cfg.data.online, len(manifest["layer_ids"]),
+                                                      share, limit if share == "vllm" else None)
     setup = run_setup(cfg, ds, world_size, dtype.itemsize, needs_last(loss_kind, stored_labels=True),
                       Layout.from_manifest(manifest), online)
     return step_memory(drafter, step_of(cfg), setup)

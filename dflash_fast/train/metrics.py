@@ -1,4 +1,4 @@
-"""What a training run measures and where it goes (SPEC §6).
+"""What a training run measures and where it goes (spec.md §6).
 
     Sums        per step: sums over micro-batches, added over ranks before anything is divided
     Window      the steps since the last record: their Sums, seconds per phase, wall seconds -> throughput
@@ -26,11 +26,11 @@ from dflash_fast.drafter.model import DrafterOutput, slot_metrics
 
 
 class Sums:
-    """Sums that ranks add together before anything is divided (SPEC §6).
+    """Sums that ranks add together before anything is divided (spec.md §6).
 
     loss_sum = sum(l * w * mask), kl_sum likewise, slots = sum(mask); acc_hits/acc_count/alpha_sum [B];
     tau_sum, blocks; tokens (row positions), anchors (valid); nonfinite, stop: flags (> 0 on any rank);
-    DFlash2's selector (SPEC §9): selector_slots (trained slots of a drafter with a selector), recall_hits (those
+    DFlash2's selector (spec.md §9): selector_slots (trained slots of a drafter with a selector), recall_hits (those
     whose teacher argmax is in the unary top-K), selector_hits (of these, the ones the selector ranks first).
     """
 
@@ -122,7 +122,7 @@ class Window:
             self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + value
 
     def metrics(self, with_kl: bool) -> Dict[str, Optional[float]]:
-        """SPEC §6 metrics of the window, throughput, and mean milliseconds per phase and per step."""
+        """spec.md §6 metrics of the window, throughput, and mean milliseconds per phase and per step."""
         return {
             **self.sums.metrics(with_kl),
             "tokens_per_s": self.sums["tokens"] / self.seconds,

@@ -12,7 +12,7 @@ from typing import Callable, Dict, Optional
 import torch
 
 from dflash_fast.drafter.config import DrafterConfig
-from dflash_fast.drafter.eager import needs_last
+from dflash_fast.drafter.losses import needs_last
 from dflash_fast.drafter.model import DFlashDrafter, build_drafter
 from dflash_fast.serve.engines import config_from_export, servable_format
 from dflash_fast.serve.export import load_exported, read_export_config

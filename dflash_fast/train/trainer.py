@@ -2,7 +2,7 @@
 
     store ──make_loader──▶ micro-batches ──drafter (DeepSpeed engine)──▶ loss ──backward──▶ AdamW or Muon (ZeRO 0-3)
     (data.source=online: JSONL ──the target's forward in this process, one micro-batch ahead──▶ micro-batches)
-      every step:     metrics summed over micro-batches and ranks, then divided (SPEC §6)
+      every step:     metrics summed over micro-batches and ranks, then divided (spec.md §6)
       every N steps:  JSONL record, validation on the held-out split, checkpoint; real acceptance (validation.prompts:
                       the evaluator's decoding, handed in by train.py: dflash_fast/evaluate/validation.py)
       at the end:     checkpoint, validation, real acceptance beside the offline estimates, export (gated,
@@ -10,7 +10,7 @@
 
 One optimizer step is `schedule.grad_accum` micro-batches of `data.batch_rows`
 rows on each rank. Its loss is the weighted mean over ALL valid slots of the
-global batch (SPEC §5: sum(l * w * mask) / sum(mask)): before backward, each
+global batch (spec.md §5: sum(l * w * mask) / sum(mask)): before backward, each
 micro-batch's loss is rescaled by its share of the step's global slot count,
 so a step computes the same gradient however it is split into ranks and
 micro-batches.
@@ -45,15 +45,16 @@ import os
 import signal
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from dflash_fast.data.batches import derive_seed
+from dflash_fast.data.source import Source
 from dflash_fast.drafter import ops
-from dflash_fast.drafter.eager import has_kl, needs_last
-from dflash_fast.drafter.model import DrafterOutput, slot_targets
+from dflash_fast.drafter.losses import has_kl, needs_last
+from dflash_fast.drafter.model import DrafterOutput
 from dflash_fast.errors import DEBUG_ENV, ConfigError, UserError, run_reporting_errors
 from dflash_fast.extract.vllm_runner import GPU_MEMORY_UTILIZATION
 from dflash_fast.lock import output_lock
@@ -79,6 +80,7 @@ from dflash_fast.train.data import (
     open_batches,
     open_source,
     planned_manifest,
+    step_batches,
     to_device,
 )
 from dflash_fast.train.distributed import gathered_state, init_distributed, quiet_deepspeed, resolve_precision, sharing
@@ -208,16 +210,7 @@ class Trainer:
         loss = self.cfg.loss
         return self.engine(batch, loss_kind=self.loss_kind, noise_std=noise_std, seed=seed,
                            gamma=loss.gamma, weighting=loss.weighting,
-                           dpace_alpha=loss.dpace_alpha, confidence_alpha=loss.confidence_alpha,
-                           selector_alpha=loss.selector_alpha)
-
-    def _fetch(self) -> Tuple[List[Dict[str, torch.Tensor]], List[int], float]:
-        """The step's micro-batches, each one's valid slot count, and the step's count over every rank (>= 1)."""
-        micro = [next(self.stream) for _ in range(self.cfg.schedule.grad_accum)]
-        counts = [int(slot_targets(b, self.block_size, self.sample_from_anchor).slot_mask.sum()) for b in micro]
-        total = torch.tensor(float(sum(counts)), dtype=torch.float64, device=self.device)
-        dist.all_reduce(total)
-        return micro, counts, max(float(total), 1.0)
+                           dpace_alpha=loss.dpace_alpha, **loss.family_weights())
 
     def train_step(self) -> Tuple[Sums, Dict[str, float], Optional[float]]:
         """One optimizer step -> (sums reduced over ranks, seconds per phase, grad norm)."""
@@ -227,7 +220,8 @@ class Trainer:
         gas = self.cfg.schedule.grad_accum
         times = dict.fromkeys(("fetch", "forward", "backward", "optimizer"), 0.0)
         with timed(times, "fetch"):
-            micro, counts, total = self._fetch()
+            micro, counts, total = step_batches(self.stream, self.cfg.schedule.grad_accum, self.block_size,
+                                                self.sample_from_anchor, self.device)
         target_seconds = self.stream.take_target_seconds()
         if target_seconds is not None:
             times["target_forward"] = target_seconds  # online; on the side thread, hidden by the steps before
@@ -380,7 +374,8 @@ def plan(cfg: TrainConfig, device_memory: Optional[int] = None) -> str:
     not extracted yet, the one the extraction settings give on model.target (data.planned_manifest)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     d = cfg.data
-    extracted = d.source == "store" and os.path.exists(d.store)
+    source = Source.of(d)
+    extracted = source.reads_store and os.path.exists(d.store)
     if not extracted and not cfg.model.target:
         raise ConfigError(f"data.store={d.store} does not exist: extract it first, or pass model.target=TARGET to "
                           f"plan from the target's config and the extraction settings (docs/memory.md)")
@@ -397,8 +392,8 @@ def plan(cfg: TrainConfig, device_memory: Optional[int] = None) -> str:
              f"data.seq_len={d.seq_len} tokens, data.num_anchors={d.num_anchors}; activation checkpointing "
              f"{'on' if cfg.model.activation_checkpointing else 'off'}"]
     if not extracted:
-        source = "of the store not extracted yet" if d.source == "store" else f"data.source={d.source}"
-        lines.append(f"hidden states ({source}): layer ids {manifest['layer_ids']}, {manifest['dtype']}, top-k "
+        origin = "of the store not extracted yet" if source.reads_store else str(source)
+        lines.append(f"hidden states ({origin}): layer ids {manifest['layer_ids']}, {manifest['dtype']}, top-k "
                      f"{manifest['topk']}, `last` {'kept' if manifest['has_last'] else 'not kept'}, from "
                      f"{target}'s config, model.layer_ids and data.online.dtype / data.online.topk")
     lines.append(memory.lines())
