@@ -298,3 +298,19 @@ def test_extract_reasoning_flag_is_part_of_the_job(qwen3, tmp_path):
     assert masked == ["anchor slot<|im_end|>\n", "block loss<|im_end|>\n"]
     with pytest.raises(ValueError, match="choose one of"):
         ExtractOptions(reasoning="keep")
+
+
+def test_regenerate_refuses_to_resume_with_the_other_thinking_switch(qwen3, tmp_path):
+    """A file of --thinking on responses continued with --thinking off (or the template's default) would train on
+    two kinds of reply at once: refused, naming both settings, before the target loads."""
+    out = tmp_path / "out.jsonl"
+    on = dict(engine="hf", temperature=0.0, top_p=1.0, top_k=0, seed=0, max_new_tokens=8, thinking="on")
+    out.write_text(json.dumps({"index": 0, "text": "hi there", "sampling": on}) + "\n")
+    prompts = [{"text": "hi"}, {"text": "ho"}]
+    never_loaded = tmp_path / "target"
+    never_loaded.mkdir()
+    (never_loaded / "config.json").write_text("{}")
+    for thinking, asked in (("off", "thinking=off"), (None, "thinking=the template default")):
+        with pytest.raises(ValueError, match=f"written with .*thinking=on; this run asks for .*{asked}: resuming"):
+            regen.regenerate(str(never_loaded), prompts, str(out), max_new_tokens=8, thinking=thinking,
+                             progress=False)
