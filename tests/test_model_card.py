@@ -102,7 +102,7 @@ def test_a_bad_eval_report_is_refused_naming_the_field_before_anything_is_writte
 
 
 @pytest.mark.parametrize("source, extraction, config_reasoning, line", [
-    ("store", {"reasoning": "mask"}, "train", "| reasoning | `mask`: the reasoning stayed in the context without loss |"),
+    ("store", {"reasoning": "mask"}, "train", "| reasoning | `mask`: the reasoning stayed in the context without"),
     ("store", {}, "drop", "| reasoning | not recorded (a store extracted before dflash-fast recorded it"),
     ("online", {}, "drop", "| reasoning | `drop`: the reasoning was removed"),
 ])

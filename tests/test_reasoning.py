@@ -300,7 +300,7 @@ def test_extract_reasoning_flag_is_part_of_the_job(qwen3, tmp_path):
         ExtractOptions(reasoning="keep")
 
 
-def test_regenerate_refuses_to_resume_with_the_other_thinking_switch(qwen3, tmp_path):
+def test_regenerate_refuses_to_resume_with_the_other_thinking_switch(tmp_path):
     """A file of --thinking on responses continued with --thinking off (or the template's default) would train on
     two kinds of reply at once: refused, naming both settings, before the target loads."""
     out = tmp_path / "out.jsonl"

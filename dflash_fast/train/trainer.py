@@ -61,7 +61,6 @@ from dflash_fast.serve.engines import ENGINES
 from dflash_fast.serve.export import export_drafter
 from dflash_fast.serve.model_card import model_card, read_provenance
 from dflash_fast.store.format import torch_dtype
-from dflash_fast.train.build_lock import check_build_locks
 from dflash_fast.train.checkpoint import (
     CheckpointError,
     find_resume,
@@ -364,11 +363,8 @@ def train(cfg: TrainConfig, device_memory: Optional[int] = None, real_acceptance
     if cfg.validation.prompts and real_acceptance is None:  # train/ cannot import the evaluator (docs/layout.md)
         raise ConfigError(f"validation.prompts={cfg.validation.prompts} decodes with dflash_fast.evaluate, which "
                           f"train.py hands the trainer: run `deepspeed train.py` (or `python train.py`)")
-    if not dist.is_initialized():  # DeepSpeed's start-up loads its JIT-built ops: a stale build lock hangs it
-        first = os.environ.get("RANK", "0") == "0"
-        check_build_locks(say=lambda line: print(f"[dflash-fast] {line}", file=sys.stderr) if first else None)
     quiet_deepspeed()
-    rank, world_size = init_distributed()
+    rank, world_size = init_distributed()  # refuses a stale DeepSpeed build lock first (it would hang the start-up)
     with output_lock(cfg.output_dir, rank):  # one run writes an output directory at a time
         return Trainer(cfg, rank, world_size, device_memory, real_acceptance).run()
 
