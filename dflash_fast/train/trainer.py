@@ -151,7 +151,9 @@ class Trainer:
         if resume is not None:
             self._resume(*resume)
         self._log_setup(manifest, num_params, optimizer_line)
-        self.metrics = open_outputs(cfg, manifest, self.data_identity, self.step, rank, world_size)
+        # Rank 0 alone writes OUT's files: a disk error there stops every rank alike (Sharing.on_every_rank).
+        self.metrics = self.sharing.on_every_rank(
+            lambda: open_outputs(cfg, manifest, self.data_identity, self.step, rank, world_size), (OSError,))
         self.real = real_acceptance(self) if cfg.validation.prompts else None
 
     # ---- output
@@ -269,7 +271,7 @@ class Trainer:
         finally:
             close_batches(loader)
         entry = val_record(self.step, sums.all_reduce(), has_kl(self.loss_kind), batches * self.world_size)
-        self.metrics.record(entry)
+        self.sharing.on_rank0(lambda: self.metrics.record(entry), (OSError,))
         self.log(f"validation at step {self.step}: loss {entry['loss']:.4f}, "
                  f"tau_offline {entry['tau_offline'] or 0:.3f}")
         return entry
@@ -317,7 +319,8 @@ class Trainer:
         if self.step % cfg.logging.every == 0 or self.step == self.total_steps:
             epoch, index = self.stream.position
             fraction = epoch + index / self.stream.per_epoch
-            self.metrics.record(train_record(self.step, fraction, self.window, has_kl(self.loss_kind), lr, grad_norm))
+            entry = train_record(self.step, fraction, self.window, has_kl(self.loss_kind), lr, grad_norm)
+            self.sharing.on_rank0(lambda: self.metrics.record(entry), (OSError,))
             self.window = Window(self.block_size, self.device)
         if cfg.validation.every and self.step % cfg.validation.every == 0:
             self.validate()
