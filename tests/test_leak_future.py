@@ -31,14 +31,16 @@ ANCHORS = (3, 5, 6, 10, 13, 15)
 STATE_FIELDS = ("hidden",)  # what the drafter reads as context: the target's tapped states
 EVERY_FIELD = ("input_ids", "hidden", "last", "teacher_topk_ids", "teacher_topk_logits", "teacher_lse")
 
+HEADS = dict(num_attention_heads=2, num_key_value_heads=1, head_dim=16)  # the Triton kernel's smallest head dim
 FAMILIES = {
-    "dflash": lambda: random_drafter(0),
-    "window_anchor": lambda: random_drafter(0, num_layers=2, layer_types=["sliding", "full"], sliding_window=6),
+    "dflash": lambda: random_drafter(0, **HEADS),
+    "window_anchor": lambda: random_drafter(0, num_layers=2, layer_types=["sliding", "full"], sliding_window=6,
+                                            **HEADS),
     "window_query": lambda: random_drafter(0, num_layers=2, layer_types=["sliding", "sliding"], sliding_window=6,
-                                           window_from="query"),
-    "dspark": lambda: dspark_drafter(),
-    "dspark_dflash_alignment": lambda: dspark_drafter(sample_from_anchor=False),
-    "dflash2": lambda: dflash2_drafter(),
+                                           window_from="query", **HEADS),
+    "dspark": lambda: dspark_drafter(**HEADS),
+    "dspark_dflash_alignment": lambda: dspark_drafter(sample_from_anchor=False, **HEADS),
+    "dflash2": lambda: dflash2_drafter(**HEADS),
 }
 
 

@@ -18,6 +18,7 @@ per row, is the contract the drafter and the trainer consume:
     teacher_lse         [R, T]    float32     /
     anchors             [R, A] int64          sorted; the valid slots come first
     anchor_valid        [R, A] bool
+    nonfinite_pieces    [R] int64             pieces of the row dropped for a NaN / inf value (below)
 
 Choices, so that the trainer can rely on them:
 
@@ -39,6 +40,12 @@ Choices, so that the trainer can rely on them:
   `split_seed`). Its packing and anchors depend only on `split_seed`, not on the
   training `seed` or the epoch, so every validation pass, in every run, scores
   the same batches.
+* A piece whose float fields (hidden, last, teacher logits, lse) hold a NaN or an inf (a target that overflowed
+  in fp16, a damaged store) is dropped on the CPU as it is read: its float values zeroed, its loss mask off (so
+  no anchor lands in it and no slot scores against it; other documents never see it), and counted in
+  `nonfinite_pieces` (the trainer's `nonfinite_pieces` metric). One NaN would otherwise turn the step's loss
+  and then every weight NaN, and a resumed run would meet it again at the same step. The check reads values
+  the collate has just copied, in the loader's worker: no device sync.
 * Training noise is not added here: `ops.fc_concat(..., noise_std, seed)` draws
   its own uniform `[-noise_std, noise_std)` noise, so `hidden` leaves the loader
   exactly as stored (and validation simply passes `noise_std=0`).
@@ -256,6 +263,8 @@ def collate_rows(
     batch["position_ids"] = torch.empty((r, t), dtype=torch.int64)
     batch["anchors"] = torch.zeros((r, num_anchors), dtype=torch.int64)
     batch["anchor_valid"] = torch.zeros((r, num_anchors), dtype=torch.bool)
+    batch["nonfinite_pieces"] = torch.zeros(r, dtype=torch.int64)
+    floats = [key for key in fields if batch[key].is_floating_point()]
     positions = torch.arange(t)
     for i, (row, row_seed) in enumerate(zip(rows, row_seeds)):
         row = row or []
@@ -272,6 +281,13 @@ def collate_rows(
                 if part.dtype == torch.float8_e4m3fn:
                     part = dequantize_fp8(part, src[SCALE_FIELDS[key]][start:end], batch[key].dtype)
                 batch[key][i, offset : offset + n] = part
+            # One fp32 sum a field: NaN or inf anywhere makes it non-finite; half the time of isfinite().all().
+            if not all(bool(torch.isfinite(batch[key][i, offset : offset + n].sum(dtype=torch.float32)))
+                       for key in floats):
+                for key in floats:
+                    batch[key][i, offset : offset + n] = 0
+                batch["loss_mask"][i, offset : offset + n] = False
+                batch["nonfinite_pieces"][i] += 1
             batch["document_ids"][i, offset : offset + n] = doc
             batch["position_ids"][i, offset : offset + n] = positions[:n]
             offset += n
