@@ -70,7 +70,8 @@ def measure(run: str, prompts: str, drafter_path: str = "", target: str = "", ma
     tokenizer = AutoTokenizer.from_pretrained(target)
     eos = eos_token_ids(model.generation_config, tokenizer)
     runner = TargetRunner(model, drafter.config.layer_ids)
-    train_docs, val_docs = split_documents(len(store.lengths), cfg.data.val_fraction, cfg.data.split_seed)
+    train_docs, val_docs = split_documents(len(store.lengths), cfg.data.val_fraction, cfg.data.split_seed,
+                                           store.content)
 
     loader = open_batches(store, cfg, 0, 1, "val", with_last=True)
     try:

@@ -232,6 +232,7 @@ def test_batch_has_exactly_the_contract_keys_shapes_and_dtypes():
         "teacher_lse": ((r, t), torch.float32),
         "anchors": ((r, a), torch.int64),
         "anchor_valid": ((r, a), torch.bool),
+        "nonfinite_pieces": ((r,), torch.int64),
     }
     assert set(batch) == set(expected)
     for key, (shape, dtype) in expected.items():

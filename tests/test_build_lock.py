@@ -68,3 +68,16 @@ def test_train_py_over_a_stale_lock_ends_in_one_error_line_before_deepspeed_star
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 1 and len(errors) == 1 and f"rm {lock}" in errors[0], proc.stderr[-2000:]
     assert not (tmp_path / "out").exists()
+
+
+def test_an_in_process_run_checks_the_locks_too(tmp_path, monkeypatch):
+    """Tests build Trainers in the pytest process through distributed.init_distributed, with the process group
+    already up from an earlier test; the engine they build next loads its ops (cpu_adam) through the same lock.
+    init_distributed checks on every call, not only the first."""
+    from dflash_fast.train.distributed import init_distributed
+
+    init_distributed()  # the group, as an earlier test leaves it
+    lock = fake_lock(tmp_path, op="cpu_adam")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    with pytest.raises(UserError, match=f"stale JIT build lock .*rm {lock}"):
+        init_distributed()

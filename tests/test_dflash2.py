@@ -24,10 +24,10 @@ ORACLE_TOP_K = 40  # of V = 96: the random teacher's argmax is among the unary t
 ORACLE_BATCH = dict(anchors=((1, 6, 11, 14),), valid=((True, True, True, True),))
 
 
-def dflash2_drafter(sample_from_anchor=False, taps=2, seed=0, top_k=TOP_K):
+def dflash2_drafter(sample_from_anchor=False, taps=2, seed=0, top_k=TOP_K, **kw):
     """A DFlash2 drafter whose convolutions are far from identity and whose selector matters."""
     d = random_drafter(seed, sample_from_anchor=sample_from_anchor, conv_kernel_size=taps, conv_group_size=GROUP,
-                       selector_rank=RANK, selector_top_k=top_k)
+                       selector_rank=RANK, selector_top_k=top_k, **kw)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for layer in d.layers:

@@ -13,9 +13,10 @@ EPS = 1e-6
 HEAD_TYPES = ("vanilla", "gated", "rnn")
 
 
-def dspark_drafter(head_type="vanilla", sample_from_anchor=True, confidence_with_markov=True, seed=0):
+def dspark_drafter(head_type="vanilla", sample_from_anchor=True, confidence_with_markov=True, seed=0, **kw):
     d = random_drafter(
         seed,
+        **kw,
         sample_from_anchor=sample_from_anchor,
         markov_rank=8,
         markov_head_type=head_type,

@@ -218,6 +218,13 @@ def test_no_last_drops_last_only(targets, data, tmp_path):
     assert store[0]["hidden"].shape[1:] == (len(LAYER_IDS), 64)
 
 
+def test_the_manifest_records_the_reasoning_mode_it_was_extracted_with(targets, data, tmp_path):
+    """What the model card states of the data (serve/model_card.REASONING_LINES reads it through provenance)."""
+    for mode in ("train", "mask"):
+        run_extract(targets["qwen3"], data, tmp_path / mode, reasoning=mode)
+        assert HiddenStateStore(tmp_path / mode).manifest["extraction"]["reasoning"] == mode
+
+
 def test_default_dtype_is_bf16_bits_viewed_as_bf16(targets, data, tmp_path):
     run_extract(targets["qwen3"], data, tmp_path / "bf16", dtype="bf16")
     run_extract(targets["qwen3"], data, tmp_path / "fp32")

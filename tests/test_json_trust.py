@@ -134,9 +134,9 @@ def test_a_regenerate_output_line_of_the_wrong_shape_is_one_error_naming_the_lin
     from dflash_fast.target.prompts import read_prompts
 
     out = tmp_path / "out.jsonl"
-    out.write_text('{"index": 0, "text": "hi there"}\n' + line + "\n")
+    out.write_text('{"index": 0, "text": "hi there", "sampling": {}}\n' + line + "\n")
     with pytest.raises(ValueError, match=f"{out}:2:? {message}"):
-        read_done(str(out), read_prompts([{"text": "hi"}, {"text": "ho"}]))
+        read_done(str(out), read_prompts([{"text": "hi"}, {"text": "ho"}]), {})
 
 
 def test_a_training_config_nested_too_deeply_to_parse_is_one_config_error(tmp_path):

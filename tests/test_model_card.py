@@ -99,3 +99,25 @@ def test_a_bad_eval_report_is_refused_naming_the_field_before_anything_is_writte
     out = str(tmp_path / "export")
     assert cli.main(["export", "--checkpoint", run, "--out", out, "--card-from", str(report)]) == 1
     assert "tau" in capsys.readouterr().err and not os.path.exists(out)
+
+
+@pytest.mark.parametrize("source, extraction, config_reasoning, line", [
+    ("store", {"reasoning": "mask"}, "train", "| reasoning | `mask`: the reasoning stayed in the context without"),
+    ("store", {}, "drop", "| reasoning | not recorded (a store extracted before dflash-fast recorded it"),
+    ("online", {}, "drop", "| reasoning | `drop`: the reasoning was removed"),
+])
+def test_the_card_states_how_the_data_treated_reasoning(tmp_path, capsys, source, extraction, config_reasoning, line):
+    """The store's extract --reasoning (data.reasoning of a config is not what a store was extracted with), or
+    data.reasoning for online rows, as OUT/provenance.json records it (trackers.provenance)."""
+    from dflash_fast.train.trackers import provenance
+
+    run, _ = checkpoint(tmp_path)
+    config = load_config(os.path.join(REPO, "configs", "tiny.yaml")).to_dict()
+    config["data"].update(source=source, reasoning=config_reasoning)
+    record = provenance(config, {"extraction": extraction}, {}, 0, 1)
+    with open(os.path.join(run, "provenance.json"), "w") as f:
+        json.dump(record, f)
+    out = str(tmp_path / "export")
+    assert cli.main(["export", "--checkpoint", run, "--out", out, "--dtype", "fp32"]) == 0
+    capsys.readouterr()
+    assert line in open(os.path.join(out, "README.md")).read()

@@ -298,3 +298,56 @@ def test_extract_reasoning_flag_is_part_of_the_job(qwen3, tmp_path):
     assert masked == ["anchor slot<|im_end|>\n", "block loss<|im_end|>\n"]
     with pytest.raises(ValueError, match="choose one of"):
         ExtractOptions(reasoning="keep")
+
+
+def test_regenerate_refuses_to_resume_with_the_other_thinking_switch(tmp_path):
+    """A file of --thinking on responses continued with --thinking off (or the template's default) would train on
+    two kinds of reply at once: refused, naming both settings, before the target loads."""
+    out = tmp_path / "out.jsonl"
+    on = dict(engine="hf", temperature=0.0, top_p=1.0, top_k=0, seed=0, max_new_tokens=8, thinking="on")
+    out.write_text(json.dumps({"index": 0, "text": "hi there", "sampling": on}) + "\n")
+    prompts = [{"text": "hi"}, {"text": "ho"}]
+    never_loaded = tmp_path / "target"
+    never_loaded.mkdir()
+    (never_loaded / "config.json").write_text("{}")
+    for thinking, asked in (("off", "thinking=off"), (None, "thinking=the template default")):
+        with pytest.raises(ValueError, match=f"written with .*thinking=on; this run asks for .*{asked}: resuming"):
+            regen.regenerate(str(never_loaded), prompts, str(out), max_new_tokens=8, thinking=thinking,
+                             progress=False)
+
+
+def test_the_thinking_state_is_read_from_the_template_by_rendering(qwen3, tmp_path):
+    from dflash_fast.target.prompts import thinking_state
+
+    assert [thinking_state(qwen3, t) for t in (None, True, False)] == ["on", "on", "off"]  # Qwen3: on by default
+    assert thinking_state(make_tokenizer(tmp_path), None) is None  # plain ChatML: no switch
+
+
+def test_a_store_records_the_thinking_its_conversations_were_rendered_with(tmp_path):
+    """extraction.thinking counts the conversations by the switch they were rendered with (the record's
+    chat_template_kwargs, as regenerate --thinking writes them; reasoning=drop turns it off)."""
+    from dflash_fast.extract.extract import extract
+    from dflash_fast.store.reader import HiddenStateStore
+
+    target = make_tiny_target(tmp_path / "target")
+    tok = AutoTokenizer.from_pretrained(target)
+    tok.chat_template = QWEN3_TEMPLATE
+    tok.save_pretrained(target)
+    turn = [{"role": "user", "content": "hidden"}, {"role": "assistant", "content": "anchor slot"}]
+    records = [{"conversations": turn, **({"chat_template_kwargs": {"enable_thinking": False}} if i % 3 == 0 else {})}
+               for i in range(6)] + [{"text": "no template"}]
+    data = write_jsonl(tmp_path / "data.jsonl", records)
+    for reasoning, want in (("train", {"off": 2, "on": 4}), ("drop", {"off": 6})):
+        extract(target, str(data), str(tmp_path / reasoning), layer_ids=[1, 3], dtype="fp32", progress=False,
+                reasoning=reasoning)
+        assert HiddenStateStore(str(tmp_path / reasoning)).manifest["extraction"]["thinking"] == want
+
+
+def test_validation_prompts_of_the_other_thinking_setting_get_one_warning_line():
+    from dflash_fast.target.prompts import thinking_mismatch
+
+    line = thinking_mismatch({"on": 40, "off": 2}, "off", "validation.prompts (validation.thinking=off)")
+    assert line.startswith("warning: validation.prompts (validation.thinking=off) render with thinking off, but 40 "
+                           "of the 42 training conversations were rendered with thinking on") and "\n" not in line
+    assert thinking_mismatch({"on": 40}, "on", "x") is None
+    assert thinking_mismatch({}, "off", "x") is None and thinking_mismatch({"on": 3}, None, "x") is None

@@ -133,3 +133,22 @@ def test_conversation_without_a_user_turn_names_its_line(tmp_path):
     )
     with pytest.raises(ValueError, match=r"prompts.jsonl:2: the conversation has no user turn"):
         regen.read_prompts(str(data))
+
+
+@pytest.mark.parametrize("first, second, named", [
+    (dict(temperature=1.0, top_p=0.9, seed=7), dict(temperature=0.0, top_p=0.9, seed=7), "temperature=1.0"),
+    (dict(seed=7, temperature=1.0), dict(seed=8, temperature=1.0), "seed=7"),
+    (dict(max_new_tokens=4), dict(max_new_tokens=6), "max_new_tokens=4"),
+])
+def test_a_resume_with_other_sampling_settings_is_refused_naming_both(target, tmp_path, first, second, named):
+    data = write_jsonl(tmp_path / "prompts.jsonl", PROMPTS[:2])
+    out = str(tmp_path / "out.jsonl")
+    regen.regenerate(target, str(data), out, max_new_tokens=first.pop("max_new_tokens", 4), num_prompts=1,
+                     progress=False, **first)
+    before = open(out).read()
+    asked = ", ".join(f"{k}={v}" for k, v in second.items())
+    with pytest.raises(ValueError, match=f"out.jsonl:1 was written with .*{named}.*; this run asks for .*") as e:
+        regen.regenerate(target, str(data), out, max_new_tokens=second.pop("max_new_tokens", 4), progress=False,
+                         **second)
+    assert all(part in str(e.value).split("this run asks for")[1] for part in asked.split(", ")), str(e.value)
+    assert open(out).read() == before, "nothing is appended to a file of other settings"

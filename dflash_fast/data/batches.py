@@ -18,6 +18,7 @@ per row, is the contract the drafter and the trainer consume:
     teacher_lse         [R, T]    float32     /
     anchors             [R, A] int64          sorted; the valid slots come first
     anchor_valid        [R, A] bool
+    nonfinite_pieces    [R] int64             pieces of the row dropped for a NaN / inf value (below)
 
 Choices, so that the trainer can rely on them:
 
@@ -39,6 +40,12 @@ Choices, so that the trainer can rely on them:
   `split_seed`). Its packing and anchors depend only on `split_seed`, not on the
   training `seed` or the epoch, so every validation pass, in every run, scores
   the same batches.
+* A piece whose float fields (hidden, last, teacher logits, lse) hold a NaN or an inf (a target that overflowed
+  in fp16, a damaged store) is dropped on the CPU as it is read: its float values zeroed, its loss mask off (so
+  no anchor lands in it and no slot scores against it; other documents never see it), and counted in
+  `nonfinite_pieces` (the trainer's `nonfinite_pieces` metric). One NaN would otherwise turn the step's loss
+  and then every weight NaN, and a resumed run would meet it again at the same step. The check reads values
+  the collate has just copied, in the loader's worker: no device sync.
 * Training noise is not added here: `ops.fc_concat(..., noise_std, seed)` draws
   its own uniform `[-noise_std, noise_std)` noise, so `hidden` leaves the loader
   exactly as stored (and validation simply passes `noise_std=0`).
@@ -116,19 +123,36 @@ def pack_rows(lengths: Sequence[int], seq_len: int, seed: int = 0, items: Option
     return rows
 
 
-def split_documents(num_docs: int, val_fraction: float, split_seed: int = 0) -> Tuple[np.ndarray, np.ndarray]:
+def split_documents(num_docs: int, val_fraction: float, split_seed: int = 0,
+                    content: Optional[Sequence[str]] = None) -> Tuple[np.ndarray, np.ndarray]:
     """Hold out whole documents: -> (train items, val items), each sorted int64.
 
     round(val_fraction * num_docs) documents (at least 1 when val_fraction > 0),
-    chosen by a permutation seeded by `split_seed` alone.
+    chosen by a permutation seeded by `split_seed` alone. With `content` (each document's key, the store's
+    `content`: its trained tokens' hash) documents that teach the same tokens are one group, held out or kept
+    together: a response repeated under two prompts never sits on both sides. The permutation is then of the
+    groups, in the order each key first appears, and groups go to val until it holds at least the count; a store
+    without keys (written before they were recorded) splits document by document, as it always did.
     """
     if not 0 <= val_fraction < 1:
         raise ValueError(f"val_fraction={val_fraction} must be in [0, 1)")
     n_val = max(int(round(val_fraction * num_docs)), 1 if val_fraction > 0 else 0)
     if n_val >= num_docs and n_val > 0:
         raise ValueError(f"val_fraction={val_fraction} of {num_docs} documents leaves none for training; lower it")
-    perm = np.random.default_rng(derive_seed(split_seed, _TAG_SPLIT)).permutation(num_docs)
-    return np.sort(perm[n_val:]), np.sort(perm[:n_val])
+    rng = np.random.default_rng(derive_seed(split_seed, _TAG_SPLIT))
+    if content is None:
+        perm = rng.permutation(num_docs)
+        return np.sort(perm[n_val:]), np.sort(perm[:n_val])
+    group_of: Dict[str, int] = {}
+    groups = np.array([group_of.setdefault(key, len(group_of)) for key in content], dtype=np.int64)
+    sizes = np.bincount(groups, minlength=len(group_of))
+    order = rng.permutation(len(group_of))
+    held = order[: int(np.searchsorted(np.cumsum(sizes[order]), n_val)) + 1] if n_val else order[:0]
+    if sizes[held].sum() >= num_docs:
+        raise ValueError(f"val_fraction={val_fraction}: the documents form {len(group_of)} groups of the same "
+                         f"content, and holding out whole groups leaves none for training; lower it")
+    is_val = np.isin(groups, held)
+    return np.flatnonzero(~is_val).astype(np.int64), np.flatnonzero(is_val).astype(np.int64)
 
 
 def split_rows(
@@ -138,11 +162,13 @@ def split_rows(
     split: str = "train",
     val_fraction: float = 0.0,
     split_seed: int = 0,
+    content: Optional[Sequence[str]] = None,
 ) -> List[Row]:
-    """The packed rows of one split: train rows packed with `seed`, val rows with `split_seed`."""
+    """The packed rows of one split: train rows packed with `seed`, val rows with `split_seed`; `content`: see
+    split_documents."""
     if split not in SPLITS:
         raise ValueError(f"split={split!r} must be one of {SPLITS}")
-    train, val = split_documents(len(lengths), val_fraction, split_seed)
+    train, val = split_documents(len(lengths), val_fraction, split_seed, content)
     if split == "val" and len(val) == 0:
         raise ValueError("split='val' needs val_fraction > 0 (the fraction of documents held out)")
     return (
@@ -237,6 +263,8 @@ def collate_rows(
     batch["position_ids"] = torch.empty((r, t), dtype=torch.int64)
     batch["anchors"] = torch.zeros((r, num_anchors), dtype=torch.int64)
     batch["anchor_valid"] = torch.zeros((r, num_anchors), dtype=torch.bool)
+    batch["nonfinite_pieces"] = torch.zeros(r, dtype=torch.int64)
+    floats = [key for key in fields if batch[key].is_floating_point()]
     positions = torch.arange(t)
     for i, (row, row_seed) in enumerate(zip(rows, row_seeds)):
         row = row or []
@@ -253,6 +281,13 @@ def collate_rows(
                 if part.dtype == torch.float8_e4m3fn:
                     part = dequantize_fp8(part, src[SCALE_FIELDS[key]][start:end], batch[key].dtype)
                 batch[key][i, offset : offset + n] = part
+            # One fp32 sum a field: NaN or inf anywhere makes it non-finite; half the time of isfinite().all().
+            if not all(bool(torch.isfinite(batch[key][i, offset : offset + n].sum(dtype=torch.float32)))
+                       for key in floats):
+                for key in floats:
+                    batch[key][i, offset : offset + n] = 0
+                batch["loss_mask"][i, offset : offset + n] = False
+                batch["nonfinite_pieces"][i] += 1
             batch["document_ids"][i, offset : offset + n] = doc
             batch["position_ids"][i, offset : offset + n] = positions[:n]
             offset += n
@@ -327,11 +362,16 @@ def _check(
         raise ValueError(f"split={split!r} must be one of {SPLITS}")
 
 
+def content_of(store) -> Optional[Sequence[str]]:
+    """The store's per-document content keys (store/reader.py), or None: an older store, an online source."""
+    return getattr(store, "content", None)
+
+
 def rows_per_epoch(
     store, seq_len: int, seed: int, split: str = "train", val_fraction: float = 0.0, split_seed: int = 0
 ) -> int:
     """Packed rows in the split, all ranks together (from the token counts only; no token is read)."""
-    return len(split_rows(store.lengths, seq_len, seed, split, val_fraction, split_seed))
+    return len(split_rows(store.lengths, seq_len, seed, split, val_fraction, split_seed, content_of(store)))
 
 
 def steps_per_epoch(
@@ -377,7 +417,7 @@ def row_batches(
     """This rank's steps of one epoch from `start_step` on, as a RowBatches dataset (make_loader wraps it in a
     DataLoader)."""
     _check(seq_len, num_anchors, batch_rows, seed, rank, world_size, epoch, split)
-    rows = split_rows(store.lengths, seq_len, seed, split, val_fraction, split_seed)
+    rows = split_rows(store.lengths, seq_len, seed, split, val_fraction, split_seed, content_of(store))
     schedule = epoch_schedule(len(rows), batch_rows, seed, epoch, rank, world_size, split)
     if len(schedule) == 0:
         raise ValueError(

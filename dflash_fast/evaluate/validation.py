@@ -24,6 +24,7 @@ also temperature, tau_sampled and accept_sampled_j.
 import contextlib
 import json
 import os
+import sys
 import time
 from typing import Dict, List, Optional
 
@@ -36,7 +37,15 @@ from dflash_fast.evaluate.evaluate import decode_all, make_proposal
 from dflash_fast.evaluate.report import report
 from dflash_fast.evaluate.sampling import Sampling, make_sampler
 from dflash_fast.store.format import write_json_atomic
-from dflash_fast.target.prompts import encode_prompt, eos_token_ids, load_model, read_prompts, thinking_switch
+from dflash_fast.target.prompts import (
+    encode_prompt,
+    eos_token_ids,
+    load_model,
+    read_prompts,
+    thinking_mismatch,
+    thinking_state,
+    thinking_switch,
+)
 from dflash_fast.train.distributed import gathered_state
 
 RESULT = "validation.json"
@@ -65,6 +74,7 @@ class RealAcceptance:
         self.tau: Optional[float] = None  # the newest greedy tau (rank 0), for the progress bar
         self.decoded_step: Optional[int] = None
         self.target = trainer.target
+        self.trained_thinking = (trainer.store.manifest.get("extraction") or {}).get("thinking") or {}
         self.model = self.runner = self.drafter = None
         self.encoded, self.tokenizer = (trainer.sharing.on_rank0(self._prompts, (UserError, ValueError, OSError))
                                         or ([], None))
@@ -84,6 +94,10 @@ class RealAcceptance:
         think = {"on": True, "off": False}.get(self.cfg.thinking)
         tokenizer = AutoTokenizer.from_pretrained(self.target)
         thinking_switch(tokenizer, think)
+        line = thinking_mismatch(self.trained_thinking, thinking_state(tokenizer, think),
+                                 f"validation.prompts (validation.thinking={self.cfg.thinking or 'the default'})")
+        if line:
+            print(line, file=sys.stderr)
         return [encode_prompt(tokenizer, p, think) for p in prompts], tokenizer
 
     # ---- the trainer's two calls

@@ -293,7 +293,8 @@ def _wait_for_ranks(out, world_size, job_id, poll_s=0.2) -> List[dict]:
 RANK_NOTE = Obj({
     "job": STR,
     "shards": ListOf(Obj({**SHARD_ENTRY.required, "num_loss_tokens": COUNT})),
-    "input": Obj({**dict.fromkeys(("lines", "sequences", "bad_lines", "truncated"), COUNT), "skipped": MapOf(COUNT)}),
+    "input": Obj({**dict.fromkeys(("lines", "sequences", "bad_lines", "truncated"), COUNT), "skipped": MapOf(COUNT)},
+                 optional={"thinking": MapOf(COUNT)}),
     "run": Obj({"tokens_run": COUNT, "bytes_written": COUNT, "seconds": NUMBER}),
 })
 
@@ -302,9 +303,10 @@ def _finish(writer: StoreWriter, manifest: dict, notes: List[dict]) -> None:
     """Rank 0: one manifest over every rank's shards, then remove the rank notes."""
     shards = [entry for note in notes for entry in note["shards"]]
     inputs = [note["input"] for note in notes]
-    skipped = Counter()
+    skipped, thinking = Counter(), Counter()
     for i in inputs:
         skipped.update(i["skipped"])
+        thinking.update(i.get("thinking", {}))
     counts = {k: sum(i[k] for i in inputs) for k in ("lines", "sequences", "bad_lines", "truncated")}
     if not shards:
         raise ValueError(f"no usable sequences in the data: {counts}, skipped {dict(skipped)}")
@@ -314,7 +316,10 @@ def _finish(writer: StoreWriter, manifest: dict, notes: List[dict]) -> None:
         "num_tokens": sum(e["num_tokens"] for e in shards),
         "num_loss_tokens": sum(e["num_loss_tokens"] for e in shards),
         "shards": shards,
-        "extraction": {**manifest["extraction"], "input": {**counts, "skipped": dict(sorted(skipped.items()))}},
+        "extraction": {**manifest["extraction"], "input": {**counts, "skipped": dict(sorted(skipped.items()))},
+                       # conversations rendered with the target thinking on / off (ChatTokenizer.thinking_of):
+                       # validation and eval warn when their prompts use the other setting
+                       "thinking": dict(sorted(thinking.items()))},
     })
     shutil.rmtree(os.path.join(writer.path, RANKS_DIR), ignore_errors=True)
 

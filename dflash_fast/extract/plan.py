@@ -188,6 +188,7 @@ def job_manifest(job: Job, runner: "TargetRunner") -> dict:
             "job": job.id,
             "engine": job.options.engine,
             "data": os.path.abspath(job.data) if os.path.exists(job.data) else job.data,  # else a hub id
+            "reasoning": job.options.reasoning,  # extract --reasoning: what the model card tells of the data
             **{k: job.identity[k] for k in ("data_sha256", "max_seq_len", "shard_tokens", "world_size")},
         },
     )

@@ -73,8 +73,18 @@ def _matches(prompt: Prompt, record: Dict) -> bool:
 RESPONSE = Obj({"index": COUNT}, optional={"conversations": LIST, "text": STR})
 
 
-def read_done(out: str, prompts: Sequence[Prompt]) -> Set[int]:
-    """Indices already in `out`. Cuts a torn last line off the file; refuses records of other prompts."""
+def settings_line(sampling: Optional[Dict]) -> str:
+    """A record's `sampling` as its flags read: engine, temperature, top_p, top_k, seed, max_new_tokens, thinking."""
+    if not isinstance(sampling, dict):
+        return "settings it does not record"
+    return ", ".join([f"{k}={v}" for k, v in sampling.items() if k != "thinking"]
+                     + [f"thinking={sampling.get('thinking') or 'the template default'}"])
+
+
+def read_done(out: str, prompts: Sequence[Prompt], sampling: Dict) -> Set[int]:
+    """Indices already in `out`. Cuts a torn last line off the file; refuses records of other prompts, and records
+    written with other `sampling` settings (engine, temperature, top_p, top_k, seed, max_new_tokens, --thinking):
+    a resume would mix responses of two distributions in one file."""
     if not os.path.exists(out):
         return set()
     with open(out, "rb") as f:
@@ -100,6 +110,12 @@ def read_done(out: str, prompts: Sequence[Prompt]) -> Set[int]:
             raise ValueError(
                 f"{out}:{line_no} is not a response to prompt {i!r} of this prompt file; "
                 f"write to a new --out or delete {out}"
+            )
+        if record.get("sampling") != sampling:
+            raise ValueError(
+                f"{out}:{line_no} was written with {settings_line(record.get('sampling'))}; this run asks for "
+                f"{settings_line(sampling)}: resuming would mix the two in one file; rerun with the settings it was "
+                f"written with, or write to a new --out"
             )
         if i in done:
             raise ValueError(f"{out}:{line_no}: prompt {i} appears twice; the file was not written by regenerate")
@@ -186,8 +202,10 @@ def regenerate(
     if thinking not in (None, "on", "off"):
         raise ValueError(f"thinking {thinking!r}: choose on or off (or leave it out: the template's default)")
     check_target(target)
+    sampling = dict(engine=engine, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                    max_new_tokens=max_new_tokens, **({"thinking": thinking} if thinking else {}))
     prompts = read_prompts(data, num_prompts, split)
-    done = read_done(out, prompts)
+    done = read_done(out, prompts, sampling)
     summary = {"out": out, "prompts": len(prompts), "written": 0, "skipped": len(done), "finished": 0, "unsplit": 0}
     if len(done) == len(prompts):
         return summary
@@ -209,8 +227,6 @@ def regenerate(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     if engine == "vllm":
         llm = load_engine(target, dtype=dtype, trust_remote_code=trust_remote_code)
-    sampling = dict(engine=engine, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                    max_new_tokens=max_new_tokens, **({"thinking": thinking} if thinking else {}))
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     bar = tqdm(total=len(prompts), initial=len(done), unit="prompt", desc="regenerate", disable=not progress)
     with open(out, "a") as f:

@@ -76,6 +76,16 @@ def serving(export_dir: str, target: str, fmt: str, block_size: int) -> str:
     return text
 
 
+# data.reasoning / extract --reasoning, as a reader of the card needs it: what the drafter learned of reasoning spans.
+REASONING_LINES = {
+    "train": "`train`: the assistant turns' reasoning was trained on",
+    "mask": "`mask`: the reasoning stayed in the context without loss",
+    "drop": "`drop`: the reasoning was removed (the template's thinking switch off)",
+    None: "not recorded (a store extracted before dflash-fast recorded it; `train` unless `extract --reasoning` said "
+          "otherwise)",
+}
+
+
 def model_card(cfg: DrafterConfig, target: str, fmt: str, export_dir: str, client: Optional[Dict] = None,
                provenance: Optional[Dict] = None, report: Optional[Dict] = None) -> str:
     """README.md of an export. `client`: the checkpoint's client state (step, run config); `provenance`: the run's
@@ -107,6 +117,7 @@ def model_card(cfg: DrafterConfig, target: str, fmt: str, export_dir: str, clien
         rows = [("data", ", ".join(f"`{s}`" for s in sources) or f"store `{(run.get('data') or {}).get('store')}`")]
         if data.get("data_sha256"):
             rows.append(("data sha256", f"`{data['data_sha256']}`"))
+        rows.append(("reasoning", REASONING_LINES.get(data.get("reasoning"), REASONING_LINES[None])))
         rows += [("loss", f"{client.get('loss_kind') or loss.get('kind')}, weighting {loss.get('weighting')}"),
                  ("optimizer", f"{opt.get('kind')}, lr {opt.get('lr')}"),
                  ("schedule", f"{sched.get('kind')}, warmup {sched.get('warmup_ratio')}"),

@@ -23,7 +23,8 @@ On disk a store is a directory:
 
     manifest.json                    written last: its presence means "complete"
     shards/rank00000-shard00000/     one directory a shard, renamed into place when complete
-        index.json                   its dtype, per-sequence lengths, file shapes and sha256 sums, the inputs' hash
+        index.json                   its dtype, per-sequence lengths and content keys (the validation split groups
+                                     by them), file shapes and sha256 sums, the inputs' hash
         input_ids.bin ... last.bin   raw little-endian arrays, one per field
 
 Each `.bin` is a flat C-order array memory-mapped with `np.memmap`: reading
@@ -98,7 +99,7 @@ MANIFEST_SCHEMA = Obj(
 INDEX_SCHEMA = Obj(
     {"num_sequences": COUNT, "num_tokens": COUNT, "lengths": ListOf(COUNT),
      "files": MapOf(Obj({"dtype": STR, "shape": ListOf(COUNT)}, optional={"sha256": SHA256}))},
-    optional={"schema_version": INT, "dtype": STR, "job": STR, "inputs_sha256": STR},
+    optional={"schema_version": INT, "dtype": STR, "job": STR, "inputs_sha256": STR, "content": ListOf(STR)},
 )
 
 

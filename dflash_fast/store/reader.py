@@ -6,7 +6,7 @@ store_writer.py writes a store.
 """
 import bisect
 import os
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import numpy as np
 import torch
@@ -54,7 +54,7 @@ class HiddenStateStore:
             )
         self.hidden_dtype = DTYPES[m["dtype"]][1]
         self._specs = []
-        lengths = []
+        lengths, content = [], []
         self.shard_dirs = shard_dirs(self.path, m["shards"], manifest_path)
         for shard, entry in zip(self.shard_dirs, m["shards"]):
             if not os.path.isdir(shard):
@@ -63,12 +63,17 @@ class HiddenStateStore:
             expect = {"num_sequences": entry["num_sequences"], "num_tokens": entry["num_tokens"]}
             self._specs.append(check_shard(shard, self.layout, index, expect))
             lengths.append(np.asarray(index["lengths"], dtype=np.int64))
+            content.append(index.get("content"))
         self.lengths = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
         if len(self.lengths) != m["num_sequences"] or int(self.lengths.sum()) != m["num_tokens"]:
             raise ValueError(
                 f"{manifest_path}: shards hold {len(self.lengths)} sequences / {int(self.lengths.sum())} tokens, "
                 f"the manifest says {m['num_sequences']} / {m['num_tokens']}; the store is inconsistent"
             )
+        # Each document's content key (writer.content_key), or None for a store written before they were recorded.
+        self.content: Optional[List[str]] = None
+        if all(c is not None and len(c) == len(n) for c, n in zip(content, lengths)):
+            self.content = [key for c in content for key in c]
         per_shard = [int(n["num_sequences"]) for n in m["shards"]]
         self._first_item = np.concatenate([[0], np.cumsum(per_shard)]).tolist()
         self._token_starts = []

@@ -2,6 +2,7 @@
 last, over checked shards only (the format: store_format.py). Any rank writes its own shards; rank 0 writes the
 manifest. Resuming keeps complete shards, deletes torn ones and refuses a shard of another extraction.
 """
+import hashlib
 import os
 import shutil
 import sys
@@ -41,6 +42,7 @@ class ShardWriter:
         self.starts = np.concatenate([[0], np.cumsum(self.lengths, dtype=np.int64)])
         self.meta = meta
         self.written = np.zeros(len(self.lengths), dtype=bool)
+        self.content: List[str] = [""] * len(self.lengths)
         self.bytes_written = 0
         shutil.rmtree(self.tmp, ignore_errors=True)
         os.makedirs(self.tmp)
@@ -66,6 +68,7 @@ class ShardWriter:
                 )
             os.pwrite(self.fds[field], a.data, int(self.starts[i]) * self._row_bytes(field))
             self.bytes_written += a.nbytes
+        self.content[i] = content_key(arrays["input_ids"], arrays["loss_mask"])
         self.written[i] = True
 
     def commit(self) -> None:
@@ -91,6 +94,7 @@ class ShardWriter:
             "num_tokens": int(self.starts[-1]),
             "files": files,
             "lengths": self.lengths,
+            "content": self.content,
         }
         write_json_atomic(os.path.join(self.tmp, INDEX), index)
         os.replace(self.tmp, self.final)
@@ -101,6 +105,15 @@ class ShardWriter:
         for fd in self.fds.values():
             os.close(fd)
         self.fds = {}
+
+
+def content_key(input_ids: np.ndarray, loss_mask: np.ndarray) -> str:
+    """What a document teaches, as 16 hex digits: the sha256 of its trained tokens (input_ids where loss_mask; all of
+    them when nothing is masked). Two documents with the same response under different prompts share it; the
+    validation split keeps them on one side (data/batches.split_documents)."""
+    ids = np.asarray(input_ids, dtype=np.int32)
+    mask = np.asarray(loss_mask, dtype=bool)
+    return hashlib.sha256((ids[mask] if mask.any() else ids).tobytes()).hexdigest()[:16]
 
 
 class StoreWriter:

@@ -114,6 +114,41 @@ def thinking_switch(tokenizer, thinking: Optional[bool]) -> Dict[str, object]:
     )
 
 
+def thinking_state(tokenizer, thinking: Optional[bool]) -> Optional[str]:
+    """Whether a prompt rendered with the switch `thinking` (None: the template's default) has the target think:
+    "on" or "off", found by rendering a one-turn chat each way; None for a template without the switch."""
+    try:
+        on, off = thinking_switch(tokenizer, True), thinking_switch(tokenizer, False)
+    except ValueError:
+        return None
+    chat = [{"role": "user", "content": "x"}]
+    render = lambda kwargs: tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True, **kwargs)
+    given = render(thinking_switch(tokenizer, thinking))
+    return "on" if given == render(on) else "off" if given == render(off) else None
+
+
+def thinking_mismatch(trained: Dict[str, int], state: Optional[str], prompts: str) -> Optional[str]:
+    """One warning line when the prompts (`prompts` names them and their setting) render with the target thinking
+    `state` while the training conversations (`trained`: the store's extraction.thinking counts) were rendered with
+    the other setting; None when they agree, or when either side does not say."""
+    other = {k: n for k, n in trained.items() if k != state and n}
+    if state is None or not other:
+        return None
+    total = sum(trained.values())
+    return (f"warning: {prompts} render with thinking {state}, but {sum(other.values())} of the {total} training "
+            f"conversations were rendered with thinking {', '.join(other)}: acceptance here is measured on another "
+            f"distribution than the drafter learned (docs/troubleshooting.md#thinking-on-in-training-off-in-serving)")
+
+
+def thinking_of_kwargs(kwargs: Dict[str, object]) -> Optional[bool]:
+    """The switch a record's chat-template keywords set (thinking_switch's keys), None when they set none."""
+    if "enable_thinking" in kwargs:
+        return bool(kwargs["enable_thinking"])
+    if "reasoning_effort" in kwargs:
+        return kwargs["reasoning_effort"] != "low"
+    return None
+
+
 def encode_prompt(tokenizer, prompt: Prompt, thinking: Optional[bool] = None) -> List[int]:
     """Token ids the target continues: the chat template with the generation prompt (its thinking switch set by
     `thinking`, see thinking_switch), or the text with the tokenizer's special tokens (the conventions of

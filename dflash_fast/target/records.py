@@ -13,12 +13,12 @@ import hashlib
 import json
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import List
+from typing import Dict, List, Optional
 
 import numpy as np
 
 from dflash_fast.target.datasets_in import NoPreset, dataset_rows, is_dataset, to_record
-from dflash_fast.target.prompts import thinking_switch
+from dflash_fast.target.prompts import thinking_of_kwargs, thinking_state, thinking_switch
 from dflash_fast.target.text import KNOWN_ROLES, ROLE_ALIASES, TextError, on_text, text_problem
 
 
@@ -45,6 +45,7 @@ class InputStats:
     bad_lines: int = 0
     truncated: int = 0
     skipped: Counter = field(default_factory=Counter)
+    thinking: Counter = field(default_factory=Counter)  # conversations rendered with the target thinking "on" / "off"
 
     def to_dict(self) -> dict:
         return {
@@ -53,6 +54,7 @@ class InputStats:
             "bad_lines": self.bad_lines,
             "truncated": self.truncated,
             "skipped": dict(sorted(self.skipped.items())),
+            "thinking": dict(sorted(self.thinking.items())),
         }
 
 
@@ -174,6 +176,7 @@ class ChatTokenizer:
         self.reasoning = reasoning
         self._turn_suffix = None
         self._generation_prompt = None
+        self._thinking: Dict[Optional[bool], Optional[str]] = {}  # switch -> thinking_state, rendered once each
         self._special = sorted((t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
                                 if t.special), key=len, reverse=True)
 
@@ -360,6 +363,17 @@ class ChatTokenizer:
                                           record.get("chat_template_kwargs"))
         return [self.record(record)]
 
+    def thinking_of(self, record) -> Optional[str]:
+        """"on" / "off": whether the template rendered a conversation `record` (a valid one) with the target thinking,
+        its chat_template_kwargs and reasoning=drop considered; None for a text record or a template without the
+        switch. What the store records (extraction.thinking) and validation / eval compare their prompts with."""
+        if not (isinstance(record, dict) and "conversations" in record):
+            return None
+        switch = thinking_of_kwargs(self._template_kwargs(record.get("chat_template_kwargs")))
+        if switch not in self._thinking:
+            self._thinking[switch] = thinking_state(self.tok, switch)
+        return self._thinking[switch]
+
     def record(self, record) -> Example:
         """A record as one row (conversations rendered once: see conversation_rows for the rows training reads)."""
         if not isinstance(record, dict):
@@ -425,7 +439,8 @@ def read_examples(path, tokenizer: ChatTokenizer, max_seq_len, skip_bad=False, r
             continue
         stats.lines += 1
         try:
-            rows = tokenizer.rows(read())
+            record = read()
+            rows = tokenizer.rows(record)
         except (BadLine, NoPreset, TextError) as e:
             if not skip_bad:
                 raise BadLine(f"{where}: {e}; fix the line or pass --skip-bad to skip such lines") from None
@@ -434,6 +449,9 @@ def read_examples(path, tokenizer: ChatTokenizer, max_seq_len, skip_bad=False, r
         except Skip as e:
             stats.skipped[str(e)] += 1
             continue
+        state = tokenizer.thinking_of(record)
+        if state is not None:
+            stats.thinking[state] += 1
         for ex in rows:
             if len(ex.input_ids) > max_seq_len:
                 ex = Example(ex.input_ids[:max_seq_len], ex.loss_mask[:max_seq_len])

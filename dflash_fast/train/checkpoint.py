@@ -61,19 +61,23 @@ class Sharing(NamedTuple):
     gather: Callable[[Any], List[Any]] = lambda obj: [obj]
     barrier: Callable[[], None] = lambda: None
 
-    def on_rank0(self, fn: Callable[[], Any], errors: Tuple[type, ...]) -> Any:
-        """fn() on rank 0 (None on the others). An error of `errors` it raises is shared before anyone raises, and
-        every rank raises it: no rank is left waiting at a barrier for one that stopped."""
+    def on_every_rank(self, fn: Callable[[], Any], errors: Tuple[type, ...]) -> Any:
+        """fn() on every rank. An error of `errors` any rank raises is shared before anyone raises, and every rank
+        raises the lowest rank's: no rank is left waiting at a barrier for one that stopped (a disk error writing
+        one rank's files, say). The gather is the barrier."""
         result, problem = None, None
-        if self.rank == 0:
-            try:
-                result = fn()
-            except errors as e:
-                problem = e
-        problem = self.gather(problem)[0]
-        if problem is not None:
-            raise problem
+        try:
+            result = fn()
+        except errors as e:
+            problem = e
+        problems = [p for p in self.gather(problem) if p is not None]
+        if problems:
+            raise problems[0]
         return result
+
+    def on_rank0(self, fn: Callable[[], Any], errors: Tuple[type, ...]) -> Any:
+        """fn() on rank 0 (None on the others), its error of `errors` every rank's (on_every_rank)."""
+        return self.on_every_rank(fn if self.rank == 0 else lambda: None, errors)
 
 
 # ---------------------------------------------------------------- the completion marker
@@ -101,8 +105,9 @@ def write_marker(ckpt: str, client: Dict, sharing: Sharing = Sharing()) -> None:
     then rank 0 writes the completion marker. Every rank calls it, after every rank's files are written."""
     names = sharing.gather(_files_on_disk(ckpt))[0]
     files = _digests(ckpt, names, sharing)
-    if sharing.rank == 0:
-        write_json_atomic(os.path.join(ckpt, MARKER), {"format": MARKER_FORMAT, "client": client, "files": files})
+    sharing.on_rank0(lambda: write_json_atomic(os.path.join(ckpt, MARKER), {"format": MARKER_FORMAT,
+                                                                             "client": client, "files": files}),
+                     (OSError,))
 
 
 # The marker's shape (errors.check_schema): the client state resume and export read, every file's size and sum.
@@ -275,13 +280,14 @@ def set_aside_newer(checkpoints_dir: str, step: int, log: Callable[[str], None],
     """Checkpoints in `checkpoints_dir` newer than the resumed `step` (they failed to verify, or an older one was
     resumed on purpose) belong to a future this run replaces: renamed to TAG.superseded, so that neither
     keep_last pruning nor a later --resume mistakes them for this run's. Every rank calls it."""
-    if sharing.rank == 0:
+    def renamed() -> None:
         for tag in checkpoint_tags(checkpoints_dir):
             if step_of(tag) > step:
                 old = os.path.join(checkpoints_dir, tag)
                 os.replace(old, old + ".superseded")
                 log(f"{old} is newer than the resumed step {step}: renamed to {old}.superseded")
-    sharing.barrier()
+
+    sharing.on_rank0(renamed, (OSError,))
 
 
 def resume_hint(last_checkpoint: Optional[str], sharing: Sharing = Sharing()) -> str:
@@ -324,15 +330,23 @@ def save_checkpoint(engine, checkpoints_dir: str, step: int, client: Dict, keep_
         return cpu
 
     weights = sharing.on_rank0(checked, (CheckpointError,))
-    if sharing.rank == 0 and os.path.isdir(path):
-        shutil.rmtree(path)  # a save of this step that never finished (killed): its files would mix with ours
-    sharing.barrier()
-    engine.save_checkpoint(checkpoints_dir, tag=tag)
-    if sharing.rank == 0:
-        write_weights(path, weights, engine.module.config)
-    write_rng_state(path, sharing.rank)
-    sharing.barrier()
-    write_marker(path, client, sharing)
+
+    def cleared() -> None:
+        if os.path.isdir(path):
+            shutil.rmtree(path)  # a save of this step that never finished (killed): its files would mix with ours
+
+    def written() -> None:
+        if sharing.rank == 0:
+            write_weights(path, weights, engine.module.config)
+        write_rng_state(path, sharing.rank)
+
+    try:  # a disk error on one rank (rank 0 alone writes the weights and the marker) stops every rank alike
+        sharing.on_rank0(cleared, (OSError,))
+        engine.save_checkpoint(checkpoints_dir, tag=tag)
+        sharing.on_every_rank(written, (OSError,))
+        write_marker(path, client, sharing)
+    except OSError as e:
+        raise CheckpointError(f"the checkpoint of step {step} was not saved: {e}") from None
     if sharing.rank == 0:
         for old in checkpoint_tags(checkpoints_dir)[:-keep_last]:
             shutil.rmtree(os.path.join(checkpoints_dir, old), ignore_errors=True)

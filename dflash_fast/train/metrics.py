@@ -30,12 +30,13 @@ class Sums:
 
     loss_sum = sum(l * w * mask), kl_sum likewise, slots = sum(mask); acc_hits/acc_count/alpha_sum [B];
     tau_sum, blocks; tokens (row positions), anchors (valid); nonfinite, stop: flags (> 0 on any rank);
+    nonfinite_pieces: document pieces the loader dropped for a NaN / inf value (data/batches.py);
     DFlash2's selector (spec.md §9): selector_slots (trained slots of a drafter with a selector), recall_hits (those
     whose teacher argmax is in the unary top-K), selector_hits (of these, the ones the selector ranks first).
     """
 
     NAMES = ("loss_sum", "kl_sum", "slots", "tau_sum", "blocks", "tokens", "anchors", "nonfinite", "stop",
-             "selector_slots", "recall_hits", "selector_hits")
+             "selector_slots", "recall_hits", "selector_hits", "nonfinite_pieces")
 
     def __init__(self, block_size: int, device):
         self.b = block_size
@@ -65,6 +66,8 @@ class Sums:
         self.add("tokens", batch["input_ids"].numel())
         self.add("anchors", batch["anchor_valid"].sum())
         self.add("nonfinite", (~torch.isfinite(out.loss.detach())).double())
+        if "nonfinite_pieces" in batch:
+            self.add("nonfinite_pieces", batch["nonfinite_pieces"].sum())
         if out.recall is not None:
             self.add("selector_slots", count)
             self.add("recall_hits", (out.recall & out.slot_mask).sum())
@@ -93,6 +96,7 @@ class Sums:
         for j in range(1, self.b):
             out[f"alpha_{j}"] = alphas[j] / counts[j] if counts[j] else None
         out["tau_offline"] = self["tau_sum"] / self["blocks"] if self["blocks"] else None
+        out["nonfinite_pieces"] = int(self["nonfinite_pieces"])
         if self["selector_slots"]:
             out["recall_at_k"] = self["recall_hits"] / self["selector_slots"]
             out["selector_acc"] = self["selector_hits"] / self["recall_hits"] if self["recall_hits"] else None

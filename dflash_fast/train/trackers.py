@@ -66,7 +66,11 @@ def provenance(config: Dict, manifest: Dict, data_identity: Dict, resumed_step: 
         "target": {k: manifest.get("target", {}).get(k) for k in ("path", "config_sha256", "model_type")},
         "data": {"source": config["data"]["source"], "store": config["data"]["store"] or None,
                  "jsonl": config["data"]["jsonl"] or None,
-                 **{k: extraction.get(k) for k in ("data", "data_sha256", "job")}, "identity": data_identity},
+                 **{k: extraction.get(k) for k in ("data", "data_sha256", "job")}, "identity": data_identity,
+                 # an assistant turn's reasoning: extract --reasoning for a store (None: extracted before it was
+                 # recorded), data.reasoning for online rows
+                 "reasoning": extraction.get("reasoning") if config["data"]["source"] == "store"
+                 else config["data"]["reasoning"]},
         "config": config,
     }
 

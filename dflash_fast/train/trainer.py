@@ -62,7 +62,6 @@ from dflash_fast.serve.engines import ENGINES
 from dflash_fast.serve.export import export_drafter
 from dflash_fast.serve.model_card import model_card, read_provenance
 from dflash_fast.store.format import torch_dtype
-from dflash_fast.train.build_lock import check_build_locks
 from dflash_fast.train.checkpoint import (
     CheckpointError,
     find_resume,
@@ -154,7 +153,9 @@ class Trainer:
         if resume is not None:
             self._resume(*resume)
         self._log_setup(manifest, num_params, optimizer_line)
-        self.metrics = open_outputs(cfg, manifest, self.data_identity, self.step, rank, world_size)
+        # Rank 0 alone writes OUT's files: a disk error there stops every rank alike (Sharing.on_every_rank).
+        self.metrics = self.sharing.on_every_rank(
+            lambda: open_outputs(cfg, manifest, self.data_identity, self.step, rank, world_size), (OSError,))
         self.real = real_acceptance(self) if cfg.validation.prompts else None
 
     # ---- output
@@ -264,7 +265,7 @@ class Trainer:
         finally:
             close_batches(loader)
         entry = val_record(self.step, sums.all_reduce(), has_kl(self.loss_kind), batches * self.world_size)
-        self.metrics.record(entry)
+        self.sharing.on_rank0(lambda: self.metrics.record(entry), (OSError,))
         self.log(f"validation at step {self.step}: loss {entry['loss']:.4f}, "
                  f"tau_offline {entry['tau_offline'] or 0:.3f}")
         return entry
@@ -312,7 +313,8 @@ class Trainer:
         if self.step % cfg.logging.every == 0 or self.step == self.total_steps:
             epoch, index = self.stream.position
             fraction = epoch + index / self.stream.per_epoch
-            self.metrics.record(train_record(self.step, fraction, self.window, has_kl(self.loss_kind), lr, grad_norm))
+            entry = train_record(self.step, fraction, self.window, has_kl(self.loss_kind), lr, grad_norm)
+            self.sharing.on_rank0(lambda: self.metrics.record(entry), (OSError,))
             self.window = Window(self.block_size, self.device)
         if cfg.validation.every and self.step % cfg.validation.every == 0:
             self.validate()
@@ -358,11 +360,8 @@ def train(cfg: TrainConfig, device_memory: Optional[int] = None, real_acceptance
     if cfg.validation.prompts and real_acceptance is None:  # train/ cannot import the evaluator (docs/layout.md)
         raise ConfigError(f"validation.prompts={cfg.validation.prompts} decodes with dflash_fast.evaluate, which "
                           f"train.py hands the trainer: run `deepspeed train.py` (or `python train.py`)")
-    if not dist.is_initialized():  # DeepSpeed's start-up loads its JIT-built ops: a stale build lock hangs it
-        first = os.environ.get("RANK", "0") == "0"
-        check_build_locks(say=lambda line: print(f"[dflash-fast] {line}", file=sys.stderr) if first else None)
     quiet_deepspeed()
-    rank, world_size = init_distributed()
+    rank, world_size = init_distributed()  # refuses a stale DeepSpeed build lock first (it would hang the start-up)
     with output_lock(cfg.output_dir, rank):  # one run writes an output directory at a time
         return Trainer(cfg, rank, world_size, device_memory, real_acceptance).run()
 
