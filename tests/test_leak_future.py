@@ -2,7 +2,7 @@
 
 * Overlapping blocks leak the future (SpecForge #470): with anchors closer than block_size the blocks overlap, and a
   mask that decides context visibility by block index lets a block see target states at or after its own anchor.
-  Here visibility is decided per anchor position (SPEC §4): perturbing every target state at a position >= a
+  Here visibility is decided per anchor position (spec.md §4): perturbing every target state at a position >= a
   block's anchor leaves that block's logits, drafts, acceptance estimates and loss unchanged, on the eager and
   Triton paths, with a sliding window ending at the anchor or at each query, for DFlash, DSpark and DFlash2, with a
   block that crosses the packed row's document boundary.
@@ -20,7 +20,7 @@ from test_drafter import B, random_batch, random_drafter
 from test_dspark import dspark_drafter
 
 from dflash_fast.drafter import ops
-from dflash_fast.drafter.eager import DENSE_KINDS, LOSS_KINDS, WEIGHTINGS
+from dflash_fast.drafter.losses import DENSE_KINDS, LOSS_KINDS, WEIGHTINGS
 from dflash_fast.drafter.model import slot_targets
 
 T, BOUNDARY = 24, 13  # document 0 holds positions 0..12, document 1 positions 13..23
