@@ -59,6 +59,16 @@ class DrafterConfig:
     conv_group_size: int = 16  # hidden channels sharing one dynamic coefficient; divides hidden_size
     selector_rank: int = 0  # r of the candidate selector's codebooks P, S [V, r]
     selector_top_k: int = 16  # K unary candidates the selector re-ranks; <= vocab_size
+    # LiLiCorr (docs/lilicorr.md): the candidate-lattice correlator; lilicorr_candidate_topk 0 = off. The names are
+    # vLLM 0.32's `dflash_config` keys.
+    lilicorr_candidate_topk: int = 0  # K candidates per slot: a power of two <= 16
+    lilicorr_hidden_size: int = 0  # the lattice transformer's width; 0 = hidden_size
+    lilicorr_num_heads: int = 4
+    lilicorr_num_layers: int = 2
+    lilicorr_mlp_ratio: float = 2.0
+    lilicorr_factor_dim: int = 64
+    lilicorr_vector_eps: float = 1e-6
+    lilicorr_logit_scale: float = 10.0
 
     def __post_init__(self):
         problems = value_problems(dataclasses.asdict(self))
@@ -99,6 +109,11 @@ class DrafterConfig:
         if (self.conv_kernel_size or self.selector_rank) and (self.markov_rank or self.confidence_head):
             raise ValueError("DFlash2's convolutions or selector (conv_kernel_size, selector_rank) with DSpark's heads "
                              "(markov_rank, confidence_head): choose one family")
+
+    @property
+    def is_lilicorr(self) -> bool:
+        """The LiLiCorr correlator is on (docs/lilicorr.md)."""
+        return bool(self.lilicorr_candidate_topk)
 
     @property
     def is_dflash2(self) -> bool:
@@ -185,6 +200,7 @@ def value_problems(values: Mapping) -> List[str]:
     if not isinstance(head, str):
         problems.append(f"markov_head_type={head!r} is not a string")
     problems += dflash2_problems(values)
+    problems += lilicorr_problems(values)
     rope = values.get("rope_parameters", {})
     if not isinstance(rope, dict):
         problems.append(f"rope_parameters={rope!r} is not an object")
@@ -211,6 +227,43 @@ def dflash2_problems(values: Mapping) -> List[str]:
     top_k, vocab = values.get("selector_top_k", 16), values.get("vocab_size")
     if values.get("selector_rank", 0) and is_int(vocab) and top_k > vocab:
         problems.append(f"selector_top_k={top_k} is more candidates than the vocabulary has ({vocab})")
+    return problems
+
+
+MAX_LILICORR_TOP_K = 16  # vLLM 0.32's LiLiCorrHead: a power of two <= 16
+
+
+def lilicorr_problems(values: Mapping) -> List[str]:
+    """LiLiCorr's fields (docs/lilicorr.md) as vLLM 0.32 reads them, one line each; none when it is off
+    (lilicorr_candidate_topk 0): K a power of two <= 16, heads dividing the lattice width, positive sizes, eps in
+    (0, 0.5), a scale > 0, and no other family's head with it (vLLM builds none beside it)."""
+    k = values.get("lilicorr_candidate_topk", 0)
+    if not k:
+        return []
+    if not is_int(k) or k < 1 or k > MAX_LILICORR_TOP_K or k & (k - 1):
+        return [f"lilicorr_candidate_topk={k!r} is not a power of two <= {MAX_LILICORR_TOP_K} (vLLM serves no other)"]
+    problems = [f"{field}={values.get(field)!r} is not an integer >= {least}"
+                for field, least in (("lilicorr_hidden_size", 0), ("lilicorr_num_heads", 1),
+                                     ("lilicorr_num_layers", 1), ("lilicorr_factor_dim", 1))
+                if not is_int(values.get(field, least)) or values.get(field, least) < least]
+    if problems:
+        return problems
+    width = values.get("lilicorr_hidden_size", 0) or values.get("hidden_size")
+    heads = values.get("lilicorr_num_heads", 4)
+    if is_int(width) and width % heads:
+        problems.append(f"lilicorr_num_heads={heads} does not divide the lattice width {width}")
+    eps, scale = values.get("lilicorr_vector_eps", 1e-6), values.get("lilicorr_logit_scale", 10.0)
+    ratio = values.get("lilicorr_mlp_ratio", 2.0)
+    if not _is_number(eps) or not 0 < eps < 0.5:
+        problems.append(f"lilicorr_vector_eps={eps!r} is not a number in (0, 0.5)")
+    if not _is_number(scale) or scale <= 0:
+        problems.append(f"lilicorr_logit_scale={scale!r} is not a number > 0")
+    if not _is_number(ratio) or (is_int(width) and int(width * ratio) < 1):
+        problems.append(f"lilicorr_mlp_ratio={ratio!r} gives the lattice MLP no width")
+    if values.get("sample_from_anchor"):
+        problems.append("sample_from_anchor=true with LiLiCorr: its lattice is the B - 1 slots after the given token")
+    if values.get("selector_rank") or values.get("markov_rank") or values.get("confidence_head"):
+        problems.append("LiLiCorr (lilicorr_candidate_topk) with DFlash2's selector or DSpark's heads: choose one family")
     return problems
 
 

@@ -241,7 +241,9 @@ class LossOutput(NamedTuple):
     scores against: softmax(t) for the dense kinds, the point mass at the label for ce and ce_data (alpha =
     q_label, D-PACE's confidence), the stored top-k ids plus one "every other token" bucket for kl_topk.
     topk_ids: [N, K] int64, no gradient: each row's K best drafter logits, best first (asked with `topk = K`: the
-    DFlash2 selector's candidates, SPEC §9), else None; topk_logits: [N, K] fp32, no gradient, their logits."""
+    DFlash2 selector's candidates, SPEC §9), else None; topk_logits: [N, K] fp32, no gradient, their logits; lse:
+    [N] fp32, no gradient, with topk: each row's log-sum-exp of the drafter logits (topk_logits - lse: the
+    candidates' raw log-softmax, LiLiCorr's features)."""
 
     loss: torch.Tensor
     kl: Optional[torch.Tensor]
@@ -250,6 +252,7 @@ class LossOutput(NamedTuple):
     alpha: torch.Tensor
     topk_ids: Optional[torch.Tensor] = None
     topk_logits: Optional[torch.Tensor] = None
+    lse: Optional[torch.Tensor] = None
 
 
 def dpace_weights(confidence: torch.Tensor, mask: torch.Tensor, dpace: DPace) -> torch.Tensor:
@@ -441,4 +444,5 @@ def lm_head_loss(
     loss = (per_row * row_weight).sum() / denom
     kl = None if kl_row is None else (kl_row * row_weight).sum() / denom
     top = logits.detach().float().topk(topk, dim=-1) if topk else None
-    return LossOutput(loss, kl, logits.argmax(-1), teacher_argmax, alpha, *((top.indices, top.values) if topk else ()))
+    return LossOutput(loss, kl, logits.argmax(-1), teacher_argmax, alpha,
+                      *((top.indices, top.values, torch.logsumexp(logits.detach().float(), -1)) if topk else ()))

@@ -30,6 +30,7 @@ from dflash_fast.drafter.dflash2 import CandidateSelector, DynamicConv, selector
 from dflash_fast.drafter.dspark import ConfidenceHead, MarkovHead
 from dflash_fast.drafter.eager import DENSE_KINDS, DPace, Markov, Teacher, needs_last
 from dflash_fast.drafter.layers import DecoderLayer, RMSNorm, Rope
+from dflash_fast.drafter.lilicorr import LatticeWeights, LiLiCorrHead, lattice_terms, lilicorr_walk
 from dflash_fast.drafter.weights import check_drafter_fits_target, load_frozen_tensors
 
 
@@ -165,6 +166,7 @@ class DrafterOutput(NamedTuple):
     selector_loss: Optional[torch.Tensor] = None  # DFlash2: the selector's CE (before selector_alpha)
     recall: Optional[torch.Tensor] = None  # DFlash2: [R, A, B] bool, the teacher argmax is in the unary top-K
     selector_hit: Optional[torch.Tensor] = None  # DFlash2: [R, A, B] bool, recall and the selector picks it
+    lattice_loss: Optional[torch.Tensor] = None  # LiLiCorr: the lattice terms, weighted (lilicorr.lattice_loss)
 
 
 class DFlashDrafter(nn.Module):
@@ -200,6 +202,7 @@ class DFlashDrafter(nn.Module):
         self.candidate_selector = (
             CandidateSelector(cfg.vocab_size, h, cfg.selector_rank, cfg.selector_top_k) if cfg.selector_rank else None
         )
+        self.lilicorr = LiLiCorrHead(cfg) if cfg.is_lilicorr else None
         # Activation checkpointing of the layers (model.activation_checkpointing): a training choice, not architecture.
         self.checkpoint_layers = False
         self.reset_parameters()
@@ -219,6 +222,8 @@ class DFlashDrafter(nn.Module):
                 m.reset_parameters()  # identity: a fresh DFlash2 is DFlash
         if self.candidate_selector is not None:
             self.candidate_selector.reset_parameters(std)
+        if self.lilicorr is not None:
+            self.lilicorr.reset_parameters(std)
 
     def load_trainable(self, weights: Dict[str, torch.Tensor]) -> None:
         """Copy `weights` (name -> tensor, passed by check_tensors) into the trainable parameters."""
@@ -271,12 +276,13 @@ class DFlashDrafter(nn.Module):
                 x = layer(x, ctx, self.rope, blk_cs, ctx_cs, attn)
         return x
 
-    def batch_states(self, batch: Dict[str, torch.Tensor], noise_std: float = 0.0, seed: int = 0) -> torch.Tensor:
+    def batch_states(self, batch: Dict[str, torch.Tensor], noise_std: float = 0.0, seed: int = 0,
+                     ctx: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Pre-norm block states [R, A*B, H] of a collated batch (keys as in dflash_fast.data.batches): the context
-        from the tapped hidden states, then the N layers over every anchor's block."""
+        from the tapped hidden states (or `ctx` given), then the N layers over every anchor's block."""
         anchors = batch["anchors"]
         return self.block_states(
-            self.context(batch["hidden"], noise_std, seed),
+            self.context(batch["hidden"], noise_std, seed) if ctx is None else ctx,
             batch["position_ids"],
             batch["input_ids"].gather(1, anchors),
             batch["position_ids"].gather(1, anchors),
@@ -296,6 +302,7 @@ class DFlashDrafter(nn.Module):
         dpace_alpha: float = 0.5,
         confidence_alpha: float = 1.0,
         selector_alpha: float = 1.0,
+        lattice_weights: LatticeWeights = LatticeWeights(),
     ) -> DrafterOutput:
         """Training forward on a collated batch (keys as in dflash_fast.data.batches).
 
@@ -304,12 +311,14 @@ class DFlashDrafter(nn.Module):
         Markov-biased logits + confidence_alpha x the confidence head's BCE against the acceptance rate,
         weighted with the decay whatever `weighting` is. DFlash2 (SPEC §9): loss = the main loss + selector_alpha x
         the selector's K-way CE against the teacher argmax (`dflash2.selector_loss`), weighted like the main loss.
+        LiLiCorr: loss = the main loss + ModelOpt's lattice terms with `lattice_weights` (`lilicorr.lattice_terms`).
         """
         cfg = self.config
         anchors = batch["anchors"]
         r, a = anchors.shape
         b = cfg.block_size
-        x = self.batch_states(batch, noise_std, seed)
+        ctx = self.context(batch["hidden"], noise_std, seed)
+        x = self.batch_states(batch, ctx=ctx)
         targets = slot_targets(batch, b, cfg.sample_from_anchor)
         dpace = DPace(dpace_alpha, b) if weighting == "dpace" else None
         decay = position_weights(b, gamma, cfg.sample_from_anchor).to(x.device) * targets.slot_mask
@@ -336,6 +345,7 @@ class DFlashDrafter(nn.Module):
             dpace,
             markov=markov,
             **({"topk": selector.top_k} if selector is not None else {}),
+            **({"topk": self.lilicorr.top_k} if self.lilicorr is not None else {}),
         )
         teacher_argmax = stored_argmax if stored_argmax is not None and loss_kind == "ce_data" else out.teacher_argmax
         loss, confidence_loss, confidence = out.loss, None, None
@@ -348,9 +358,16 @@ class DFlashDrafter(nn.Module):
             sel = selector_loss(selector, hidden, self.lm_head, prev_ids, out.topk_ids,
                                 teacher_argmax, weights.reshape(n), targets.slot_mask.sum(), dpace, out.topk_logits)
             loss, draft = loss + selector_alpha * sel.loss, sel.draft
+        lattice = None
+        if self.lilicorr is not None:  # the draft is the lattice walk's: acc_j and tau_offline are LiLiCorr's
+            hidden = ops.rms_norm(x.reshape(n, -1), self.norm.weight, self.norm.eps)
+            lattice, walked = lattice_terms(self.lilicorr, ctx, batch, hidden, out, teacher, teacher_argmax,
+                                            targets.slot_mask, self.embed_tokens, self.lm_head, lattice_weights)
+            loss, draft = loss + lattice.loss, torch.cat([draft.view(r * a, b)[:, :1], walked], dim=1).reshape(-1)
         return DrafterOutput(loss, out.kl, draft.view(r, a, b), teacher_argmax.view(r, a, b),
                              targets.slot_mask, out.alpha.view(r, a, b), cfg.first_slot, confidence_loss, confidence,
-                             *((sel.loss, sel.recall.view(r, a, b), sel.hit.view(r, a, b)) if sel else ()))
+                             *((sel.loss, sel.recall.view(r, a, b), sel.hit.view(r, a, b)) if sel else (None,) * 3),
+                             None if lattice is None else lattice.loss)
 
     def dspark_heads(self, x: torch.Tensor, prev_ids: torch.Tensor) -> Tuple[Optional[Markov], Optional[torch.Tensor]]:
         """DSpark's heads on pre-norm block states x [R, A*B, H] with the previous tokens prev_ids [R*A*B]
@@ -410,6 +427,9 @@ class DFlashDrafter(nn.Module):
         features = hidden_normed[first:]
         if self.candidate_selector is not None:  # greedy without a draw: the best score, not the argmax of a row
             guesses = self.selector_walk(hidden_normed, logits, anchor_token, draw)
+        elif self.lilicorr is not None:  # the lattice walk from ctx at the position before the anchor
+            guesses = lilicorr_walk(self.lilicorr, ctx[0, t - 1], hidden_normed[first:], logits[first:],
+                                    self.embed_tokens, draw)
         elif self.markov_head is None:
             guesses = (draw or _argmax)(logits[first:])
         else:

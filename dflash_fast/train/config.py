@@ -59,6 +59,16 @@ class ModelConfig:
     conv_group_size: int = 16  # hidden channels sharing one dynamic coefficient; divides the hidden size
     selector_rank: int = 0  # rank r of the candidate selector (DFlash2's default 256); 0 = none
     selector_top_k: int = 16  # K unary candidates the selector re-ranks
+    # LiLiCorr (docs/lilicorr.md): the DFlash backbone (with or without the convolutions) plus the candidate-lattice
+    # correlator; lilicorr_candidate_topk 0 = none. vLLM 0.32's dflash_config keys.
+    lilicorr_candidate_topk: int = 0  # K candidates per drafted slot: a power of two <= 16
+    lilicorr_hidden_size: int = 0  # the lattice transformer's width; 0 = the drafter's
+    lilicorr_num_heads: int = 4
+    lilicorr_num_layers: int = 2
+    lilicorr_mlp_ratio: float = 2.0
+    lilicorr_factor_dim: int = 64
+    lilicorr_vector_eps: float = 1e-6
+    lilicorr_logit_scale: float = 10.0
     # An export directory (speculators or z-lab layout, ours or a published drafter) to continue training: it fixes
     # the architecture above (a key set to other than its default must agree with it) and the starting weights.
     init_from: Optional[str] = None
@@ -88,6 +98,14 @@ DRAFTER_OPTIONS = (
     "conv_group_size",
     "selector_rank",
     "selector_top_k",
+    "lilicorr_candidate_topk",
+    "lilicorr_hidden_size",
+    "lilicorr_num_heads",
+    "lilicorr_num_layers",
+    "lilicorr_mlp_ratio",
+    "lilicorr_factor_dim",
+    "lilicorr_vector_eps",
+    "lilicorr_logit_scale",
 )
 
 
@@ -152,6 +170,16 @@ class LossConfig:
     dpace_alpha: float = 0.5  # dpace: confidence smoothing s_j = (1 - alpha) c_j + alpha, in [0, 1]
     confidence_alpha: float = 1.0  # DSpark: weight of the confidence head's BCE in the loss (model.confidence_head)
     selector_alpha: float = 1.0  # DFlash2: weight of the candidate selector's CE in the loss (model.selector_rank)
+    # LiLiCorr (model.lilicorr_candidate_topk): ModelOpt's absolute weights of the lattice terms, its `base` variant
+    # (`margin`: w_ce 0.125, w_margin 0.125, margin 2.0, w_pen 0.25); w_pen needs a dense kind (the teacher's logits)
+    lilicorr_w_ce: float = 0.25
+    lilicorr_w_margin: float = 0.0
+    lilicorr_margin: float = 2.0
+    lilicorr_w_pen: float = 0.25
+
+    def lattice_weights(self) -> Tuple[float, float, float, float]:
+        """(w_ce, w_margin, margin, w_pen): `lilicorr.LatticeWeights`' fields."""
+        return self.lilicorr_w_ce, self.lilicorr_w_margin, self.lilicorr_margin, self.lilicorr_w_pen
 
 
 @dataclasses.dataclass
@@ -525,6 +553,9 @@ def _check_heads_and_loss(m: ModelConfig, loss: LossConfig) -> None:
            f"teacher: loss.kind={loss.kind!r} has none; use one of {DENSE_KINDS} (a store with `last`)")
     _check(loss.confidence_alpha >= 0, f"loss.confidence_alpha={loss.confidence_alpha} must be >= 0")
     _check(loss.selector_alpha >= 0, f"loss.selector_alpha={loss.selector_alpha} must be >= 0")
+    _check(min(loss.lattice_weights()) >= 0 and (not loss.lilicorr_w_margin or loss.lilicorr_margin > 0),
+           f"loss.lilicorr_w_ce, _w_margin, _margin, _w_pen={tuple(loss.lattice_weights())} must be >= 0 (a margin "
+           f"> 0 with w_margin > 0)")
     _check(m.conv_kernel_size >= 0 and m.selector_rank >= 0,
            f"model.conv_kernel_size={m.conv_kernel_size} and model.selector_rank={m.selector_rank} must be >= 0 "
            f"(0 = without DFlash2's convolutions / selector)")

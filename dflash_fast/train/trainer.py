@@ -53,6 +53,7 @@ import torch.distributed as dist
 from dflash_fast.data.batches import derive_seed
 from dflash_fast.drafter import ops
 from dflash_fast.drafter.eager import has_kl, needs_last
+from dflash_fast.drafter.lilicorr import LatticeWeights
 from dflash_fast.drafter.model import DrafterOutput, slot_targets
 from dflash_fast.errors import DEBUG_ENV, ConfigError, UserError, run_reporting_errors
 from dflash_fast.extract.vllm_runner import GPU_MEMORY_UTILIZATION
@@ -209,7 +210,7 @@ class Trainer:
         return self.engine(batch, loss_kind=self.loss_kind, noise_std=noise_std, seed=seed,
                            gamma=loss.gamma, weighting=loss.weighting,
                            dpace_alpha=loss.dpace_alpha, confidence_alpha=loss.confidence_alpha,
-                           selector_alpha=loss.selector_alpha)
+                           selector_alpha=loss.selector_alpha, lattice_weights=LatticeWeights(*loss.lattice_weights()))
 
     def _fetch(self) -> Tuple[List[Dict[str, torch.Tensor]], List[int], float]:
         """The step's micro-batches, each one's valid slot count, and the step's count over every rank (>= 1)."""
