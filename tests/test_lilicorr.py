@@ -112,7 +112,7 @@ def test_walk_follows_the_previous_pick():
         previous = max(range(4), key=lambda j: float(table[s, previous, j]))
         picks.append(previous)
     assert walk(table).tolist() == picks
-    assert walk(table, lambda s, row: 3).tolist() == [3] * 5
+    assert walk(table, lambda _slot, _row: 3).tolist() == [3] * 5
 
 
 def block_inputs(d, hidden, anchor):
@@ -272,3 +272,13 @@ def test_lilicorr_shapes_are_the_parameters():
     assert lattice_shapes(d.config) == {f"lilicorr.{n}": tuple(p.shape) for n, p in d.lilicorr.named_parameters()}
     assert lattice_shapes(DrafterConfig(**{**d.config.to_dict(), "lilicorr_candidate_topk": 0})) == {}
     assert V > TOP_K
+
+
+@pytest.mark.parametrize("fmt", ["speculators", "zlab"])
+def test_the_export_refuses_a_lilicorr_drafter_it_cannot_write(fmt):
+    """Either layout would write the backbone alone, which vLLM serves as plain DFlash: refused, naming LiLiCorr."""
+    from dflash_fast.serve.engines import check_servable
+    from dflash_fast.serve.layouts import ExportError
+
+    with pytest.raises(ExportError, match="LiLiCorr"):
+        check_servable(lilicorr_drafter().config, fmt)

@@ -68,7 +68,8 @@ def heads(k, block_size, hidden_size, seed):
 @pytest.mark.parametrize("k, block_size, slots, rows, width", [
     (4, 5, 4, 3, 16), (2, 6, 3, 1, 0), (8, 4, 3, 2, 16), (1, 5, 2, 4, 16), (16, 3, 2, 2, 0), (4, 7, 1, 5, 24),
 ])
-def test_our_head_scores_and_walks_as_vllms(vllm_context, k, block_size, slots, rows, width):
+@pytest.mark.usefixtures("vllm_context")
+def test_our_head_scores_and_walks_as_vllms(k, block_size, slots, rows, width):
     ours, theirs, cfg = heads(k, block_size, width, seed=k * 10 + block_size)
     gen = torch.Generator().manual_seed(1)
     h = cfg.hidden_size
@@ -105,7 +106,8 @@ def vllm_walk(table):
 
 
 @pytest.mark.parametrize("k", [2, 8])
-def test_our_candidates_are_vllms(vllm_context, k):
+@pytest.mark.usefixtures("vllm_context")
+def test_our_candidates_are_vllms(k):
     """The candidates and their log-probabilities: the raw log-softmax top-K of the lm_head (vLLM's
     `LogitsProcessor.get_top_k_tokens(..., return_log_probs=True)`), and the walk of `lilicorr_walk` on them."""
     from vllm.model_executor.layers.logits_processor import LogitsProcessor

@@ -263,7 +263,8 @@ def lilicorr_problems(values: Mapping) -> List[str]:
     if values.get("sample_from_anchor"):
         problems.append("sample_from_anchor=true with LiLiCorr: its lattice is the B - 1 slots after the given token")
     if values.get("selector_rank") or values.get("markov_rank") or values.get("confidence_head"):
-        problems.append("LiLiCorr (lilicorr_candidate_topk) with DFlash2's selector or DSpark's heads: choose one family")
+        problems.append("LiLiCorr (lilicorr_candidate_topk) with DFlash2's selector or DSpark's heads: "
+                        "choose one family")
     return problems
 
 

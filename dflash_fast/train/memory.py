@@ -243,7 +243,8 @@ def lattice_bytes(cfg: DrafterConfig, q: int, e: int) -> int:
         return 0
     blocks, h = q // cfg.block_size, cfg.lilicorr_hidden_size or cfg.hidden_size
     length = (cfg.block_size - 1) * k
-    rows, m, f, heads = blocks * length, int(h * cfg.lilicorr_mlp_ratio), cfg.lilicorr_factor_dim, cfg.lilicorr_num_heads
+    rows, m, f = blocks * length, int(h * cfg.lilicorr_mlp_ratio), cfg.lilicorr_factor_dim
+    heads = cfg.lilicorr_num_heads
     per_layer = rows * (2 * (4 + e) * h + 8 + 3 * e * h + 2 * e * h + 4 * heads + 2 * e * m + e * h)
     per_layer += 4 * blocks * heads * length * length  # the biased attention's probabilities (math kernel)
     front = rows * (e * cfg.hidden_size + 4 * 5 * 2 + e * 2 * h + 8)
