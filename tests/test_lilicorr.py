@@ -10,7 +10,7 @@ from test_drafter import B, V, random_batch, random_drafter
 
 from dflash_fast.drafter import eager
 from dflash_fast.drafter.config import DrafterConfig
-from dflash_fast.drafter.lilicorr import LatticeWeights, lattice_loss, lattice_shapes, walk
+from dflash_fast.drafter.lilicorr import LatticeWeights, head_shapes, lattice_loss, walk
 
 EPS = 1e-6
 TOP_K = 4
@@ -269,8 +269,8 @@ def test_the_lilicorr_config_is_checked(change, field):
 
 def test_lilicorr_shapes_are_the_parameters():
     d = lilicorr_drafter()
-    assert lattice_shapes(d.config) == {f"lilicorr.{n}": tuple(p.shape) for n, p in d.lilicorr.named_parameters()}
-    assert lattice_shapes(DrafterConfig(**{**d.config.to_dict(), "lilicorr_candidate_topk": 0})) == {}
+    assert head_shapes(d.config) == {f"lilicorr.{n}": tuple(p.shape) for n, p in d.lilicorr.named_parameters()}
+    assert head_shapes(DrafterConfig(**{**d.config.to_dict(), "lilicorr_candidate_topk": 0})) == {}
     assert V > TOP_K
 
 

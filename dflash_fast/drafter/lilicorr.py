@@ -320,7 +320,7 @@ def lattice_terms(head: LiLiCorrHead, ctx: torch.Tensor, batch: Dict[str, torch.
     return terms, ids.gather(-1, terms.walk[..., None])[..., 0]
 
 
-def lattice_shapes(cfg) -> Dict[str, Tuple[int, ...]]:
+def head_shapes(cfg) -> Dict[str, Tuple[int, ...]]:
     """name -> shape of every LiLiCorr parameter a DrafterConfig asks for (empty when off), from the sizes alone."""
     if not getattr(cfg, "lilicorr_candidate_topk", 0):
         return {}

@@ -10,7 +10,7 @@ from typing import Callable, Dict, Mapping, NamedTuple, Optional, Sequence, Tupl
 
 import torch
 
-from dflash_fast.drafter import dflash2, dspark
+from dflash_fast.drafter import dflash2, dspark, lilicorr
 from dflash_fast.drafter.config import DrafterConfig
 from dflash_fast.errors import OBJECT, WEIGHTS_INDEX_SCHEMA, Obj, read_json_object
 from dflash_fast.target.norm import final_norm_weight
@@ -66,8 +66,8 @@ def trainable_shapes(cfg: DrafterConfig) -> Dict[str, Tuple[int, ...]]:
 
 def head_shapes(cfg: DrafterConfig) -> Dict[str, Tuple[int, ...]]:
     """The trainable tensors a family adds to the DFlash backbone: DSpark's heads, DFlash2's convolutions and
-    selector (each empty when off)."""
-    return {**dspark.head_shapes(cfg), **dflash2.head_shapes(cfg)}
+    selector, LiLiCorr's lattice (each empty when off)."""
+    return {**dspark.head_shapes(cfg), **dflash2.head_shapes(cfg), **lilicorr.head_shapes(cfg)}
 
 
 # ---------------------------------------------------------------- the trainable weights read from a file

@@ -40,11 +40,12 @@ log-softmax; in the backward the two codebooks' [V, r] index gradients at once (
 
 LiLiCorr (docs/lilicorr.md, dflash_fast/drafter/lilicorr.py) runs its lattice transformer over L = (B - 1) K rows
 per block, Q (B - 1) K / B rows in all, of width h (lilicorr_hidden_size, 0 = H), MLP width m = int(h mlp_ratio),
-factor width F: `lattice_bytes`: per lattice row the candidate's target embedding [H] and its five features, the
-input sum, per layer the two norms' copies, qkv [3h], the attention's output and the log-sum-exp of its rows, the
-MLP's [m] twice and the residual stream; then output_norm, the factor input [3h] and hidden [h], the out / in
-vectors [F] before and after normalising. The attention with its learned bias runs as torch's math kernel where no
-fused kernel takes an additive mask: its [heads, L, L] probabilities per block and layer are counted. Transient
+factor width F: `lattice_bytes`: the slots' norm(x) [Q, H] it reads, per lattice row the candidate's target
+embedding [H] and its five features, the input sum, per layer the two norms' copies, qkv [3h], the attention's
+output and the log-sum-exp of its rows, the MLP's [m] twice and the residual stream; then output_norm, the factor
+input [3h] and hidden [h], the out / in vectors [F] before and after normalising. The attention with its learned
+bias runs as torch's math kernel where no fused kernel takes an additive mask: its [heads, L, L] probabilities per
+block and layer are counted (tests/test_memory_lilicorr.py: within 10% of a CPU step). Transient
 (w_pen > 0): the teacher's logits at the candidates from their [Q, K, H] lm_head rows.
 
 With activation checkpointing (model.activation_checkpointing) a layer keeps only its input [Q, H]; the layer
@@ -249,7 +250,8 @@ def lattice_bytes(cfg: DrafterConfig, q: int, e: int) -> int:
     per_layer += 4 * blocks * heads * length * length  # the biased attention's probabilities (math kernel)
     front = rows * (e * cfg.hidden_size + 4 * 5 * 2 + e * 2 * h + 8)
     back = rows * ((4 + e) * h + 3 * e * h + 2 * e * h + 4 * e * f)
-    return front + cfg.lilicorr_num_layers * per_layer + back
+    lattice_input = q * (e * cfg.hidden_size + 4)  # norm(x) of every slot (the head's pass_hidden) and its rstd
+    return lattice_input + front + cfg.lilicorr_num_layers * per_layer + back
 
 
 def lattice_transient_bytes(cfg: DrafterConfig, q: int, e: int) -> int:
