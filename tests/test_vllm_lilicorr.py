@@ -1,11 +1,14 @@
 """LiLiCorr's head against vLLM 0.32's own (`vllm/model_executor/models/lilicorr.py` LiLiCorrHead, the candidates of
 `LiLiCorrForCausalLM.compute_candidates`, the walk of `spec_decode/dflash2` CandidateSampler) on identical weights,
 fp32, on the CPU: start and pair scores, the walk table, the candidates and their log-probabilities, the greedy walk,
-for several K, slot counts (B - 1 and the shorter drafts vLLM serves) and batch rows.
+for several K, block sizes, slot counts (B - 1 and the shorter drafts vLLM serves) and batch rows. vLLM runs in a
+process of its own (tests/vllm_lilicorr_on_cpu.py: its walk kernel in Triton's interpreter).
 
 Runs where vLLM is installed (.ci/run's second venv, docs/vllm.md); DFLASH_REQUIRE_VLLM=1 turns the skip into a
 failure there."""
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -17,114 +20,91 @@ from test_drafter import small_config  # noqa: E402
 
 from dflash_fast.drafter.lilicorr import LiLiCorrHead, lilicorr_walk, walk  # noqa: E402
 
+HERE = os.path.dirname(os.path.abspath(__file__))
 VLLM_KEYS = ("lilicorr_candidate_topk", "lilicorr_hidden_size", "lilicorr_num_heads", "lilicorr_num_layers",
              "lilicorr_mlp_ratio", "lilicorr_factor_dim", "lilicorr_vector_eps", "lilicorr_logit_scale")
+# (K, block size, slots drafted, batch rows, lattice width: 0 = the drafter's 32)
+CASES = [(4, 5, 4, 3, 16), (2, 6, 3, 1, 0), (8, 4, 3, 2, 16), (1, 5, 2, 4, 16), (16, 3, 2, 2, 0), (4, 7, 1, 5, 24),
+         (2, 8, 7, 2, 16)]
+CANDIDATE_K = (2, 8)  # the candidates against vLLM's LogitsProcessor, and lilicorr_walk on them
 
 
-@pytest.fixture(scope="module")
-def vllm_context(tmp_path_factory):
-    """vLLM's config context and a one-rank model-parallel group (its parallel linears read the TP size)."""
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import parallel_state
-
-    init_file = tmp_path_factory.mktemp("dist") / "init"
-    with set_current_vllm_config(VllmConfig()):
-        started = not torch.distributed.is_initialized()
-        if started:
-            parallel_state.init_distributed_environment(world_size=1, rank=0, local_rank=0,
-                                                        distributed_init_method=f"file://{init_file}",
-                                                        backend="gloo")
-        if not parallel_state.model_parallel_is_initialized():
-            parallel_state.initialize_model_parallel(1, 1)
-        yield
-        if started:
-            parallel_state.destroy_model_parallel()
-            parallel_state.destroy_distributed_environment()
-
-
-def heads(k, block_size, hidden_size, seed):
-    """Ours (random weights, far from init) and vLLM's with our state dict loaded as its loader maps it."""
-    from vllm.model_executor.models.lilicorr import LiLiCorrHead as VllmHead
-
-    cfg = small_config(block_size=block_size, lilicorr_candidate_topk=k, lilicorr_hidden_size=hidden_size,
+def our_head(k, block_size, width, seed):
+    """Our head with random weights far from its init, and its config."""
+    cfg = small_config(block_size=block_size, lilicorr_candidate_topk=k, lilicorr_hidden_size=width,
                        lilicorr_num_heads=2, lilicorr_num_layers=2, lilicorr_mlp_ratio=1.5, lilicorr_factor_dim=8,
                        lilicorr_logit_scale=7.0)
     torch.manual_seed(seed)
-    ours = LiLiCorrHead(cfg)
+    head = LiLiCorrHead(cfg)
     with torch.no_grad():
-        for p in ours.parameters():
+        for p in head.parameters():
             p.add_(0.3 * torch.randn(p.shape))
-    config = {key: getattr(cfg, key) for key in VLLM_KEYS}
-    theirs = VllmHead(model_hidden_size=cfg.hidden_size, block_size=block_size, rms_norm_eps=cfg.rms_norm_eps,
-                      config=config)
-    state = ours.state_dict()
-    missing = {n for n, _ in theirs.named_parameters()} - set(state)
-    assert missing == set(), f"vLLM's head has parameters ours lacks: {sorted(missing)}"
-    theirs.load_state_dict(state, strict=True)
-    theirs.materialize_inference_buffers(torch.device("cpu"), torch.float32)
-    return ours.eval(), theirs.eval(), cfg
+    return head.eval(), cfg
 
 
-@pytest.mark.parametrize("k, block_size, slots, rows, width", [
-    (4, 5, 4, 3, 16), (2, 6, 3, 1, 0), (8, 4, 3, 2, 16), (1, 5, 2, 4, 16), (16, 3, 2, 2, 0), (4, 7, 1, 5, 24),
-])
-@pytest.mark.usefixtures("vllm_context")
-def test_our_head_scores_and_walks_as_vllms(k, block_size, slots, rows, width):
-    ours, theirs, cfg = heads(k, block_size, width, seed=k * 10 + block_size)
-    gen = torch.Generator().manual_seed(1)
-    h = cfg.hidden_size
-    emb = torch.randn(rows, slots, k, h, generator=gen)
-    log_probs = torch.randn(rows, slots, 40, generator=gen).log_softmax(-1).topk(k, -1).values
-    pass_hidden, anchor = torch.randn(rows, slots, h, generator=gen), torch.randn(rows, h, generator=gen)
-    valid = torch.rand(rows, generator=gen) > 0.3
+def vllm_case(head, cfg, inputs, **extra):
+    return dict(config={key: getattr(cfg, key) for key in VLLM_KEYS}, model_hidden_size=cfg.hidden_size,
+                block_size=cfg.block_size, rms_norm_eps=cfg.rms_norm_eps, state=head.state_dict(), inputs=inputs,
+                **extra)
+
+
+def lattice_inputs(cfg, slots, rows, seed):
+    gen = torch.Generator().manual_seed(seed)
+    k, h = cfg.lilicorr_candidate_topk, cfg.hidden_size
+    return (torch.randn(rows, slots, k, h, generator=gen),
+            torch.randn(rows, slots, 40, generator=gen).log_softmax(-1).topk(k, -1).values,
+            torch.randn(rows, slots, h, generator=gen), torch.randn(rows, h, generator=gen),
+            torch.rand(rows, generator=gen) > 0.3)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """Our heads and inputs, and vLLM's outputs on them (one process for every case)."""
+    tmp = tmp_path_factory.mktemp("lilicorr")
+    ours, cases = [], []
+    for i, (k, block_size, slots, rows, width) in enumerate(CASES):
+        head, cfg = our_head(k, block_size, width, seed=i)
+        inputs = lattice_inputs(cfg, slots, rows, seed=100 + i)
+        ours.append((head, inputs))
+        cases.append(vllm_case(head, cfg, inputs))
+    for i, k in enumerate(CANDIDATE_K):
+        head, cfg = our_head(k, 5, 16, seed=50 + i)
+        gen = torch.Generator().manual_seed(200 + i)
+        v, h, s = cfg.vocab_size, cfg.hidden_size, cfg.block_size - 1
+        extra = dict(lm_head=torch.randn(v, h, generator=gen), embed=torch.randn(v, h, generator=gen),
+                     hidden=torch.randn(s, h, generator=gen), anchor=torch.randn(h, generator=gen))
+        ours.append((head, extra))
+        cases.append(vllm_case(head, cfg, lattice_inputs(cfg, s, 1, seed=300 + i), **extra))
+    torch.save(cases, tmp / "cases.pt")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "vllm_lilicorr_on_cpu.py"), str(tmp / "cases.pt"),
+                           str(tmp / "out.pt")], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return ours, torch.load(tmp / "out.pt")
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[f"K{c[0]}-B{c[1]}-S{c[2]}-R{c[3]}-W{c[4]}" for c in CASES])
+def test_our_head_scores_and_walks_as_vllms(served, case):
+    (head, inputs), want = served[0][case], served[1][case]
     with torch.no_grad():
-        start, pair = ours.scores(emb, log_probs, pass_hidden, anchor, valid)
-        want_start, want_pair = theirs.score(token_embeddings=emb, candidate_log_probs=log_probs,
-                                             pass_hidden=pass_hidden, anchor_hidden=anchor, anchor_valid=valid)
-        table = ours.walk_scores(emb, log_probs, pass_hidden, anchor, valid)
-        want_table = theirs(emb, log_probs, pass_hidden, anchor, valid)
-    torch.testing.assert_close(start, want_start, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(pair, want_pair, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(table, want_table, rtol=1e-5, atol=1e-5)
-    for r in range(rows):
-        assert torch.equal(walk(table[r]), vllm_walk(want_table[r]))
+        start, pair = head.scores(*inputs)
+        table = head.walk_scores(*inputs)
+    torch.testing.assert_close(start, want["start"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(pair, want["pair"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(table, want["table"], rtol=1e-5, atol=1e-5)
+    assert torch.equal(torch.stack([walk(t) for t in table]), want["walk"])
 
 
-def vllm_walk(table):
-    """vLLM's greedy walk (`_selector_walk_kernel` at temperature 0: `previous = 0`, then the row out of the index
-    chosen before, its first maximum), run by its own Triton kernel (the interpreter on the CPU) where it imports."""
-    from vllm.v1.worker.gpu.spec_decode.dflash2.speculator import CandidateSampler
-
-    s, k, _ = table.shape
-    sampler = CandidateSampler(1, s, k, torch.device("cpu"))
-    ids = torch.arange(s * k).view(1, s, k)
-    tokens = torch.zeros(1, s, dtype=torch.int64)
-    sampler.sample(ids, table[None].contiguous(), 1, torch.arange(1, s + 1, dtype=torch.int64).view(1, s),
-                   torch.zeros(1, s, dtype=torch.int32), torch.zeros(1), torch.zeros(1, dtype=torch.int64),
-                   tokens, None, False)
-    return (tokens[0] % k).long()
-
-
-@pytest.mark.parametrize("k", [2, 8])
-@pytest.mark.usefixtures("vllm_context")
-def test_our_candidates_are_vllms(k):
+@pytest.mark.parametrize("i", range(len(CANDIDATE_K)), ids=[f"K{k}" for k in CANDIDATE_K])
+def test_our_candidates_and_drafts_are_vllms(served, i):
     """The candidates and their log-probabilities: the raw log-softmax top-K of the lm_head (vLLM's
-    `LogitsProcessor.get_top_k_tokens(..., return_log_probs=True)`), and the walk of `lilicorr_walk` on them."""
-    from vllm.model_executor.layers.logits_processor import LogitsProcessor
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
-
-    ours, theirs, cfg = heads(k, 5, 16, seed=3)
-    v, h, s = cfg.vocab_size, cfg.hidden_size, cfg.block_size - 1
-    gen = torch.Generator().manual_seed(4)
-    lm_head, embed = torch.randn(v, h, generator=gen), torch.randn(v, h, generator=gen)
-    hidden, anchor = torch.randn(s, h, generator=gen), torch.randn(h, generator=gen)
-    head = ParallelLMHead(v, h)
-    head.weight.data[:v].copy_(lm_head)
-    ids, log_probs = LogitsProcessor(v).get_top_k_tokens(head, hidden, k, return_log_probs=True)
-    mine = torch.log_softmax(hidden @ lm_head.T, -1).topk(k, -1)
-    assert torch.equal(mine.indices, ids)
-    torch.testing.assert_close(mine.values, log_probs, rtol=1e-5, atol=1e-5)
+    `get_top_k_tokens(..., return_log_probs=True)`), and what `lilicorr_walk` drafts from them, vLLM's walk's."""
+    (head, extra), want = served[0][len(CASES) + i], served[1][len(CASES) + i]
+    k = head.top_k
+    logits = extra["hidden"] @ extra["lm_head"].T
+    mine = torch.log_softmax(logits, -1).topk(k, -1)
+    assert torch.equal(mine.indices, want["ids"])
+    torch.testing.assert_close(mine.values, want["log_probs"], rtol=1e-5, atol=1e-5)
     with torch.no_grad():
-        drafted = lilicorr_walk(ours, anchor, hidden, hidden @ lm_head.T, embed)
-        table = theirs(embed[ids][None], log_probs[None], hidden[None], anchor[None], torch.ones(1, dtype=torch.bool))
-    assert torch.equal(drafted, ids.gather(1, vllm_walk(table[0])[:, None])[:, 0])
+        drafted = lilicorr_walk(head, extra["anchor"], extra["hidden"], logits, extra["embed"])
+    assert torch.equal(drafted, want["drafted"])
