@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 from test_drafter import B, V, random_batch, random_drafter
+from test_trainer import tiny  # noqa: F401 (the fixture: a tiny target and its store)
 
 from dflash_fast.drafter import eager
 from dflash_fast.drafter.config import DrafterConfig
@@ -282,3 +283,29 @@ def test_the_export_refuses_a_lilicorr_drafter_it_cannot_write(fmt):
 
     with pytest.raises(ExportError, match="LiLiCorr"):
         check_servable(lilicorr_drafter().config, fmt)
+
+
+def test_the_trainer_trains_lilicorr_and_its_checkpoint_builds_the_drafter_back(tiny, tmp_path):  # noqa: F811
+    """Two steps of configs/tiny.yaml (its recipe, the penalty on) with LiLiCorr's keys on the tiny store: the
+    checkpoint builds the LiLiCorr drafter back with every lattice tensor (finite); a run asking for the export (which
+    refuses LiLiCorr) is refused before step 1, naming export=false. (Two steps of a fresh drafter rarely put the
+    teacher's argmax among its top 4 of 384, so whether the lattice moves here is chance: the lattice's gradients
+    are test_lilicorr_trains_with_every_loss_kind_and_weighting's.)"""
+    from test_trainer import TINY_YAML, settings
+
+    from dflash_fast.errors import ConfigError
+    from dflash_fast.train.checkpoint import load_drafter_for_export
+    from dflash_fast.train.config import load_config
+    from dflash_fast.train.trainer import train
+
+    out = str(tmp_path / "run")
+    keys = dict(model__lilicorr_candidate_topk=4, model__lilicorr_hidden_size=32, model__lilicorr_num_heads=2,
+                model__lilicorr_factor_dim=8, schedule__steps=2)
+    with pytest.raises(ConfigError, match="export=false"):
+        train(load_config(TINY_YAML, settings(tiny, out, export="true", **keys)))
+    train(load_config(TINY_YAML, settings(tiny, out, export="false", **keys)))
+    drafter, _ = load_drafter_for_export(out)
+    assert drafter.config.lilicorr_candidate_topk == 4 and drafter.lilicorr is not None
+    lattice = {f"lilicorr.{n}": p for n, p in drafter.lilicorr.named_parameters()}
+    assert {n: tuple(p.shape) for n, p in lattice.items()} == head_shapes(drafter.config)
+    assert all(torch.isfinite(p).all() for p in lattice.values())
