@@ -175,6 +175,35 @@ def test_a_sampled_walk_hands_the_draw_the_walk_row_at_the_candidates():
         previous = ids[s].tolist().index(int(guess[s]))
 
 
+def test_the_evaluators_q_at_t_is_the_walk_rows_softmax_over_the_candidates():
+    """Our evaluator's DraftSampler at T > 0 (as vLLM's rejection sampler reads its cached draft logits): q of each
+    drafted slot is softmax(row / T) over the K candidates, the row out of the candidate drawn before it, 0 elsewhere;
+    the chain leaves the greedy walk (not vacuous)."""
+    from dflash_fast.evaluate.sampling import DraftSampler
+
+    d = lilicorr_drafter().eval()
+    batch = random_batch(t=24, anchors=((9,),), valid=((True,),))
+    hidden, anchor = batch["hidden"][0, :9], int(batch["input_ids"][0, 9])
+    temperature = 3.0
+    draw = DraftSampler(temperature, torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        greedy = d.propose(hidden, anchor)
+        for _ in range(50):
+            drafts = d.propose(hidden, anchor, draw=draw)
+            q = draw.take(drafts.tolist(), V, "cpu")
+            if not torch.equal(drafts[:-1], greedy[:-1]):
+                break
+        assert not torch.equal(drafts[:-1], greedy[:-1]), "the sampled walk is the greedy one: vacuous"
+        anchor_ctx, h, ids, log_probs = block_inputs(d, hidden, anchor)
+        table = d.lilicorr.walk_scores(d.embed_tokens[ids][None], log_probs[None], h[None], anchor_ctx[None],
+                                       torch.ones(1, dtype=torch.bool))[0]
+    expected, previous = torch.zeros_like(q), 0
+    for s in range(B - 1):
+        expected[s, ids[s]] = torch.softmax(table[s, previous] / temperature, -1)
+        previous = ids[s].tolist().index(int(drafts[s]))
+    torch.testing.assert_close(q, expected, atol=1e-6, rtol=1e-5)
+
+
 # ---------------------------------------------------------------- the candidates out of the lm_head pass
 
 
