@@ -5,6 +5,7 @@
     python bench/lm_head_model.py --rows 1 --cases 'DSpark|^kl$'   # N = 8192 only: kl and DSpark (docs/dspark.md)
     python bench/lm_head_model.py --rows 1 --cases 'DFlash2|^kl$'  # kl and DFlash2 (docs/dflash2.md)
     python bench/lm_head_model.py --medium --cases 'DFlash2|^kl$'  # small rows, V = 65536: DFlash2's CI test
+    python bench/lm_head_model.py --rows 1 --cases 'LiLiCorr|^kl$' # kl and LiLiCorr (docs/lilicorr.md)
     .venv36/bin/python bench/lm_head_model.py     # the same under Triton 3.6
 
 Nothing here is a measurement. The model runs the kernel module's own host code on CPU tensors with every
@@ -40,6 +41,12 @@ of a unit); its extra bytes are mostly torch ops (host_gb). Its convolutions are
 sublayer's conv_in + conv_out (DFlash2's default taps 2, group 16) move forward and forward + backward, in [N, H]
 passes, eager (counted from their torch ops like the host ops here) and with kernels/grouped_dynamic_conv.py (its
 reads and writes from its tiles, the torch ops around it as the host ops here).
+`kl(LiLiCorr)` is `kl` with LiLiCorr's lattice (docs/lilicorr.md; K = 8 candidates, a lattice of width H / 8, 2
+layers, 4 heads, F = 64) as the drafter runs it: the lm_head pass with `topk=K` (the candidates, their logits and
+each row's lse: no [N, V] tensor), norm(h) by the Triton RMSNorm, then in torch the lattice (the candidates' target
+embeddings, the transformer over the (B - 1) K rows of each block, the factor heads), the lattice loss with its
+distractor penalty (the teacher's logits at the candidates from their K lm_head rows) and its backward. The lattice's
+own GEMMs are torch ops: their FLOPs are `host_units` (in GEMM units), their bytes `host_gb`.
 Each launch takes the fastest config the model finds among those that compile without spills (the
 autotuner's pick if the model were the GPU). Results: <out>/lm_head_model_<triton>.{json,md} (one row
 per case) and <out>/lm_head_model_<triton>_kernels.{json,md} (one row per kernel and config).
@@ -84,8 +91,10 @@ DENSE = ("tv", "lk", "lk_hybrid", "rkl", "jsd")  # scored against the full teach
 MARKOV_RANK_PER_H = 1 / 16  # DSpark's default r = 256 at H = 4096
 SELECTOR_TOP_K = 16  # DFlash2's default K (its rank: r = H / 16 as DSpark's, 256 at H = 4096)
 CONV_TAPS, CONV_GROUP = 2, 16  # DFlash2's default convolution
+LILICORR = dict(lilicorr_candidate_topk=8, lilicorr_num_heads=4, lilicorr_num_layers=2, lilicorr_mlp_ratio=2.0,
+                lilicorr_factor_dim=64, lilicorr_vector_eps=1e-6, lilicorr_logit_scale=10.0)  # width: H / 8
 FLOOR = {"kl": 3, "ce(teacher argmax)": 3, "ce(labels)": 2, "ce_data": 2, "kl_topk": 2, **{kind: 3 for kind in DENSE},
-         "kl(DSpark)": 3 + 3 * MARKOV_RANK_PER_H, "kl(DFlash2)": 3}
+         "kl(DSpark)": 3 + 3 * MARKOV_RANK_PER_H, "kl(DFlash2)": 3, "kl(LiLiCorr)": 3}
 
 
 # ---------------------------------------------------------------- what each launch costs
@@ -358,12 +367,14 @@ class HostOps(TorchDispatchMode):
              "lift_fresh"}
     GATHERS = {"gather", "index", "index_select", "take", "take_along_dim"}
     BAGS = {"_embedding_bag", "_embedding_bag_forward_only", "embedding_bag"}  # sum K gathered rows per output row
+    MATMULS = {"mm", "addmm", "bmm", "baddbmm"}  # 2 M N K FLOPs (the torch ops' GEMMs: `host_units`)
     FACTORIES = {"empty", "empty_like", "empty_strided", "new_empty", "zeros", "zeros_like", "new_zeros", "ones",
                  "ones_like", "full", "full_like", "new_full", "new_ones", "arange", "scalar_tensor", "zero_", "fill_"}
 
     def __init__(self):
         super().__init__()
         self.bytes = 0.0
+        self.flops = 0.0
         self.live = 0
         self.events: List[Tuple[int, int]] = []  # (+bytes or -bytes, allocation id)
         self._refs: Dict[int, List[int]] = {}  # storage pointer -> [live tensors, bytes, allocation id]
@@ -376,6 +387,12 @@ class HostOps(TorchDispatchMode):
         if name.startswith("empty") or name == "new_empty":
             out.zero_()
         outs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if name in self.MATMULS:
+            a, b = [t for t in args if isinstance(t, torch.Tensor)][-2:]
+            self.flops += 2.0 * a.numel() * b.shape[-1]
+        elif "scaled_dot_product" in name:  # q k^T and p v of every head: 4 L L d (the backward's: twice that)
+            q, k = args[0], args[1]
+            self.flops += (8.0 if "backward" in name else 4.0) * q.numel() * k.shape[-2]
         if name not in self.VIEWS and name not in self.FACTORIES:
             ins = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
             if name in self.GATHERS:  # reads what it gathers (and the index), not its whole source
@@ -457,7 +474,7 @@ def case_call(mod, kind: str, s: Dict, rows: int, dtype, dpace: bool) -> Callabl
     n, h, v = rows * s["A"] * s["B"], s["H"], s["V"]
     mask, index = training_rows(s, rows)
     empty = lambda *shape, dt=dtype: torch.empty(shape, dtype=dt)  # noqa: E731
-    if kind in ("kl", "kl(DSpark)", "kl(DFlash2)", "ce(teacher argmax)") + DENSE:
+    if kind in ("kl", "kl(DSpark)", "kl(DFlash2)", "kl(LiLiCorr)", "ce(teacher argmax)") + DENSE:
         teacher = Teacher(last=empty(rows * s["T"], h), final_norm_weight=empty(h), index=index)
     elif kind in ("ce(labels)", "ce_data"):
         teacher = Teacher(labels=torch.zeros(n, dtype=torch.long))
@@ -472,6 +489,8 @@ def case_call(mod, kind: str, s: Dict, rows: int, dtype, dpace: bool) -> Callabl
         markov, need = Markov(empty(n, r), empty(v, r)), (True, True, False, True, True)
     if kind == "kl(DFlash2)":
         return dflash2_call(mod, args, s, dtype)
+    if kind == "kl(LiLiCorr)":
+        return lilicorr_call(mod, args, s, dtype)
     return lambda: mod.lm_head_loss_forward(*args, weighting, markov, need_grads=need)
 
 
@@ -498,6 +517,45 @@ def dflash2_call(mod, args, s: Dict, dtype) -> Callable[[], object]:
                             torch.tensor(normalizer), None, topk_logits)
         sel.loss.backward()
         return out, sel.draft
+
+    return call
+
+
+def lilicorr_call(mod, args, s: Dict, dtype) -> Callable[[], object]:
+    """LiLiCorr's lattice as DFlashDrafter.forward runs it (lilicorr.lattice_terms) on the Triton path: the fused pass
+    with topk = K (candidates, logits, lse), norm(h) by the Triton RMSNorm, the lattice head, the lattice loss with
+    its penalty, and the backward of that loss, in torch."""
+    from types import SimpleNamespace
+
+    from dflash_fast.kernels import _common  # imported for the GPU by compile_check.import_kernels_for_gpu
+
+    from dflash_fast.drafter.lilicorr import LatticeWeights, LiLiCorrHead, lattice_loss, teacher_candidate_logits
+
+    h, norm_weight, lm_head, weights, kind, normalizer, eps, teacher = args
+    b, k, width = s["B"], LILICORR["lilicorr_candidate_topk"], s["H"]
+    cfg = SimpleNamespace(hidden_size=width, block_size=b, rms_norm_eps=eps, lilicorr_hidden_size=width // 8,
+                          **LILICORR)
+    head = LiLiCorrHead(cfg).to(dtype)
+    embed = torch.randn(lm_head.shape, dtype=dtype)
+    x = h.clone().requires_grad_(True)
+    blocks = h.shape[0] // b
+
+    def call():
+        out = mod.lm_head_loss_forward(x.detach(), norm_weight, lm_head, weights, kind, normalizer, eps, teacher,
+                                       need_grads=(True, True, False, False, False), topk=k)
+        teacher_argmax, topk_ids, topk_logits, topk_lse = out[3], out[5], out[6], out[7]
+        hidden = _common.rms_norm(x, norm_weight, eps).view(blocks, b, -1)[:, 1:]
+        ids = topk_ids.view(blocks, b, k)[:, 1:]
+        log_probs = (topk_logits - topk_lse[:, None]).view(blocks, b, k)[:, 1:]
+        anchor = hidden[:, 0].detach()  # a [H] row per block, as the context's is
+        start, pair = head.log_factors(*head.scores(embed[ids], log_probs, hidden, anchor,
+                                                    torch.ones(blocks, dtype=torch.bool)))
+        rows = teacher.last[teacher.index].view(blocks, b, -1)[:, 1:].reshape(-1, width)
+        t = teacher_candidate_logits(rows, teacher.final_norm_weight, eps, lm_head, ids.reshape(-1, k))
+        terms = lattice_loss(start, pair, ids, teacher_argmax.view(blocks, b)[:, 1:],
+                             torch.ones(blocks, dtype=torch.bool), t.view(blocks, b - 1, k), LatticeWeights())
+        terms.loss.backward()
+        return out, terms.walk
 
     return call
 
@@ -598,7 +656,8 @@ def conv_rows(s: Dict, rows: int, dtype) -> List[Dict]:
 
 
 CASES = [("kl", False), ("ce(teacher argmax)", False), ("ce(labels)", False), ("ce_data", False), ("kl_topk", False),
-         ("kl", True), ("kl(DSpark)", False), ("kl(DFlash2)", False)] + [(kind, False) for kind in DENSE]
+         ("kl", True), ("kl(DSpark)", False), ("kl(DFlash2)", False), ("kl(LiLiCorr)", False)] + \
+    [(kind, False) for kind in DENSE]
 
 
 def model_case(mod, recorder: LaunchRecorder, kind, dpace, s, rows, dtype, kernel_rows: List[Dict]) -> Dict:
@@ -678,6 +737,8 @@ def model_case(mod, recorder: LaunchRecorder, kind, dpace, s, rows, dtype, kerne
         hbm_bytes=int(totals["hbm"]),
         host_gb=round(host.bytes / 1e9, 3),
         host_bytes=int(host.bytes),
+        host_units=round(host.flops / unit, 4),
+        host_gemm_ms=round(host.flops / H200["flops"] * 1e3, 3),  # not in `ms` (bytes only for the torch ops)
         ms=round(seconds * 1e3, 2),
         floor_ms=round(floor_s * 1e3, 2),
         vs_floor=round(seconds / floor_s, 3),

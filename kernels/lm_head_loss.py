@@ -859,10 +859,12 @@ def lm_head_loss_forward(h, norm_weight, lm_head_weight, weights, kind, normaliz
     markov.w2), d loss.
 
     Arguments (types, shapes) as in `lm_head_loss`. Returns (loss [], kl [] or None, draft_argmax [N],
-    teacher_argmax [N], alpha [N] fp32, topk_ids [N, topk] or None, topk_logits [N, topk] fp32 or None, grads):
+    teacher_argmax [N], alpha [N] fp32, topk_ids [N, topk] or None, topk_logits [N, topk] fp32 or None, topk_lse
+    [N] fp32 or None, grads):
     alpha is each row's acceptance estimate (`LossOutput`, the DSpark confidence target); topk_ids each row's `topk`
     best logits' ids, taken from the chunk's logits buffer (DFlash2's unary candidates: [C, V] at a time, never
-    [N, V]), only the tiles whose maxima can hold them read (`topk_from_tiles`), and topk_logits their logits; grads
+    [N, V]), only the tiles whose maxima can hold them read (`topk_from_tiles`), topk_logits their logits and
+    topk_lse each row's log-sum-exp (the softmax merge's, LiLiCorr's log-probabilities); grads
     the gradients of h [N, H], norm_weight [H], lm_head_weight [V, H], markov.e [N, r], markov.w2 [V, r], each None
     when not flagged.
     """
@@ -891,6 +893,7 @@ def lm_head_loss_forward(h, norm_weight, lm_head_weight, weights, kind, normaliz
     teacher_argmax = torch.empty(n, dtype=torch.int64, device=device)
     topk_ids = torch.empty(n, topk, dtype=torch.int64, device=device) if topk else None
     topk_logits = torch.empty(n, topk, dtype=torch.float32, device=device) if topk else None
+    topk_lse = torch.empty(n, dtype=torch.float32, device=device) if topk else None
     grad_h = torch.empty_like(h) if need_grads[0] else None
     grad_norm = torch.zeros(hid, dtype=torch.float32, device=device) if need_grads[1] else None
     grad_head = torch.zeros(v, hid, dtype=torch.float32, device=device) if need_grads[2] else None
@@ -915,6 +918,7 @@ def lm_head_loss_forward(h, norm_weight, lm_head_weight, weights, kind, normaliz
         if topk_ids is not None:
             topk_ids[lo:hi] = topk_from_tiles(logits[:c], tile_max[:, :c], topk)
             topk_logits[lo:hi] = logits[:c].gather(1, topk_ids[lo:hi])
+            topk_lse[lo:hi] = lse[:c]
         target = chunk_target(kind, teacher, chunk, lse, argmax, v)
         dlogits = dlogits_buf[:c] if need_any else None
         sums = None
@@ -966,7 +970,7 @@ def lm_head_loss_forward(h, norm_weight, lm_head_weight, weights, kind, normaliz
         grad_e,
         None if grad_w2 is None else grad_w2.to(markov.w2.dtype),
     )
-    return loss, kl, draft_argmax, teacher_argmax, alpha, topk_ids, topk_logits, grads
+    return loss, kl, draft_argmax, teacher_argmax, alpha, topk_ids, topk_logits, topk_lse, grads
 
 
 def lm_head_loss_backward(grad_loss: torch.Tensor, grads):
@@ -978,12 +982,12 @@ class LmHeadLossFunction(torch.autograd.Function):
     """The gradients come out of the forward (the loss is the final scalar); backward scales them.
     Arguments: h, norm_weight, lm_head_weight, markov.e, markov.w2 (None without DSpark's Markov bias), topk, then
     the rest of `lm_head_loss`'s. Outputs: loss, kl, draft_argmax, teacher_argmax, alpha, topk_ids, topk_logits
-    ([N, 0] without topk)."""
+    ([N, 0] without topk), topk_lse ([0] without topk)."""
 
     @staticmethod
     def forward(ctx, h, norm_weight, lm_head_weight, e, w2, topk, *rest):
         markov = None if e is None else Markov(e, w2)
-        loss, kl, draft_argmax, teacher_argmax, alpha, topk_ids, topk_logits, grads = lm_head_loss_forward(
+        loss, kl, draft_argmax, teacher_argmax, alpha, topk_ids, topk_logits, topk_lse, grads = lm_head_loss_forward(
             h, norm_weight, lm_head_weight, *rest, markov=markov, need_grads=tuple(ctx.needs_input_grad[:5]),
             topk=topk,
         )
@@ -991,8 +995,9 @@ class LmHeadLossFunction(torch.autograd.Function):
         kl = kl if kl is not None else loss.new_zeros(())
         topk_ids = topk_ids if topk_ids is not None else draft_argmax.new_empty(draft_argmax.shape[0], 0)
         topk_logits = topk_logits if topk_logits is not None else alpha.new_empty(alpha.shape[0], 0)
-        ctx.mark_non_differentiable(kl, draft_argmax, teacher_argmax, alpha, topk_ids, topk_logits)
-        return loss, kl, draft_argmax, teacher_argmax, alpha, topk_ids, topk_logits
+        topk_lse = topk_lse if topk_lse is not None else alpha.new_empty(0)
+        ctx.mark_non_differentiable(kl, draft_argmax, teacher_argmax, alpha, topk_ids, topk_logits, topk_lse)
+        return loss, kl, draft_argmax, teacher_argmax, alpha, topk_ids, topk_logits, topk_lse
 
     @staticmethod
     def backward(ctx, grad_loss, *_):
@@ -1026,12 +1031,12 @@ def lm_head_loss(
     grad_inputs = [t for t in (h, norm_weight, lm_head_weight, e, w2) if t is not None]
     rest = (weights, kind, normalizer, eps, teacher, dpace)
     if torch.is_grad_enabled() and any(t.requires_grad for t in grad_inputs):
-        loss, kl, draft_argmax, teacher_argmax, alpha, topk_ids, topk_logits = LmHeadLossFunction.apply(
+        loss, kl, draft_argmax, teacher_argmax, alpha, topk_ids, topk_logits, topk_lse = LmHeadLossFunction.apply(
             h, norm_weight, lm_head_weight, e, w2, topk, *rest
         )
     else:  # the autograd Function would still see requires_grad under no_grad and compute gradients
-        loss, kl, draft_argmax, teacher_argmax, alpha, topk_ids, topk_logits, _ = lm_head_loss_forward(
+        loss, kl, draft_argmax, teacher_argmax, alpha, topk_ids, topk_logits, topk_lse, _ = lm_head_loss_forward(
             h, norm_weight, lm_head_weight, *rest, markov=markov, topk=topk
         )
     return LossOutput(loss, kl if has_kl(kind) else None, draft_argmax, teacher_argmax, alpha,
-                      *((topk_ids, topk_logits) if topk else ()))
+                      *((topk_ids, topk_logits, topk_lse) if topk else ()))

@@ -195,7 +195,8 @@ def test_the_selector_reaches_the_lm_head_only_through_its_candidates_rows():
 @pytest.mark.parametrize("kind, dpace", [("kl", None), ("ce", losses.DPace(0.5, 5)), ("kl_topk", None)])
 def test_fused_unary_top_k_equals_the_eager_twins_across_chunks(kind, dpace):
     """The Triton pass takes each row's top-K from its chunk's logits (N = 45 rows in chunks of 16 under the
-    interpreter, V = 97, K = 7): the ids of the eager twin, whose loss and gradients are unchanged by it."""
+    interpreter, V = 97, K = 7): the ids of the eager twin, whose loss and gradients are unchanged by it, and each
+    row's lse (the pass's softmax merge) equal to the eager twin's."""
     from dflash_fast.kernels.lm_head_loss import lm_head_loss as fused
 
     gen = torch.Generator().manual_seed(3)
@@ -215,6 +216,10 @@ def test_fused_unary_top_k_equals_the_eager_twins_across_chunks(kind, dpace):
         results.append((out, [t.grad for t in inputs]))
     (want, want_grads), (got, got_grads) = results
     assert got.topk_ids.shape == (n, k) and torch.equal(got.topk_ids, want.topk_ids)
+    # each row's lse with its top-K (LiLiCorr's log-probabilities, topk_logits - lse, docs/lilicorr.md)
+    lse = torch.logsumexp(eager.rms_norm(x, torch.ones(h), EPS) @ w.T, -1)
+    torch.testing.assert_close(want.lse, lse, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.lse, lse, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)
     for g, wg in zip(got_grads, want_grads):
         torch.testing.assert_close(g, wg, rtol=1e-4, atol=1e-5)

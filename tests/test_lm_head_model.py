@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import torch
 import triton
@@ -15,11 +16,21 @@ import triton
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from bench.lm_head_model import H200, SMALL, Cost, conv_rows, grouped, hbm_bytes, programs_per_sm  # noqa: E402
+from bench.lm_head_model import (  # noqa: E402
+    H200,
+    LILICORR,
+    SMALL,
+    Cost,
+    conv_rows,
+    grouped,
+    hbm_bytes,
+    programs_per_sm,
+)
+from dflash_fast.train.memory import lattice_bytes, lattice_transient_bytes  # noqa: E402
 
 UNIT_BUDGET = {"kl": 3, "ce(teacher argmax)": 3, "ce(labels)": 2, "ce_data": 2, "kl_topk": 2, "kl, D-PACE": 3,
                **{kind: 3 for kind in ("tv", "lk", "lk_hybrid", "rkl", "jsd")},
-               "kl(DSpark)": 3 + 3 / 16, "kl(DFlash2)": 3}
+               "kl(DSpark)": 3 + 3 / 16, "kl(DFlash2)": 3, "kl(LiLiCorr)": 3}
 
 
 def run_model(tmp_path, size, *extra):
@@ -80,6 +91,21 @@ def test_dflash2_selector_costs_under_a_tenth_more_than_kl_and_no_n_by_v_tensor(
     assert [(r["backend"], r["budget_passes"]) for r in conv] == [("eager", 4), ("eager", 8), ("triton", 4),
                                                                      ("triton", 8)]
     assert all(r["nh_passes"] > 0 for r in conv)
+
+
+def test_lilicorr_keeps_kls_pass_and_counts_its_lattice_without_an_n_by_v_tensor(tmp_path):
+    """LiLiCorr's lattice (docs/lilicorr.md) on kl's pass: the pass's GEMM units unchanged (the candidates, their logits
+    and lse come out of it), the lattice's own GEMMs and bytes counted (host_units, host_bytes: torch ops), and the
+    memory it adds to the call's peak within what the memory plan counts for it (train/memory.py lattice_bytes and
+    lattice_transient_bytes; 23.4 MB against 31.6 MB here, 3.39 GB against 3.99 GB at the reference)."""
+    rows, _ = run_model(tmp_path, "small", "--cases", r"^kl(\(LiLiCorr\))?$")
+    lilicorr, kl = rows["kl(LiLiCorr)"], rows["kl"]
+    assert lilicorr["units"] == kl["units"] and lilicorr["spilling_configs"] == 0, (lilicorr, kl)
+    assert lilicorr["host_units"] > 0 and lilicorr["host_bytes"] > 10 * kl["host_bytes"], (lilicorr, kl)
+    cfg = SimpleNamespace(hidden_size=SMALL["H"], block_size=SMALL["B"], lilicorr_hidden_size=SMALL["H"] // 8,
+                          **LILICORR)
+    planned = lattice_bytes(cfg, lilicorr["N"], 2) + lattice_transient_bytes(cfg, lilicorr["N"], 2)
+    assert 0 < lilicorr["peak_extra_bytes"] - kl["peak_extra_bytes"] <= planned, (lilicorr, kl, planned)
 
 
 def test_dflash2_convolutions_add_at_most_their_budget_to_a_dflash_sublayer_forward():

@@ -42,19 +42,26 @@ def walk_scores(d, hidden, anchor, drafts):
     return out
 
 
+def sampled_off_greedy(d, hidden, anchor, temperature):
+    """(the greedy drafts, a sampled block whose walk leaves the greedy one before its last slot, its q [k, V]) of
+    `d.propose` with our evaluator's DraftSampler at `temperature` (fails when 50 draws never leave it: vacuous)."""
+    draw = DraftSampler(temperature, torch.Generator().manual_seed(1))
+    greedy = d.propose(hidden, anchor)
+    for _ in range(50):
+        drafts = d.propose(hidden, anchor, draw=draw)
+        q = draw.take(drafts.tolist(), V, "cpu")
+        if not torch.equal(drafts[:-1], greedy[:-1]):
+            break
+    assert not torch.equal(drafts[:-1], greedy[:-1]), "the sampled chain is the greedy one: vacuous"
+    return greedy, drafts, q
+
+
 @pytest.mark.parametrize("sample_from_anchor", [True, False], ids=["from_anchor", "dflash_alignment"])
 def test_q_of_each_slot_is_the_selector_softmax_over_its_candidates_given_the_token_drawn_before(sample_from_anchor):
     """The chain must leave the greedy one before its last slot, so that a later slot's prev is a sampled token."""
     d, hidden, anchor = hot_drafter(sample_from_anchor)
-    draw = DraftSampler(T_HOT, torch.Generator().manual_seed(1))
     with torch.no_grad():
-        greedy = d.propose(hidden, anchor)
-        for _ in range(50):
-            drafts = d.propose(hidden, anchor, draw=draw)
-            q = draw.take(drafts.tolist(), V, "cpu")
-            if not torch.equal(drafts[:-1], greedy[:-1]):
-                break
-        assert not torch.equal(drafts[:-1], greedy[:-1]), "the sampled chain is the greedy one: vacuous"
+        greedy, drafts, q = sampled_off_greedy(d, hidden, anchor, T_HOT)
         expected = torch.zeros_like(q)
         for j, (ids, scores) in enumerate(walk_scores(d, hidden, anchor, drafts)):
             expected[j, ids] = torch.softmax(scores / T_HOT, -1)

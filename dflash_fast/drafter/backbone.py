@@ -5,8 +5,9 @@
     x --norm, lm_head, loss vs teacher at p-1--> loss, argmaxes
 
 `DFlashDrafter` is the DFlash family itself. Every other family is a subclass in its own module (DSpark in
-dspark.py, DFlash2 in dflash2.py) that names itself in `family` (the value `DrafterConfig.family` gives its
-options) and overrides the hooks below; nothing outside its module branches on the family:
+dspark.py, DFlash2 in dflash2.py, LiLiCorr in lilicorr.py) that names itself in `family` (the value
+`DrafterConfig.family` gives its options) and overrides the hooks below; nothing outside its module branches on the
+family:
 
     add_heads()                       build its own modules (registered on the drafter under their export names)
     reset_parameters(std)             super(), then its own initialisation
@@ -17,8 +18,9 @@ options) and overrides the hooks below; nothing outside its module branches on t
                                          draft the metrics score, its DrafterOutput fields
     logits_with_heads(batch, x, logits)
                                       -> the export gate's materialised logits and confidence
-    walk(x, hidden, logits, anchor_token, draw, with_confidence)
+    walk(x, hidden, logits, anchor_token, draw, with_confidence, context)
                                       -> the proposal of one block (spec.md §6, §10) and its confidence or None
+                                         (context: the sequence's ctx rows, LiLiCorr's anchor reads the last)
     gate_outputs(batch, logits)       -> what the export gate compares beside the logits (DFlash2: selector scores)
 
 `DFlashDrafter(cfg)` builds the family `cfg.family` names: the subclass registers itself when its module is
@@ -35,7 +37,7 @@ from torch.utils.checkpoint import checkpoint
 from dflash_fast.drafter import ops
 from dflash_fast.drafter.config import DrafterConfig
 from dflash_fast.drafter.layers import DecoderLayer, RMSNorm, Rope
-from dflash_fast.drafter.losses import DPace, LossOutput
+from dflash_fast.drafter.losses import DPace, LossOutput, Teacher
 from dflash_fast.drafter.targets import Targets, gather_rows, position_weights, slot_targets, slot_teacher
 
 
@@ -52,6 +54,7 @@ class DrafterOutput(NamedTuple):
     selector_loss: Optional[torch.Tensor] = None  # DFlash2: the selector's CE (before selector_alpha)
     recall: Optional[torch.Tensor] = None  # DFlash2: [R, A, B] bool, the teacher argmax is in the unary top-K
     selector_hit: Optional[torch.Tensor] = None  # DFlash2: [R, A, B] bool, recall and the selector picks it
+    lattice_loss: Optional[torch.Tensor] = None  # LiLiCorr: the lattice terms, weighted (lilicorr.lattice_loss)
 
 
 class Step(NamedTuple):
@@ -64,6 +67,9 @@ class Step(NamedTuple):
     decay: torch.Tensor  # [R, A, B] the decay over the trained slots (spec.md §5)
     dpace: Optional[DPace]
     loss_kind: str
+    ctx: torch.Tensor  # [R, T, H] the context the layers read (LiLiCorr's anchor reads it at anchor - 1)
+    batch: Dict[str, torch.Tensor]  # the collated batch (keys as in dflash_fast.data.batches)
+    teacher: Teacher  # the main loss's teacher side (LiLiCorr's distractor penalty reads `last`)
 
 
 class FamilyTerms(NamedTuple):
@@ -179,12 +185,13 @@ class DFlashDrafter(nn.Module):
                 x = layer(x, ctx, self.rope, blk_cs, ctx_cs, attn)
         return x
 
-    def batch_states(self, batch: Dict[str, torch.Tensor], noise_std: float = 0.0, seed: int = 0) -> torch.Tensor:
+    def batch_states(self, batch: Dict[str, torch.Tensor], noise_std: float = 0.0, seed: int = 0,
+                     ctx: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Pre-norm block states [R, A*B, H] of a collated batch (keys as in dflash_fast.data.batches): the context
-        from the tapped hidden states, then the N layers over every anchor's block."""
+        from the tapped hidden states (or `ctx` given), then the N layers over every anchor's block."""
         anchors = batch["anchors"]
         return self.block_states(
-            self.context(batch["hidden"], noise_std, seed),
+            self.context(batch["hidden"], noise_std, seed) if ctx is None else ctx,
             batch["position_ids"],
             batch["input_ids"].gather(1, anchors),
             batch["position_ids"].gather(1, anchors),
@@ -208,23 +215,24 @@ class DFlashDrafter(nn.Module):
 
         weighting: "decay" (spec.md §5 position weights with `gamma`) or "dpace" (D-PACE with `dpace_alpha`,
         computed inside the loss from the drafter's confidence). family_weights: the weights of the families' loss
-        terms by name (confidence_alpha: DSpark's, spec.md §8; selector_alpha: DFlash2's, spec.md §9), each read by
-        its family's `family_terms`, the others ignored.
+        terms by name (confidence_alpha: DSpark's, spec.md §8; selector_alpha: DFlash2's, spec.md §9; lilicorr_w_ce,
+        _w_margin, _margin, _w_pen: LiLiCorr's), each read by its family's `family_terms`, the others ignored.
         """
         cfg = self.config
         anchors = batch["anchors"]
         r, a = anchors.shape
         b = cfg.block_size
-        x = self.batch_states(batch, noise_std, seed)
+        ctx = self.context(batch["hidden"], noise_std, seed)
+        x = self.batch_states(batch, ctx=ctx)
         targets = slot_targets(batch, b, cfg.sample_from_anchor)
         dpace = DPace(dpace_alpha, b) if weighting == "dpace" else None
         decay = position_weights(b, gamma, cfg.sample_from_anchor).to(x.device) * targets.slot_mask
         weights = targets.slot_mask.float() if dpace else decay
         n = r * a * b
-        step = Step(x, targets, gather_rows(batch["input_ids"], targets.prev_position), weights.reshape(n), decay,
-                    dpace, loss_kind)
-        head_options, state = self.loss_head(step)
         teacher, stored_argmax = slot_teacher(batch, targets, loss_kind, self.target_norm, x.dtype)
+        step = Step(x, targets, gather_rows(batch["input_ids"], targets.prev_position), weights.reshape(n), decay,
+                    dpace, loss_kind, ctx, batch, teacher)
+        head_options, state = self.loss_head(step)
         out = ops.lm_head_loss(
             x.reshape(n, -1),
             self.norm.weight,
@@ -266,10 +274,12 @@ class DFlashDrafter(nn.Module):
         return logits, None
 
     def walk(self, x: torch.Tensor, hidden: torch.Tensor, logits: torch.Tensor, anchor_token: int,  # noqa: ARG002
-             draw=None, with_confidence: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:  # noqa: ARG002
+             draw=None, with_confidence: bool = False,  # noqa: ARG002
+             context: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:  # noqa: ARG002
         """The proposal of one block from its pre-norm states x [B, H], normed states hidden [B, H] and logits
-        [B, V] -> (the drafted tokens, each one's acceptance probability [same length] or None). DFlash: every
-        drafted slot's logits through `draw` at once (default argmax)."""
+        [B, V] -> (the drafted tokens, each one's acceptance probability [same length] or None); context [T, H]: the
+        sequence's ctx rows (positions 0..T-1). DFlash: every drafted slot's logits through `draw` at once (default
+        argmax)."""
         return (draw or _argmax)(logits[self.config.first_slot:]), None
 
     def gate_outputs(self, batch: Dict[str, torch.Tensor],  # noqa: ARG002 (a hook: DFlash adds nothing)
@@ -318,7 +328,7 @@ class DFlashDrafter(nn.Module):
         logits = F.linear(hidden_normed, self.lm_head.to(x.dtype))
         if with_confidence and not self.proposes_confidence:
             raise ValueError("with_confidence: this drafter has no confidence head (model.confidence_head)")
-        guesses, confidence = self.walk(x[0], hidden_normed, logits, anchor_token, draw, with_confidence)
+        guesses, confidence = self.walk(x[0], hidden_normed, logits, anchor_token, draw, with_confidence, ctx[0])
         return (guesses, confidence) if with_confidence else guesses
 
 def _argmax(slot_logits: torch.Tensor) -> torch.Tensor:

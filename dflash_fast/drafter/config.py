@@ -56,6 +56,16 @@ class DrafterOptions:
     conv_group_size: int = 16  # hidden channels sharing one dynamic coefficient; divides the hidden size
     selector_rank: int = 0  # rank r of the candidate selector's codebooks P, S [V, r]; 0 = none
     selector_top_k: int = 16  # K unary candidates the selector re-ranks; <= vocab_size
+    # LiLiCorr (spec.md §11, docs/lilicorr.md): the DFlash backbone (with or without DFlash2's convolutions) plus the
+    # candidate-lattice correlator; lilicorr_candidate_topk 0 = off. The names are vLLM 0.32's `dflash_config` keys.
+    lilicorr_candidate_topk: int = 0  # K candidates per drafted slot: a power of two <= 16
+    lilicorr_hidden_size: int = 0  # the lattice transformer's width; 0 = the drafter's hidden size
+    lilicorr_num_heads: int = 4
+    lilicorr_num_layers: int = 2
+    lilicorr_mlp_ratio: float = 2.0
+    lilicorr_factor_dim: int = 64
+    lilicorr_vector_eps: float = 1e-6
+    lilicorr_logit_scale: float = 10.0
 
     @classmethod
     def names(cls):
@@ -130,9 +140,12 @@ class DrafterConfig(DrafterOptions):
 
     @property
     def family(self) -> str:
-        """The drafter family the options describe: dflash2 (either DFlash2 addition on, spec.md §9), dspark (a
-        DSpark option other than DFlash's, spec.md §8) or dflash. `DFlashDrafter(cfg)` builds that family's class,
-        and the export writes it as speculators_model_type."""
+        """The drafter family the options describe: lilicorr (lilicorr_candidate_topk > 0, with or without DFlash2's
+        convolutions, docs/lilicorr.md), dflash2 (either DFlash2 addition on, spec.md §9), dspark (a DSpark option
+        other than DFlash's, spec.md §8) or dflash. `DFlashDrafter(cfg)` builds that family's class, and the export
+        writes it as speculators_model_type."""
+        if self.lilicorr_candidate_topk:
+            return "lilicorr"
         if self.is_dflash2:
             return "dflash2"
         return "dspark" if any(getattr(self, key) != value for key, value in DFLASH_ONLY.items()) else "dflash"
@@ -222,6 +235,7 @@ def value_problems(values: Mapping) -> List[str]:
     if not isinstance(head, str):
         problems.append(f"markov_head_type={head!r} is not a string")
     problems += dflash2_problems(values)
+    problems += lilicorr_problems(values)
     rope = values.get("rope_parameters", {})
     if not isinstance(rope, dict):
         problems.append(f"rope_parameters={rope!r} is not an object")
@@ -248,6 +262,44 @@ def dflash2_problems(values: Mapping) -> List[str]:
     top_k, vocab = values.get("selector_top_k", 16), values.get("vocab_size")
     if values.get("selector_rank", 0) and is_int(vocab) and top_k > vocab:
         problems.append(f"selector_top_k={top_k} is more candidates than the vocabulary has ({vocab})")
+    return problems
+
+
+MAX_LILICORR_TOP_K = 16  # vLLM 0.32's LiLiCorrHead: a power of two <= 16
+
+
+def lilicorr_problems(values: Mapping) -> List[str]:
+    """LiLiCorr's fields (docs/lilicorr.md) as vLLM 0.32 reads them, one line each; none when it is off
+    (lilicorr_candidate_topk 0): K a power of two <= 16, heads dividing the lattice width, positive sizes, eps in
+    (0, 0.5), a scale > 0, and no other family's head with it (vLLM builds none beside it)."""
+    k = values.get("lilicorr_candidate_topk", 0)
+    if not k:
+        return []
+    if not is_int(k) or k < 1 or k > MAX_LILICORR_TOP_K or k & (k - 1):
+        return [f"lilicorr_candidate_topk={k!r} is not a power of two <= {MAX_LILICORR_TOP_K} (vLLM serves no other)"]
+    problems = [f"{field}={values.get(field)!r} is not an integer >= {least}"
+                for field, least in (("lilicorr_hidden_size", 0), ("lilicorr_num_heads", 1),
+                                     ("lilicorr_num_layers", 1), ("lilicorr_factor_dim", 1))
+                if not is_int(values.get(field, least)) or values.get(field, least) < least]
+    if problems:
+        return problems
+    width = values.get("lilicorr_hidden_size", 0) or values.get("hidden_size")
+    heads = values.get("lilicorr_num_heads", 4)
+    if is_int(width) and width % heads:
+        problems.append(f"lilicorr_num_heads={heads} does not divide the lattice width {width}")
+    eps, scale = values.get("lilicorr_vector_eps", 1e-6), values.get("lilicorr_logit_scale", 10.0)
+    ratio = values.get("lilicorr_mlp_ratio", 2.0)
+    if not _is_number(eps) or not 0 < eps < 0.5:
+        problems.append(f"lilicorr_vector_eps={eps!r} is not a number in (0, 0.5)")
+    if not _is_number(scale) or scale <= 0:
+        problems.append(f"lilicorr_logit_scale={scale!r} is not a number > 0")
+    if not _is_number(ratio) or (is_int(width) and int(width * ratio) < 1):
+        problems.append(f"lilicorr_mlp_ratio={ratio!r} gives the lattice MLP no width")
+    if values.get("sample_from_anchor"):
+        problems.append("sample_from_anchor=true with LiLiCorr: its lattice is the B - 1 slots after the given token")
+    if values.get("selector_rank") or values.get("markov_rank") or values.get("confidence_head"):
+        problems.append("LiLiCorr (lilicorr_candidate_topk) with DFlash2's selector or DSpark's heads: "
+                        "choose one family")
     return problems
 
 

@@ -237,7 +237,8 @@ class DFlash2Drafter(DFlashDrafter):
         return {"candidate selector scores": self.candidate_selector.scores(hidden, self.lm_head, prev, ids)}
 
     def walk(self, x: torch.Tensor, hidden: torch.Tensor, logits: torch.Tensor, anchor_token: int, draw=None,
-             with_confidence: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+             with_confidence: bool = False,
+             context: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:  # noqa: ARG002
         """With the selector, greedy without a draw takes the best score, not the argmax of a row
         (`selector_walk`)."""
         if self.candidate_selector is None:

@@ -178,7 +178,8 @@ class DSparkDrafter(DFlashDrafter):
         return logits, confidence
 
     def walk(self, x: torch.Tensor, hidden: torch.Tensor, logits: torch.Tensor, anchor_token: int, draw=None,
-             with_confidence: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+             with_confidence: bool = False,
+             context: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:  # noqa: ARG002
         """With a Markov head the block is drafted slot by slot, each slot's bias from the token drafted for the
         position before its own (the anchor's token first), each token picked through `draw`; the confidence head's
         acceptance probability of each guess when asked."""

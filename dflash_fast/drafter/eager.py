@@ -264,4 +264,5 @@ def lm_head_loss(
     loss = (per_row * row_weight).sum() / denom
     kl = None if kl_row is None else (kl_row * row_weight).sum() / denom
     top = logits.detach().float().topk(topk, dim=-1) if topk else None
-    return LossOutput(loss, kl, logits.argmax(-1), teacher_argmax, alpha, *((top.indices, top.values) if topk else ()))
+    return LossOutput(loss, kl, logits.argmax(-1), teacher_argmax, alpha,
+                      *((top.indices, top.values, torch.logsumexp(logits.detach().float(), -1)) if topk else ()))

@@ -8,11 +8,11 @@ family", lists the other files a new family touches.
 """
 from typing import Dict, Tuple
 
-from dflash_fast.drafter import dflash2, dspark
+from dflash_fast.drafter import dflash2, dspark, lilicorr
 from dflash_fast.drafter.config import DrafterConfig
 
 # family name (DrafterConfig.family) -> its module; DFlash adds nothing to the backbone
-FAMILIES = {"dspark": dspark, "dflash2": dflash2}
+FAMILIES = {"dspark": dspark, "dflash2": dflash2, "lilicorr": lilicorr}
 
 
 def head_shapes(cfg: DrafterConfig) -> Dict[str, Tuple[int, ...]]:

@@ -82,7 +82,9 @@ class LossOutput(NamedTuple):
     scores against: softmax(t) for the dense kinds, the point mass at the label for ce and ce_data (alpha =
     q_label, D-PACE's confidence), the stored top-k ids plus one "every other token" bucket for kl_topk.
     topk_ids: [N, K] int64, no gradient: each row's K best drafter logits, best first (asked with `topk = K`: the
-    DFlash2 selector's candidates, spec.md §9), else None; topk_logits: [N, K] fp32, no gradient, their logits."""
+    DFlash2 selector's candidates, spec.md §9), else None; topk_logits: [N, K] fp32, no gradient, their logits; lse:
+    [N] fp32, no gradient, with topk: each row's log-sum-exp of the drafter logits (topk_logits - lse: the
+    candidates' raw log-softmax, LiLiCorr's features)."""
 
     loss: torch.Tensor
     kl: Optional[torch.Tensor]
@@ -91,6 +93,7 @@ class LossOutput(NamedTuple):
     alpha: torch.Tensor
     topk_ids: Optional[torch.Tensor] = None
     topk_logits: Optional[torch.Tensor] = None
+    lse: Optional[torch.Tensor] = None
 
 
 def dpace_weights(confidence: torch.Tensor, mask: torch.Tensor, dpace: DPace) -> torch.Tensor:

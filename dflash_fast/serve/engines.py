@@ -98,6 +98,10 @@ def mismatches(expected: Dict, served: Dict[str, Dict], serving_rules: bool = Fa
 
 def check_servable(cfg: DrafterConfig, fmt: str) -> None:
     """Refuse, before anything is written, a drafter that the engines of `fmt` would serve differently."""
+    if cfg.family == "lilicorr":  # both layouts would write a plain DFlash(2) drafter, served without its lattice
+        raise ExportError(f"the {fmt} format cannot serve this LiLiCorr drafter as it trained: the export of its "
+                          f"lattice head (vLLM's LiLiCorrDraftModel) is not built yet (docs/lilicorr.md); evaluate "
+                          f"the training checkpoint with our evaluator")
     if cfg.is_dflash2:
         dflash2_servable(cfg, fmt)
     problems = mismatches(architecture(cfg), served_architectures(format_config(cfg, fmt, verifier="")))

@@ -71,10 +71,21 @@ class LossConfig:
     dpace_alpha: float = 0.5  # dpace: confidence smoothing s_j = (1 - alpha) c_j + alpha, in [0, 1]
     confidence_alpha: float = 1.0  # DSpark: weight of the confidence head's BCE in the loss (model.confidence_head)
     selector_alpha: float = 1.0  # DFlash2: weight of the candidate selector's CE in the loss (model.selector_rank)
+    # LiLiCorr (model.lilicorr_candidate_topk): ModelOpt's absolute weights of the lattice terms, its `base` variant
+    # (`margin`: w_ce 0.125, w_margin 0.125, margin 2.0, w_pen 0.25); w_pen needs a dense kind (the teacher's logits)
+    lilicorr_w_ce: float = 0.25
+    lilicorr_w_margin: float = 0.0
+    lilicorr_margin: float = 2.0
+    lilicorr_w_pen: float = 0.25
 
     def family_weights(self) -> Dict[str, float]:
         """The weights of the families' loss terms, by the name each family's `family_terms` reads."""
-        return {"confidence_alpha": self.confidence_alpha, "selector_alpha": self.selector_alpha}
+        return {"confidence_alpha": self.confidence_alpha, "selector_alpha": self.selector_alpha,
+                **{name: getattr(self, name) for name in LILICORR_WEIGHTS}}
+
+
+# LiLiCorr's lattice-term weights (lilicorr.LiLiCorrDrafter.family_terms reads them by these names)
+LILICORR_WEIGHTS = ("lilicorr_w_ce", "lilicorr_w_margin", "lilicorr_margin", "lilicorr_w_pen")
 
 
 @dataclasses.dataclass
@@ -416,6 +427,9 @@ def _check_heads_and_loss(m: ModelConfig, loss: LossConfig) -> None:
            f"teacher: loss.kind={loss.kind!r} has none; use one of {DENSE_KINDS} (a store with `last`)")
     _check(loss.confidence_alpha >= 0, f"loss.confidence_alpha={loss.confidence_alpha} must be >= 0")
     _check(loss.selector_alpha >= 0, f"loss.selector_alpha={loss.selector_alpha} must be >= 0")
+    lattice = tuple(getattr(loss, name) for name in LILICORR_WEIGHTS)
+    _check(min(lattice) >= 0 and (not loss.lilicorr_w_margin or loss.lilicorr_margin > 0),
+           f"loss.lilicorr_w_ce, _w_margin, _margin, _w_pen={lattice} must be >= 0 (a margin > 0 with w_margin > 0)")
     _check(m.conv_kernel_size >= 0 and m.selector_rank >= 0,
            f"model.conv_kernel_size={m.conv_kernel_size} and model.selector_rank={m.selector_rank} must be >= 0 "
            f"(0 = without DFlash2's convolutions / selector)")

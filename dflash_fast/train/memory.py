@@ -38,6 +38,16 @@ input rows, kept for its backward, the normed rows the selector reads and their 
 embedding_bag: no [Q, K, H] gather), the [Q, r] predecessor codes, projection and their product, the K-way
 log-softmax; in the backward the two codebooks' [V, r] index gradients at once (transient).
 
+LiLiCorr (docs/lilicorr.md, dflash_fast/drafter/lilicorr.py) runs its lattice transformer over L = (B - 1) K rows
+per block, Q (B - 1) K / B rows in all, of width h (lilicorr_hidden_size, 0 = H), MLP width m = int(h mlp_ratio),
+factor width F: `lattice_bytes`: the slots' norm(x) [Q, H] it reads, per lattice row the candidate's target
+embedding [H] and its five features, the input sum, per layer the two norms' copies, qkv [3h], the attention's
+output and the log-sum-exp of its rows, the MLP's [m] twice and the residual stream; then output_norm, the factor
+input [3h] and hidden [h], the out / in vectors [F] before and after normalising. The attention with its learned
+bias runs as torch's math kernel where no fused kernel takes an additive mask: its [heads, L, L] probabilities per
+block and layer are counted (tests/test_memory_lilicorr.py: within 10% of a CPU step). Transient
+(w_pen > 0): the teacher's logits at the candidates from their [Q, K, H] lm_head rows.
+
 With activation checkpointing (model.activation_checkpointing) a layer keeps only its input [Q, H]; the layer
 the backward is in recomputes its saved tensors, so one layer's worth of them is resident at a time.
 
@@ -229,6 +239,30 @@ def selector_backward_bytes(cfg: DrafterConfig, e: int) -> int:
     return 2 * e * cfg.selector_rank * cfg.vocab_size
 
 
+def lattice_bytes(cfg: DrafterConfig, q: int, e: int) -> int:
+    """What LiLiCorr's lattice saves for the backward over Q block rows (module docstring); 0 without it."""
+    k = cfg.lilicorr_candidate_topk
+    if not k:
+        return 0
+    blocks, h = q // cfg.block_size, cfg.lilicorr_hidden_size or cfg.hidden_size
+    length = (cfg.block_size - 1) * k
+    rows, m, f = blocks * length, int(h * cfg.lilicorr_mlp_ratio), cfg.lilicorr_factor_dim
+    heads = cfg.lilicorr_num_heads
+    per_layer = rows * (2 * (4 + e) * h + 8 + 3 * e * h + 2 * e * h + 4 * heads + 2 * e * m + e * h)
+    per_layer += 4 * blocks * heads * length * length  # the biased attention's probabilities (math kernel)
+    front = rows * (e * cfg.hidden_size + 4 * 5 * 2 + e * 2 * h + 8)
+    back = rows * ((4 + e) * h + 3 * e * h + 2 * e * h + 4 * e * f)
+    lattice_input = q * (e * cfg.hidden_size + 4)  # norm(x) of every slot (the head's pass_hidden) and its rstd
+    return lattice_input + front + cfg.lilicorr_num_layers * per_layer + back
+
+
+def lattice_transient_bytes(cfg: DrafterConfig, q: int, e: int) -> int:
+    """LiLiCorr's distractor penalty: the candidates' [Q (B - 1) / B, K, H] lm_head rows it reads the teacher's logits
+    from (freed before the backward); 0 without LiLiCorr."""
+    k = cfg.lilicorr_candidate_topk
+    return q * (cfg.block_size - 1) // cfg.block_size * k * cfg.hidden_size * e if k else 0
+
+
 def layer_context_bytes(cfg: DrafterConfig, tokens: int, e: int) -> int:
     """What one drafter layer saves of the context keys and values over `tokens` = R*T positions: k_norm's input
     and output, k and v (the anchored attention's inputs)."""
@@ -336,6 +370,9 @@ def step_memory(cfg: DrafterConfig, step: Step, setup: Setup) -> Plan:
     if cfg.selector_rank:
         resident["DFlash2 selector (saved)"] = selector_bytes(cfg, q, e)
         transient["DFlash2 selector's backward"] = selector_backward_bytes(cfg, e)
+    if cfg.lilicorr_candidate_topk:
+        resident["LiLiCorr lattice (saved)"] = lattice_bytes(cfg, q, e)
+        transient["LiLiCorr candidate rows"] = lattice_transient_bytes(cfg, q, e)
     return Plan(resident, transient, setup)
 
 
