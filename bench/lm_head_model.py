@@ -72,10 +72,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.harness import write_results  # noqa: E402
 from dflash_fast.data.batches import sample_anchors  # noqa: E402
-from dflash_fast.drafter.eager import Teacher  # noqa: E402
-from dflash_fast.drafter.losses import DPace, Markov
-from dflash_fast.drafter.model import teacher_index  # noqa: E402
-from dflash_fast.drafter.targets import slot_targets
+from dflash_fast.drafter.losses import DPace, Markov, Teacher  # noqa: E402
+from dflash_fast.drafter.targets import slot_targets, teacher_index  # noqa: E402
 from dflash_fast.store.format import torch_dtype  # noqa: E402
 
 H200 = dict(flops=790e12, hbm=4.3e12, sms=132, l2=50 << 20, smem_per_sm=233472, regs=65536, warps=64, blocks=32)

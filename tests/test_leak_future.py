@@ -21,7 +21,7 @@ from test_dspark import dspark_drafter
 
 from dflash_fast.drafter import ops
 from dflash_fast.drafter.losses import DENSE_KINDS, LOSS_KINDS, WEIGHTINGS
-from dflash_fast.drafter.model import slot_targets
+from dflash_fast.drafter.targets import slot_targets
 
 T, BOUNDARY = 24, 13  # document 0 holds positions 0..12, document 1 positions 13..23
 DOCS = [[0] * BOUNDARY + [1] * (T - BOUNDARY)]
