@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from test_drafter import B, V, random_batch, random_drafter
+from test_drafter import B, V, random_batch, random_drafter, small_config
 from test_trainer import tiny  # noqa: F401 (the fixture: a tiny target and its store)
 
 from dflash_fast.drafter.config import DrafterConfig
@@ -264,8 +264,6 @@ def test_the_penalty_needs_the_teachers_logits():
     (dict(selector_rank=8), "choose one family"),
 ])
 def test_the_lilicorr_config_is_checked(change, field):
-    from test_drafter import small_config
-
     with pytest.raises(ValueError, match=field):
         small_config(**{**LILICORR, **change})
 
@@ -276,6 +274,22 @@ def test_lilicorr_shapes_are_the_parameters():
     assert head_shapes(d.config) == {f"lilicorr.{n}": tuple(p.shape) for n, p in d.lilicorr.named_parameters()}
     assert head_shapes(DrafterConfig(**{**d.config.to_dict(), "lilicorr_candidate_topk": 0})) == {}
     assert V > TOP_K
+
+
+def test_lilicorr_with_dflash2s_convolutions_is_one_family_with_both():
+    """LiLiCorr on the DFlash2 backbone (conv_kernel_size > 0): DFlashDrafter(cfg) builds LiLiCorrDrafter, the
+    convolutions start as the identity (DFlash2Drafter's reset: base tap 1), and trainable_shapes
+    (families.head_shapes) counts the convolutions' and the lattice's parameters, every one."""
+    from dflash_fast.drafter.conv import DynamicConv
+    from dflash_fast.drafter.model import DFlashDrafter
+    from dflash_fast.drafter.weights import trainable_shapes
+
+    torch.manual_seed(0)
+    d = DFlashDrafter(small_config(**LILICORR, conv_kernel_size=2, conv_group_size=8))
+    assert isinstance(d, LiLiCorrDrafter) and d.config.family == "lilicorr"
+    convs = [m for m in d.modules() if isinstance(m, DynamicConv)]
+    assert convs and all(torch.equal(m.base_kernel[:, 0], torch.ones_like(m.base_kernel[:, 0])) for m in convs)
+    assert trainable_shapes(d.config) == {n: tuple(p.shape) for n, p in d.named_parameters()}
 
 
 @pytest.mark.parametrize("fmt", ["speculators", "zlab"])
