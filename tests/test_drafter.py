@@ -436,7 +436,8 @@ def test_each_family_is_built_as_its_own_modules_class():
 
     assert type(DFlashDrafter(small_config())) is DFlashDrafter
     built = {"dspark": DFlashDrafter(small_config(markov_rank=4)),
-             "dflash2": DFlashDrafter(small_config(selector_rank=8, selector_top_k=4))}
+             "dflash2": DFlashDrafter(small_config(selector_rank=8, selector_top_k=4)),
+             "lilicorr": DFlashDrafter(small_config(lilicorr_candidate_topk=4, lilicorr_num_heads=2))}
     assert set(built) == set(families.FAMILIES) == set(DFlashDrafter.families)
     for name, drafter in built.items():
         assert drafter.config.family == name and type(drafter).family == name
