@@ -13,6 +13,9 @@ from dflash_fast.serve.layouts import DFLASH2_FIELDS
 # carry the DSpark options at DFLASH_ONLY and DFlash2's at 0, 16, 0, 16. `architecture` and every engine view return
 # these keys.
 PER_LAYER = {"layer_types": "layer_windows", "sliding_window": None, "causal_in_block": "layer_causal"}
+# The options no layout carries yet: LiLiCorr's (docs/lilicorr.md), whose drafter `engines.check_servable` refuses
+# before any engine's view is asked; they join ARCHITECTURE with LiLiCorr's export.
+UNSERVED = tuple(key for key in DrafterOptions.names() if key.startswith("lilicorr_"))
 
 
 ARCHITECTURE = (
@@ -28,7 +31,8 @@ ARCHITECTURE = (
     "rms_norm_eps",
     "rope_parameters",
     "max_position_embeddings",
-) + tuple(PER_LAYER.get(key, key) for key in DrafterOptions.names() if PER_LAYER.get(key, key))
+) + tuple(PER_LAYER.get(key, key) for key in DrafterOptions.names()
+        if PER_LAYER.get(key, key) and key not in UNSERVED)
 
 
 def architecture(cfg: DrafterConfig) -> Dict:
