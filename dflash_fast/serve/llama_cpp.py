@@ -25,6 +25,7 @@ import json
 import os
 import runpy
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -199,6 +200,60 @@ def gguf_architecture(fields: Dict) -> Dict:
     }
 
 
+# Our tensor names -> the converter's (gguf-py tensor_mapping.py, MODEL_ARCH.DFLASH); per layer under blk.{i}.
+GGUF_NAMES = {"fc.weight": "fc.weight", "hidden_norm.weight": "enc.output_norm.weight",
+              "norm.weight": "output_norm.weight"}
+GGUF_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight", "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def gguf_name(name: str) -> Optional[str]:
+    """The GGUF tensor name of one of our drafter tensors, None for those without an entry (DFlash2's)."""
+    if name in GGUF_NAMES:
+        return GGUF_NAMES[name]
+    parts = name.split(".", 2)
+    if parts[0] == "layers" and len(parts) == 3 and parts[2] in GGUF_LAYER_NAMES:
+        return f"blk.{parts[1]}.{GGUF_LAYER_NAMES[parts[2]]}"
+    return None
+
+
+def tensor_problems(path: str, tensors: Dict) -> List[str]:
+    """One line per drafter tensor the GGUF does not hold as given (`tensors`: our names -> the values the export
+    wrote, rounded to its dtype), and when the GGUF holds another number of tensors."""
+    import gguf
+    import numpy as np
+    import torch
+
+    stored = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    lines = [] if len(stored) == len(tensors) else [
+        f"the GGUF holds {len(stored)} tensors, the drafter {len(tensors)}: {sorted(stored)[:8]}"]
+    for name, value in tensors.items():
+        target = gguf_name(name)
+        if target is None:
+            continue
+        if target not in stored:
+            lines.append(f"{name}: no tensor {target!r} in the GGUF")
+            continue
+        t = stored[target]
+        data = np.asarray(t.data)
+        if t.tensor_type == gguf.GGMLQuantizationType.BF16:
+            data = (data.astype(np.uint32) << 16).view(np.float32)
+        elif t.tensor_type not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            lines.append(f"{name}: stored as {t.tensor_type.name}; the export writes f32, bf16 or f16")
+            continue
+        got = torch.from_numpy(data.astype(np.float32)).reshape(value.shape)
+        if not torch.equal(got, value.float()):
+            lines.append(f"{name}: {target} differs from the trained tensor (max |diff| "
+                         f"{(got - value.float()).abs().max().item():.3g})")
+    return lines
+
+
 def target_tap_problems(layer_ids: List[int], target_arch: str, target_num_layers: int) -> List[str]:
     """One line when a tap reads past what llama.cpp's target graph exposes: GGUF id L (our layer L-1) is only set
     by TAPS_FINAL_INPUT architectures."""
@@ -212,12 +267,20 @@ def target_tap_problems(layer_ids: List[int], target_arch: str, target_num_layer
 
 
 def gguf_problems(fields: Dict, trained: Dict, target_arch: str, target_num_layers: int) -> List[str]:
-    """Every field llama.cpp would serve differently from the trained architecture, named (engines.mismatches, the
-    window rule included: llama.cpp runs a drafter trained with the other one at a lower acceptance), and taps its
-    target graph does not expose."""
+    """Every field llama.cpp would serve differently from the trained architecture, named (engines.mismatches), and
+    taps its target graph does not expose. The sliding window's end (SERVING_RULES' window_from) is not refused:
+    llama.cpp ends it at each query, as SGLang and vLLM do, and the zlab export it converts already warns of a
+    drafter trained with the anchor's."""
     served = gguf_architecture(fields)
-    return (mismatches(trained, {"llama.cpp": served}) + mismatches(trained, {"llama.cpp": served}, True)
+    trained = dict(trained, rms_norm_eps=_f32(trained["rms_norm_eps"]),  # GGUF stores these as float32
+                   rope_parameters={k: _f32(v) if isinstance(v, float) else v
+                                    for k, v in trained["rope_parameters"].items()})
+    return (mismatches(trained, {"llama.cpp": served})
             + target_tap_problems(served["layer_ids"], target_arch, target_num_layers))
+
+
+def _f32(value: float) -> float:
+    return struct.unpack("f", struct.pack("f", value))[0]
 
 
 def check_gguf(path: str, trained: Dict, target_gguf_or_config: Dict) -> None:
@@ -244,7 +307,7 @@ def export_gguf(drafter, out_path: str, verifier: str, outtype: str = "f32", ver
     passing file is renamed to out_path. `verifier` is the target's Hugging Face directory."""
     import torch
 
-    from dflash_fast.serve.export import export_drafter
+    from dflash_fast.serve.export import export_drafter, trainable_state_dict
 
     trained = architecture(drafter.config)
     if trained["markov_rank"]:
@@ -262,6 +325,10 @@ def export_gguf(drafter, out_path: str, verifier: str, outtype: str = "f32", ver
         zlab = export_drafter(drafter, os.path.join(work, "zlab"), verifier, dtype, fmt="zlab")
         tmp = convert(zlab, os.path.join(work, "draft.gguf"), verifier, outtype, version)
         check_gguf(tmp, trained, target)
+        written = {k: v.to(dtype) for k, v in trainable_state_dict(drafter).items()}
+        problems = tensor_problems(tmp, written)
+        if problems:
+            raise ExportError(f"{tmp}: the converter wrote other tensors than the drafter's: " + "; ".join(problems))
         os.replace(tmp, out_path)
     finally:
         shutil.rmtree(work, ignore_errors=True)
