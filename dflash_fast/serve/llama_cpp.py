@@ -301,6 +301,23 @@ def target_description(target_dir: str) -> Dict:
     return {"architecture": config["model_type"].replace("-", "_"), "num_layers": config["num_hidden_layers"]}
 
 
+GGUF_TYPES = {"bf16": "bf16", "fp16": "f16", "fp32": "f32"}  # our --dtype -> the converter's --outtype
+
+
+def local_target(verifier: str) -> str:
+    """A directory holding the target's config.json and tokenizer (what the converter reads): `verifier` itself, or
+    those files of a Hugging Face hub id (from the local cache when offline)."""
+    if os.path.isdir(verifier):
+        return verifier
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(verifier, allow_patterns=["*.json", "*.txt", "*.model", "*.jinja", "tokenizer*"])
+    except Exception as e:  # noqa: BLE001 (any hub failure is the same user error)
+        raise ExportError(f"the target {verifier!r} is neither a directory nor a hub id whose config and tokenizer "
+                          f"can be fetched ({e}); give the target's local directory") from None
+
+
 def export_gguf(drafter, out_path: str, verifier: str, outtype: str = "f32", version: str = LLAMA_CPP_PYTHON) -> str:
     """The drafter as a llama.cpp GGUF at out_path: our zlab export (serve/export.py's gate) converted by the vendored
     convert_hf_to_gguf.py with the target's vocabulary, then read back as llama.cpp reads it (check_gguf); only a
