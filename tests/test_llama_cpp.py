@@ -195,3 +195,29 @@ def test_a_drafter_converted_without_the_plus_one_is_refused_by_the_gate(served)
     found = llama_cpp.gguf_problems(fields, architecture(drafter.config), "qwen3", 8)
     assert [line.split(":")[0] for line in found] == ["layer_ids"]
 
+
+
+def test_export_format_gguf_wants_a_gguf_file_and_no_card(tmp_path, capsys):
+    from dflash_fast.cli import main
+
+    assert main(["export", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "draft"), "--format", "gguf"]) == 1
+    assert "--out is the GGUF file to write" in capsys.readouterr().err
+    assert main(["export", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "d.gguf"), "--format", "gguf",
+                 "--card-from", str(tmp_path / "eval.json")]) != 0
+
+
+def test_the_export_command_writes_the_gguf_the_gate_passed(served, tmp_path, monkeypatch, capsys):
+    """`dflash-fast export --format gguf` on the served drafter (a stand-in for the checkpoint reader): the GGUF it
+    writes holds the trained tensors, and llama.cpp's reading of it is the trained drafter."""
+    from dflash_fast.cli import main
+    from dflash_fast.train import export_checkpoint
+
+    _, _, _, drafter = served
+    monkeypatch.setattr(export_checkpoint, "load_checkpoint_for_export", lambda path: (drafter, TARGET, {}, path))
+    out = str(tmp_path / "draft.gguf")
+    assert main(["export", "--checkpoint", str(tmp_path), "--out", out, "--format", "gguf", "--dtype", "bf16"]) == 0
+    assert "read back as llama.cpp reads it" in capsys.readouterr().out
+    fields = llama_cpp.read_gguf_fields(out)
+    assert llama_cpp.gguf_problems(fields, architecture(drafter.config), "qwen3", 8) == []
+    written = {k: v.to(torch.bfloat16) for k, v in drafter.state_dict().items()}
+    assert llama_cpp.tensor_problems(out, written) == [] and os.listdir(tmp_path) == ["draft.gguf"]

@@ -38,11 +38,11 @@ def _run(argv: Sequence[str], timeout: float) -> subprocess.CompletedProcess:
 
 def _generated(stdout: bytes, prompt: str) -> str:
     """The text a tool printed after echoing `prompt` (tools print the prompt's pieces first)."""
-    text = stdout.decode("utf-8", errors="replace").strip("\n")
-    if not text.startswith(prompt.strip("\n")):
+    text = stdout.decode("utf-8", errors="replace").lstrip("\n")
+    if not text.startswith(prompt):
         raise LlamaCppError(f"the tool did not echo the prompt first (it re-tokenized it differently?): "
                             f"{text[:200]!r}")
-    return text[len(prompt.strip("\n")):].rstrip("\n")
+    return text[len(prompt):].rstrip("\n")  # the tools end with one or two newlines of their own
 
 
 def target_alone(bin_dir: str, target_gguf: str, prompt: str, max_new_tokens: int, timeout: float = 600) -> Dict:
