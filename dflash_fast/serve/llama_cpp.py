@@ -29,7 +29,7 @@ import struct
 import subprocess
 import sys
 import tempfile
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 from dflash_fast.serve.engines import ARCHITECTURE, DFLASH2_OFF, architecture, mismatches
 from dflash_fast.serve.layouts import DFLASH_ONLY, ExportError
@@ -60,10 +60,11 @@ def source_dir(version: str = LLAMA_CPP_PYTHON) -> str:
     return os.path.join(cache_root(version), "src", f"llama_cpp_python-{version}", "vendor", "llama.cpp")
 
 
-def build_tools(version: str = LLAMA_CPP_PYTHON) -> str:
-    """The directory of the built tools: scripts/build_llama_cpp.sh, which reuses its cache when present."""
+def build_tools(tools: Sequence[str] = (), version: str = LLAMA_CPP_PYTHON) -> str:
+    """The directory of the built tools (`tools`, else the script's three): scripts/build_llama_cpp.sh, which reuses
+    the cached ones."""
     env = dict(os.environ, LLAMA_CPP_PYTHON_VERSION=version)
-    done = subprocess.run(["bash", BUILD_SCRIPT], env=env, stdout=subprocess.PIPE, text=True)
+    done = subprocess.run(["bash", BUILD_SCRIPT, *tools], env=env, stdout=subprocess.PIPE, text=True)
     if done.returncode != 0:
         raise ExportError(f"scripts/build_llama_cpp.sh failed (exit {done.returncode}); its error is above")
     return done.stdout.strip().splitlines()[-1]
