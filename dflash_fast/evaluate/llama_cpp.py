@@ -24,6 +24,12 @@ DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([
 EVAL_TIME = re.compile(r"\beval time =\s+([\d.]+) ms /\s+(\d+) runs")
 
 
+# common/log.cpp (common_log_main): the log is written by a worker thread and "logs [may] be lost if not flushed before
+# the program exits" (llama.cpp issue #22142); under load the last lines, the speed line among them, go missing. The
+# log is FIFO, so a run that printed its "decoded" line printed everything before it: such runs are retried.
+LOG_ATTEMPTS = 4
+
+
 class LlamaCppError(RuntimeError):
     """A llama.cpp tool failed or printed other than this module parses; the message holds its command and output."""
 
@@ -64,12 +70,19 @@ def with_drafter(bin_dir: str, target_gguf: str, draft_gguf: str, prompt: str, m
     argv = [os.path.join(bin_dir, "llama-speculative-simple"), "-m", target_gguf, "-md", draft_gguf,
             "--spec-type", "draft-dflash", "--spec-draft-n-max", str(n_max), "-p", prompt, "-n", str(max_new_tokens),
             "--temp", "0", "--top-k", "1", "-t", str(threads), "-td", str(threads), "-c", "4096"]
-    done = _run(argv + ["-v"] * verbose, timeout)
-    err = done.stderr.decode(errors="replace")
+    for _ in range(LOG_ATTEMPTS):
+        done = _run(argv + ["-v"] * verbose, timeout)
+        err = done.stderr.decode(errors="replace")
+        decoded = DECODED.findall(err)
+        if decoded:
+            break
+    else:
+        raise LlamaCppError(f"llama-speculative-simple lost its last log lines {LOG_ATTEMPTS} times (no 'decoded' "
+                            f"line): {' '.join(argv)}\n{err[-2000:]}")
     steps = [(int(a), int(d)) for a, d in ACCEPTED.findall(err)]
-    decoded = DECODED.findall(err)
-    if not decoded or verbose and not steps:
-        raise LlamaCppError(f"llama-speculative-simple printed no per-step acceptance or speed:\n{err[-2000:]}")
+    if verbose and sum(a + 1 for a, _ in steps) != int(decoded[-1][0]):
+        raise LlamaCppError(f"llama-speculative-simple's steps accept {sum(a + 1 for a, _ in steps)} tokens, its "
+                            f"'decoded' line says {decoded[-1][0]}: {' '.join(argv)}")
     accepted = [a for a, _ in steps]
     histogram = [0] * (max(accepted, default=0) + 1)
     for a in accepted:
