@@ -244,7 +244,7 @@ def tensor_problems(path: str, tensors: Dict) -> List[str]:
         t = stored[target]
         data = np.asarray(t.data)
         if t.tensor_type == gguf.GGMLQuantizationType.BF16:
-            data = (data.astype(np.uint32) << 16).view(np.float32)
+            data = (np.ascontiguousarray(data).view(np.uint16).astype(np.uint32) << 16).view(np.float32)  # raw bytes
         elif t.tensor_type not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
             lines.append(f"{name}: stored as {t.tensor_type.name}; the export writes f32, bf16 or f16")
             continue
