@@ -30,7 +30,11 @@ setup(
         "pyyaml",
     ],
     extras_require={
-        "test": ["pytest", "matplotlib", "tensorboard", "ruff", "datasets", "wandb", "mlflow-skinny"],
+        "test": ["pytest", "matplotlib", "tensorboard", "ruff", "datasets", "wandb", "mlflow-skinny", "gguf",
+                 "accelerate"],
+        # GGUF targets (`dflash-fast convert-gguf`, `dflash-fast real-target`; docs/real-target.md): transformers
+        # reads a .gguf file through the gguf package and, for a model, accelerate
+        "gguf": ["gguf", "accelerate"],
         # Hugging Face datasets as --data (dflash_fast/target/datasets_in.py): a saved dataset, parquet, arrow, a hub id
         "datasets": ["datasets"],
         # experiment trackers beside TensorBoard (logging.wandb, logging.mlflow; dflash_fast/train/trackers.py)

@@ -41,7 +41,7 @@ class ModelConfig:
     layer_ids: Optional[List[int]] = None  # target layer ids the drafter taps; None = the store's
     num_layers: int = 5
     block_size: int = 16
-    mask_token_id: Optional[int] = None  # None = the tokenizer's mask token, else the last unused embedding row
+    mask_token_id: Optional[int] = None  # None: drafter/model.py resolve_mask_token_id (mask, unused row, pad/eos/unk)
     layer_types: Optional[List[str]] = None  # per drafter layer "full" | "sliding"; None = all full
     sliding_window: Optional[int] = None
     # Where a sliding window's keys end: "anchor" (SPEC §4, speculators' training) or "query" (each slot's own
