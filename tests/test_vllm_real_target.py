@@ -32,9 +32,9 @@ def test_vllm_serves_the_converted_gguf_target_with_its_export_greedy_as_the_ggu
     target = str(tmp_path / "target")
     convert_gguf(gguf, target)
     model, tokenizer = load_gguf(gguf)
-    encoded = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
-               for p in PROMPTS]
-    encoded = [list(e["input_ids"]) if isinstance(e, dict) or hasattr(e, "keys") else list(e) for e in encoded]
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+             for p in PROMPTS]
+    encoded = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     expected = []
     with torch.no_grad():
         for ids in encoded:
@@ -46,7 +46,7 @@ def test_vllm_serves_the_converted_gguf_target_with_its_export_greedy_as_the_ggu
     drafter = build_drafter(target, [1, 14, 29], num_layers=1, block_size=4)
     export = export_drafter(drafter, str(tmp_path / "export"), target, torch.float32)
     config = read_export_config(export)
-    assert config["mask_token_id"] == tokenizer.pad_token_id if tokenizer.pad_token_id is not None else True
+    assert tokenizer.mask_token_id is None and config["mask_token_id"] == tokenizer.pad_token_id == 2  # <|im_end|>
     llm = load_engine(target, speculative_config(export, config_from_export(config)), "fp32", 512)
     _, tokens = generate(llm, encoded, NEW_TOKENS, eos=[])
     assert tokens == expected
