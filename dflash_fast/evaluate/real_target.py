@@ -153,6 +153,7 @@ def real_target(out: str = "out/smollm2", train_prompts: int = 160, eval_prompts
             clock.stage(f"eval {name}", run_eval)
         reports[name] = json.load(open(path))
     for name, r in reports.items():
+        r = r["benchmarks"][0] if "benchmarks" in r else r  # a --benchmark report: one row per benchmark
         print(f"{name}: real tau {r.get('tau', float('nan')):.3f}, tau_offline {r.get('tau_offline', float('nan')):.3f}"
               f" over {r.get('prompts')} prompts (T = 0)")
     print(clock.summary(), flush=True)
