@@ -32,6 +32,9 @@ setup(
     extras_require={
         "test": ["pytest", "matplotlib", "tensorboard", "ruff", "datasets", "wandb", "mlflow-skinny", "gguf==0.19.0",
                  "sentencepiece>=0.1.98,<0.3.0"],
+        # GGUF targets (`dflash-fast convert-gguf`, `dflash-fast real-target`; docs/real-target.md): transformers
+        # reads a .gguf file through the gguf package (and accelerate, a dependency above)
+        "gguf": ["gguf==0.19.0"],
         # Hugging Face datasets as --data (dflash_fast/target/datasets_in.py): a saved dataset, parquet, arrow, a hub id
         "datasets": ["datasets"],
         # experiment trackers beside TensorBoard (logging.wandb, logging.mlflow; dflash_fast/train/trackers.py)
