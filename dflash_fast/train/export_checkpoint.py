@@ -10,7 +10,7 @@ from dflash_fast.serve.engines import (
     ENGINES,
 )
 from dflash_fast.serve.export import export_drafter
-from dflash_fast.serve.layouts import FORMATS
+from dflash_fast.serve.layouts import FORMATS, ExportError
 from dflash_fast.serve.model_card import model_card, read_eval_report, read_provenance
 from dflash_fast.store.format import torch_dtype
 from dflash_fast.train.checkpoint import load_checkpoint_for_export
@@ -25,14 +25,17 @@ def add_arguments(parser):
     parser.add_argument(
         "--format",
         default="speculators",
-        choices=FORMATS,
-        help="speculators: vLLM and vllm-project/speculators; zlab: SGLang (and vLLM), z-lab's published layout",
+        choices=(*FORMATS, "gguf"),
+        help="speculators: vLLM and vllm-project/speculators; zlab: SGLang (and vLLM), z-lab's published layout; "
+        "gguf: llama.cpp (--out is the .gguf file; docs/llama-cpp.md)",
     )
     parser.add_argument("--card-from", default=None, metavar="EVAL_JSON",
                         help="an eval report (dflash-fast eval --out): its numbers go into the model card, README.md")
 
 
 def run(args: argparse.Namespace):
+    if args.format == "gguf":
+        return _run_gguf(args)
     report = read_eval_report(args.card_from) if args.card_from else None  # a bad report fails before any work
     drafter, verifier, client, run_dir = load_checkpoint_for_export(args.checkpoint)
     card = model_card(drafter.config, verifier, args.format, os.path.abspath(args.out), client,
@@ -42,3 +45,17 @@ def run(args: argparse.Namespace):
         f"exported {sum(p.numel() for p in drafter.parameters()):,} parameters to {args.out} ({args.format} format; "
         f"read back as {' and '.join(ENGINES[args.format])} read it: same architecture and logits)"
     )
+
+
+def _run_gguf(args: argparse.Namespace):
+    """llama.cpp: the zlab export converted by the vendored convert_hf_to_gguf.py (serve/llama_cpp.py's gate)."""
+    from dflash_fast.serve.llama_cpp import GGUF_TYPES, export_gguf, local_target
+
+    if args.card_from:
+        raise ExportError("--card-from: a GGUF has no model card; give it with --format speculators or zlab")
+    if not args.out.endswith(".gguf"):
+        raise ExportError(f"--out {args.out}: with --format gguf, --out is the GGUF file to write (e.g. draft.gguf)")
+    drafter, verifier, _, _ = load_checkpoint_for_export(args.checkpoint)
+    export_gguf(drafter, args.out, local_target(verifier), GGUF_TYPES[args.dtype])
+    print(f"exported {sum(p.numel() for p in drafter.parameters()):,} parameters to {args.out} (GGUF, "
+          f"{GGUF_TYPES[args.dtype]}; read back as llama.cpp reads it: same architecture, taps and tensors)")
