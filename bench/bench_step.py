@@ -31,6 +31,8 @@ MFU = FLOPs / step time / dense bf16 peak (datasheet: 989 TFLOP/s for H100/H200 
 of_matmul = the same against the 8192^3 bf16 matmul rate measured in this run.
 peak_gb is the whole peak of a step (weights, optimizer states, and the shared batch and frozen
 tensors, shared_gb); step_extra_gb what a step adds to what stays allocated.
+--family lilicorr: LiLiCorr's lattice head on the same drafter (K = 8, lattice width H / 8, 2 layers), its lattice
+loss beside the backbone's (speculators trains no LiLiCorr: its row says so).
 --shape smollm2-135m: the same contenders at the real target's drafter (H = H_t = 576, 9/3 heads, D = 64, I = 1536,
 V = 49152, K = 5, 5 drafter layers; docs/real-target.md).
 Results: <out>/step_<loss>[_<shape>].{json,md,png} (+ _smoke with --smoke). CPU times are no claim.
@@ -54,10 +56,10 @@ from bench.harness import peak_memory_mb, time_calls_ms, time_ms, write_results 
 from dflash_fast.data.batches import sample_anchors  # noqa: E402
 from dflash_fast.drafter import ops  # noqa: E402
 from dflash_fast.drafter.config import DrafterConfig  # noqa: E402
-from dflash_fast.drafter.eager import needs_last  # noqa: E402
-from dflash_fast.drafter.losses import LOSS_KINDS
+from dflash_fast.drafter.losses import LOSS_KINDS, needs_last  # noqa: E402
 from dflash_fast.drafter.model import DFlashDrafter  # noqa: E402
 from dflash_fast.serve.layouts import qwen3_layer  # noqa: E402
+from dflash_fast.train.config import LossConfig  # noqa: E402
 from dflash_fast.train.model import resolve_loss_kind  # noqa: E402
 
 FULL = dict(H=4096, Hq=32, Hkv=8, D=128, I=12288, V=151936, K=5, L=5, B=16, A=512, T=3072, docs=4)
@@ -80,9 +82,17 @@ EPS = 1e-6
 DATASHEET_BF16 = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
 
 
-def drafter_config(s) -> DrafterConfig:
+# --family: the DFlash drafter, or LiLiCorr's lattice head on it (docs/lilicorr.md: K = 8 candidates a slot, a lattice
+# width of H / 8, 2 layers: the design model's kl(LiLiCorr) case), trained with the loss config's default weights
+FAMILIES = {"dflash": lambda _s: {},
+            "lilicorr": lambda s: dict(lilicorr_candidate_topk=8, lilicorr_hidden_size=max(s["H"] // 8, 16),
+                                       lilicorr_num_layers=2)}
+
+
+def drafter_config(s, family="dflash") -> DrafterConfig:
     k = s["K"]
     return DrafterConfig(
+        **FAMILIES[family](s),
         hidden_size=s["H"],
         num_attention_heads=s["Hq"],
         num_key_value_heads=s["Hkv"],
@@ -232,11 +242,11 @@ def use_liger(drafter: DFlashDrafter) -> None:
         mlp.forward = lambda x, m=mlp: m.down_proj(LigerSiLUMulFunction.apply(m.gate_proj(x), m.up_proj(x)))
 
 
-def build_ours(impl, s, frozen, dtype, device, lr, loss_kind, batch):
+def build_ours(impl, s, frozen, dtype, device, lr, loss_kind, batch, family="dflash"):
     ops.set_backend("eager" if impl == "eager" else "triton")
     torch.manual_seed(0)
     with torch.device(device):
-        drafter = DFlashDrafter(drafter_config(s))
+        drafter = DFlashDrafter(drafter_config(s, family))
     drafter.to(dtype)
     drafter.set_frozen(**frozen)
     if impl == "liger":
@@ -244,8 +254,10 @@ def build_ours(impl, s, frozen, dtype, device, lr, loss_kind, batch):
     opt = MasterAdamW(drafter.parameters(), lr)
     backends = ",".join(f"{op}={ops.backend_of(op)}" for op in ops.OPS)
 
+    weights = LossConfig().family_weights()
+
     def step():
-        loss = drafter(batch, loss_kind, GAMMA).loss
+        loss = drafter(batch, loss_kind, GAMMA, **weights).loss
         loss.backward()
         opt.step()
         return loss.detach()
@@ -356,6 +368,7 @@ def parse_args(argv=None):
     p.add_argument("--loss", choices=LOSSES, default="kl", help="loss kind, as loss.kind (default kl: full teacher)")
     p.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated contenders from {IMPLS}")
     p.add_argument("--shape", choices=tuple(SHAPES), default="qwen3-8b", help="the drafter's shapes (GPU run)")
+    p.add_argument("--family", choices=tuple(FAMILIES), default="dflash", help="the drafter family (default dflash)")
     p.add_argument("--seq-len", type=int, default=FULL["T"], help="T, tokens in the row (GPU run)")
     p.add_argument("--anchors", type=int, default=FULL["A"], help="A, anchors per row (GPU run)")
     p.add_argument("--lr", type=float, default=1e-4)
@@ -387,13 +400,14 @@ def main(argv=None):
     peak_rate, matmul_rate = datasheet_bf16(), measured_matmul_rate()
     ours_teacher = needs_last(args.loss, stored_labels=True)  # the synthetic row stores the top-k teacher
     builders = {
-        "triton": lambda: build_ours("triton", s, frozen, dtype, device, lr, args.loss, batch),
-        "eager": lambda: build_ours("eager", s, frozen, dtype, device, lr, args.loss, batch),
-        "liger": lambda: build_ours("liger", s, frozen, dtype, device, lr, args.loss, batch),
+        "triton": lambda: build_ours("triton", s, frozen, dtype, device, lr, args.loss, batch, args.family),
+        "eager": lambda: build_ours("eager", s, frozen, dtype, device, lr, args.loss, batch, args.family),
+        "liger": lambda: build_ours("liger", s, frozen, dtype, device, lr, args.loss, batch, args.family),
         "speculators": lambda: build_speculators(s, frozen, device, lr, args.loss, batch, args.smoke),
     }
     meta = {
         "drafter": args.shape,
+        "family": args.family,
         "shape": ", ".join(f"{k}={v}" for k, v in s.items()),
         "valid_anchors": n_anchors,
         "visible_pairs_per_head": pairs,
@@ -407,7 +421,8 @@ def main(argv=None):
         "AdamW; clip 1.0",
     }
     shape = "" if args.shape == "qwen3-8b" else f"_{args.shape}"
-    name = f"step_{args.loss}{shape}" + ("_smoke" if args.smoke else "")
+    family = "" if args.family == "dflash" else f"_{args.family}"
+    name = f"step_{args.loss}{shape}{family}" + ("_smoke" if args.smoke else "")
     rows = []
     for impl in args.impls:
         flops = step_flops(s, pairs, teacher=ours_teacher or impl == "speculators")
@@ -420,6 +435,8 @@ def main(argv=None):
         try:
             if row["loss_kind"] is None:
                 row["note"] = f"speculators has no loss {args.loss!r}"
+            elif impl == "speculators" and args.family != "dflash":
+                row["note"] = f"speculators trains no {args.family}"
             else:
                 row.update(run_contender(builders[impl], reps))
         except ImportError as err:

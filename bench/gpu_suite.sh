@@ -28,7 +28,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 # Value per second, highest first. A new part: a `case` line in run_named_part below, and its name here.
-ALL_PARTS=(step lm_head_loss attention step_smollm2 tests fc_concat step_topk dflash2 extract online vllm vllm_serve)
+ALL_PARTS=(step lm_head_loss attention step_smollm2 tests fc_concat step_topk dflash2 lilicorr extract online vllm vllm_serve)
 
 DRY=0
 PARTS=()
@@ -142,6 +142,8 @@ run_named_part() {
     vllm_serve) vllm_part vllm_serve 300 tests/test_vllm_extract.py tests/test_vllm_serve.py tests/test_vllm_serve_replicas.py ;;
     # DFlash2's head (kl + the candidate selector): the fused pass with its top-K against the eager twin
     dflash2) bench_part "bench_lm_head_loss dflash2" 90 bench_lm_head_loss.py --dflash2 ;;
+    # LiLiCorr's lattice head (forward, ModelOpt's lattice loss, backward) on the Qwen3-8B drafter, Triton / eager
+    lilicorr) bench_part "bench_step lilicorr" 120 bench_step.py --loss kl --family lilicorr --impls triton,eager ;;
     # --- NEW PARTS GO HERE: `name) bench_part "label" CAP_S bench_x.py --gpu-flags ;;` for a benchmark (it must
     # take --out and --smoke and write <name>.json through harness.write_results), run_part for anything else;
     # then put the name into ALL_PARTS where its value per second places it, with its cap and expected time
