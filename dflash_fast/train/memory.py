@@ -196,14 +196,15 @@ def batch_bytes(step: Step, setup: Setup) -> int:
     """The micro-batch on the device (dflash_fast.data.batches, data.to_device): per token the store's fields
     (Layout.fields: the teacher's top-k logits and lse in float32 whatever the store's dtype) less the fp8 scales,
     the ids widened to int64, `hidden` and `last` (only when the loss reads it) in the compute dtype; and the
-    document and position ids [R, T] int64, the anchors [R, A] int64 and their validity [R, A] bool."""
+    document and position ids [R, T] int64, the anchors [R, A] int64 and their validity [R, A] bool, and the count of
+    document pieces the loader dropped as non-finite [R] int64."""
     per_token = 8 + 8  # document_ids, position_ids
     for name, (_, shape, dtype) in setup.store.fields().items():
         if name in SCALE_FIELDS.values() or (name == "last" and not setup.dense_teacher):
             continue
         size = setup.dtype_bytes if name in COMPUTE_DTYPE_FIELDS else 8 if name in INT64_FIELDS else dtype.itemsize
         per_token += size * math.prod(shape)
-    return step.batch_rows * (step.seq_len * per_token + step.num_anchors * 9)
+    return step.batch_rows * (step.seq_len * per_token + step.num_anchors * 9 + 8)
 
 
 def layer_block_bytes(cfg: DrafterConfig, q: int, e: int) -> int:
