@@ -72,7 +72,8 @@ def test_dry_run_runs_every_part_and_summarises_its_reports(full_dry_run):
     assert len(verdicts) == len(all_parts()) and set(verdicts.values()) == {"ok"}, verdicts
     reports = sorted(f[:-5] for f in os.listdir(results) if f.endswith(".json"))
     assert reports == ["bench_attention", "extract_smoke", "fc_concat_smoke", "lm_head_dflash2", "lm_head_loss",
-                       "online_smoke", "step_kl_smoke", "step_kl_topk_smoke"]
+                       "online_smoke", "step_kl_lilicorr_smoke", "step_kl_smoke", "step_kl_smollm2-135m_smoke",
+                       "step_kl_topk_smoke"]
     assert report_problems(str(results)) == []
     with open(os.path.join(results, "summary.md")) as f:
         summary = f.read()
