@@ -46,20 +46,16 @@ def open_source(cfg: TrainConfig):
 
 
 def extraction_options(cfg: TrainConfig) -> ExtractOptions:
-    """The extraction an online source runs, and a store not yet extracted is planned with: model.layer_ids
-    (None: the default spread), data.online.* (max_seq_len, batch_tokens, dtype, topk, ...), `last` unless the
-    loss kind reads none."""
-    d, n = cfg.data, cfg.data.online
+    """The extraction an online source runs, and a store not yet extracted is planned with: data.online's
+    extraction settings (ExtractSettings: max_seq_len, batch_tokens, dtype, topk, ...), and the options the run
+    decides: model.layer_ids (None: the default spread), `last` unless the loss kind reads none, the source's
+    engine, the records data.* reads."""
+    d = cfg.data
     return ExtractOptions(
+        **d.online.settings(),
         layer_ids=cfg.model.layer_ids,
-        max_seq_len=n.max_seq_len,
-        batch_tokens=n.batch_tokens,
-        dtype=n.dtype,
-        topk=n.topk,
         # auto is kl when `last` exists; ce reads the top-k argmax the online source computes too
         no_last=not (cfg.loss.kind == "auto" or needs_last(cfg.loss.kind, stored_labels=True)),
-        skip_bad=n.skip_bad,
-        parity_every=n.parity_every,
         engine=Source.of(d).engine or "hf",
         split=d.split,
         max_samples=d.max_samples or None,
