@@ -11,7 +11,7 @@ from dflash_fast.extract.plan import DTYPE_NAMES, ExtractSettings
 DATA_SOURCES = ("store", "online", "vllm", "vllm_serve")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)  # frozen as ExtractSettings is: a dataclass and its base agree on it
 class OnlineConfig(ExtractSettings):
     """`data.source: online`: the target forward inside the training job. Its extraction settings (max_seq_len,
     batch_tokens, dtype, topk, parity_every, skip_bad) are dflash_fast.extract.plan.ExtractSettings, the definition
