@@ -15,6 +15,7 @@ from dflash_fast.data.batches import (
     split_documents,
     steps_per_epoch,
 )
+from dflash_fast.data.config import DataConfig
 
 K, H, TOPK = 2, 3, 2
 
@@ -62,10 +63,20 @@ def lengths_for(seed=0, num_docs=60, high=40):
     return np.random.default_rng(seed).integers(1, high, num_docs)
 
 
+# The data.* keys the batches read (data.split is a dataset's, not the train / val split `split=` names).
+DATA_KEYS = ("seq_len", "num_anchors", "batch_rows", "val_fraction", "split_seed", "num_workers")
+
+
+def data(**kwargs):
+    """The data settings of these tests (rows of 32 tokens, 6 anchors, 2 rows a step, no worker), `kwargs` set."""
+    return DataConfig(**{**dict(seq_len=32, num_anchors=6, batch_rows=2, num_workers=0), **kwargs})
+
+
 def all_batches(store, **kwargs):
-    args = dict(seq_len=32, num_anchors=6, batch_rows=2, seed=3)
-    args.update(kwargs)
-    return list(make_loader(store, **args))
+    """Every batch of one epoch; `kwargs`: data settings (DATA_KEYS) and make_loader's own (seed 3)."""
+    settings = {k: v for k, v in kwargs.items() if k in DATA_KEYS}
+    args = {"seed": 3, **{k: v for k, v in kwargs.items() if k not in DATA_KEYS}}
+    return list(make_loader(store, data(**settings), **args))
 
 
 def assert_same_batches(a, b):
@@ -245,7 +256,8 @@ def test_batch_has_exactly_the_contract_keys_shapes_and_dtypes():
 
 def test_requesting_last_from_a_store_without_it_is_an_error():
     with pytest.raises(ValueError, match="no `last`"):
-        make_loader(FakeStore([10, 10], with_last=False), 8, 2, 1, 0, with_last=True)
+        make_loader(FakeStore([10, 10], with_last=False), data(seq_len=8, num_anchors=2, batch_rows=1), 0,
+                    with_last=True)
 
 
 # ---------------------------------------------------------------- determinism, sharding, resume
@@ -263,7 +275,7 @@ def test_epochs_reshuffle_rows_and_resample_anchors():
     store = FakeStore(lengths_for())
     e0, e1 = all_batches(store, epoch=0), all_batches(store, epoch=1)
     assert row_keys(e0) != row_keys(e1)
-    assert rows_per_epoch(store, 32, 3) == len(pack_rows(store.lengths, 32, 3))
+    assert rows_per_epoch(store, data(), 3) == len(pack_rows(store.lengths, 32, 3))
 
 
 def test_worker_count_does_not_change_batches():
@@ -275,8 +287,8 @@ def test_ranks_see_disjoint_equal_shares_of_rows():
     store = FakeStore(lengths_for(num_docs=80))
     world, batch_rows = 3, 2
     per_rank = [row_keys(all_batches(store, batch_rows=batch_rows, rank=r, world_size=world)) for r in range(world)]
-    steps = steps_per_epoch(store, 32, batch_rows, 3, world_size=world)
-    num_rows = rows_per_epoch(store, 32, 3)
+    steps = steps_per_epoch(store, data(batch_rows=batch_rows), 3, world_size=world)
+    num_rows = rows_per_epoch(store, data(), 3)
     assert steps == num_rows // (world * batch_rows)
     for keys in per_rank:
         assert len(keys) == steps * batch_rows
@@ -301,7 +313,7 @@ def test_resume_at_start_step_matches_uninterrupted_epoch_and_skips_reads():
     full = all_batches(store)
     start = 3
     store.accessed.clear()
-    resumed = list(make_loader(store, seq_len=32, num_anchors=6, batch_rows=2, seed=3, start_step=start))
+    resumed = list(make_loader(store, data(), seed=3, start_step=start))
     assert_same_batches(full[start:], resumed)
     # item 0 is opened once for its field shapes and dtypes (views only)
     assert set(store.accessed) - {0} == _items_of(resumed) - {0}, "resuming read documents of skipped rows"
@@ -309,7 +321,7 @@ def test_resume_at_start_step_matches_uninterrupted_epoch_and_skips_reads():
 
 def test_loader_reads_only_the_documents_of_its_rows():
     store = FakeStore(lengths_for(num_docs=80))
-    loader = make_loader(store, seq_len=32, num_anchors=6, batch_rows=2, seed=3)
+    loader = make_loader(store, data(), seed=3)
     store.accessed.clear()
     first = next(iter(loader))
     assert set(store.accessed) == _items_of([first])
@@ -319,7 +331,7 @@ def test_a_step_names_the_documents_it_reads_and_collates_from_any_mapping_of_th
     """What online mode relies on: documents(step) are exactly the items the step reads, and collate(step, docs)
     over a mapping holding only those equals the dataset's own batch."""
     store = FakeStore(lengths_for(num_docs=80))
-    dataset = row_batches(store, seq_len=32, num_anchors=6, batch_rows=2, seed=3, epoch=1)
+    dataset = row_batches(store, data(), seed=3, epoch=1)
     for step in (0, len(dataset) - 1):
         store.accessed.clear()
         batch = dataset[step]

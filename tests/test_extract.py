@@ -18,6 +18,7 @@ from tiny_targets import make_tiny_target, make_tokenizer, sample_records, write
 
 from dflash_fast import cli
 from dflash_fast.data.batches import make_loader
+from dflash_fast.data.config import DataConfig
 from dflash_fast.errors import UserError
 from dflash_fast.extract import capture as capture_module
 from dflash_fast.extract import extract as extract_module
@@ -262,7 +263,7 @@ def test_fp8_store_is_the_fp32_one_within_the_e4m3_bound_and_passes_parity(targe
 def test_fp8_store_reads_back_as_bf16_batches_of_the_same_contract(targets, data, tmp_path):
     run_extract(targets["qwen3"], data, tmp_path / "fp8", dtype="fp8")
     run_extract(targets["qwen3"], data, tmp_path / "fp32")
-    kw = dict(seq_len=64, num_anchors=4, batch_rows=2, seed=1, with_last=True)
+    kw = dict(data=DataConfig(seq_len=64, num_anchors=4, batch_rows=2, num_workers=0), seed=1, with_last=True)
     a = next(iter(make_loader(HiddenStateStore(tmp_path / "fp8"), **kw)))
     b = next(iter(make_loader(HiddenStateStore(tmp_path / "fp32"), **kw)))
     assert a.keys() == b.keys() and "hidden_scale" not in a

@@ -46,9 +46,7 @@ def reference_gradients(t: trainer.Trainer, cfg):
     torch.manual_seed(cfg.seed)
     ref = build_drafter(cfg.model.target or t.target, [1, 2], cfg.model.mask_token_id, num_layers=1,
                         block_size=cfg.model.block_size)
-    d = cfg.data
-    batch = next(iter(make_loader(t.store, d.seq_len, d.num_anchors, d.batch_rows, cfg.seed, 0, 1, 0, "train",
-                                  val_fraction=d.val_fraction, split_seed=d.split_seed, with_last=True)))
+    batch = next(iter(make_loader(t.store, cfg.data, cfg.seed, 0, 1, 0, "train", with_last=True)))
     ref(batch, loss_kind=t.loss_kind, gamma=cfg.loss.gamma, noise_std=0.0, seed=0).loss.backward()
     return {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}, dict(ref.named_parameters())
 
@@ -91,9 +89,7 @@ def test_two_muon_steps_equal_an_independent_newton_schulz_with_nesterov_momentu
     t = trainer.Trainer(cfg, *distributed.init_distributed())
     torch.manual_seed(cfg.seed)
     ref = build_drafter(t.target, [1, 2], cfg.model.mask_token_id, num_layers=1, block_size=cfg.model.block_size)
-    d = cfg.data
-    batches = iter(make_loader(t.store, d.seq_len, d.num_anchors, d.batch_rows, cfg.seed, 0, 1, 0, "train",
-                               val_fraction=d.val_fraction, split_seed=d.split_seed, with_last=True))
+    batches = iter(make_loader(t.store, cfg.data, cfg.seed, 0, 1, 0, "train", with_last=True))
     momenta = {}
     for step in (1, 2):
         before = gathered(t.engine)

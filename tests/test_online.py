@@ -1,5 +1,6 @@
 """Online mode (data.source=online): the target runs in the training job and hands the drafter exactly the batches,
 losses and gradients a store extracted from the same JSONL would; stop + resume (SIGTERM, kill -9) stays exact."""
+import dataclasses
 import json
 import os
 import signal
@@ -15,11 +16,14 @@ from test_trainer import STOP_AND_RESUME, exported, losses, records, stopped_by_
 from test_trainer import settings as trainer_settings
 from tiny_targets import make_tiny_target, sample_records, write_jsonl
 
+from dflash_fast import cli
+from dflash_fast.data.config import OnlineConfig
 from dflash_fast.data.online import OnlineBatches
-from dflash_fast.extract.extract import extract
+from dflash_fast.extract.extract import extract, options_of
+from dflash_fast.extract.plan import ExtractOptions, ExtractSettings
 from dflash_fast.train import trainer
 from dflash_fast.train.config import ConfigError, load_config
-from dflash_fast.train.data import TrainStream, open_batches, open_source
+from dflash_fast.train.data import TrainStream, extraction_options, open_batches, open_source
 from dflash_fast.train.distributed import init_distributed
 from dflash_fast.train.trainer import train
 
@@ -268,6 +272,48 @@ def test_online_config_is_validated_naming_the_key(overrides, match):
     with pytest.raises(ConfigError, match=match):
         load_config(TINY_YAML, overrides)
     assert load_config(TINY_YAML, ["data.source=online", "model.target=t", "data.jsonl=x"]).data.online.prefetch
+
+
+# Every ExtractOptions field but the settings, by who fills it in a training run: extraction_options from the run's
+# config (model.layer_ids, the loss kind, the source, data.*), or nobody (extract's own: their defaults online).
+FROM_THE_RUN = {"layer_ids": [1, 2], "no_last": True, "engine": "vllm", "split": "test", "max_samples": 3,
+                "reasoning": "mask"}
+EXTRACT_ONLY = ("num_tapped", "shard_tokens", "trust_remote_code", "tensor_parallel_size")
+# A value other than the default for each extraction setting (data.online.* and the extract flag of the same name).
+NOT_DEFAULT = {"max_seq_len": 77, "batch_tokens": 999, "dtype": "fp8", "topk": 3, "parity_every": 7,
+               "skip_bad": True}
+
+
+def test_an_extraction_setting_is_one_field_of_both_extract_and_data_online():
+    """A setting added to ExtractSettings is at once a data.online key, an extract flag with the same default and
+    what extraction_options hands an online source; an option added to ExtractOptions alone has to be placed (in
+    FROM_THE_RUN or EXTRACT_ONLY), and a data.online key that is an extract option has to be a setting."""
+    settings = [f.name for f in dataclasses.fields(ExtractSettings)]
+    options = [f.name for f in dataclasses.fields(ExtractOptions)]
+    assert sorted(NOT_DEFAULT) == sorted(settings), "give a new setting a value other than its default here"
+    assert sorted(options) == sorted([*settings, *FROM_THE_RUN, *EXTRACT_ONLY]), \
+        "a new extract option: is it a data.online setting (ExtractSettings), the run's (extraction_options), or " \
+        "extract's own?"
+    online = [f.name for f in dataclasses.fields(OnlineConfig)]
+    assert online[:len(settings)] == settings and not set(online[len(settings):]) & set(options)
+
+    default = ExtractOptions()
+    for command, flags in (("extract", options), ("serve-target", ())):
+        parsed = vars(cli.command_parser(command)[1].parse_args(
+            ["--target", "t", "--data", "d", "--out", "o"] if command == "extract" else ["--target", "t"]))
+        assert set(flags) <= set(parsed), f"dflash-fast {command} lacks a flag of every ExtractOptions field"
+        for name in set(options) & set(parsed):
+            assert parsed[name] == getattr(default, name), f"{command} --{name.replace('_', '-')}'s default"
+        assert options_of(SimpleNamespace(**parsed)) == {k: parsed[k] for k in options if k in parsed}
+
+    cfg = load_config(TINY_YAML, [
+        "data.source=vllm", "model.target=t", "data.jsonl=x", "model.layer_ids=1,2", "loss.kind=ce",
+        "data.split=test", "data.max_samples=3", "data.reasoning=mask",
+        *(f"data.online.{k}={v}" for k, v in NOT_DEFAULT.items())])
+    got = extraction_options(cfg)
+    assert {k: getattr(got, k) for k in settings} == NOT_DEFAULT == cfg.data.online.settings()
+    assert {k: getattr(got, k) for k in FROM_THE_RUN} == FROM_THE_RUN
+    assert all(getattr(got, k) == getattr(default, k) for k in EXTRACT_ONLY)
 
 
 def test_online_with_a_missing_jsonl_names_it(tiny, tmp_path):

@@ -17,6 +17,7 @@ import yaml
 from tiny_targets import make_tiny_target, write_jsonl
 
 from dflash_fast.data.batches import row_batches
+from dflash_fast.data.config import DataConfig
 from dflash_fast.drafter.model import build_drafter, slot_metrics
 from dflash_fast.evaluate.decode import TargetRunner
 from dflash_fast.evaluate.evaluate import offline_tau
@@ -56,7 +57,8 @@ def tiny(tmp_path_factory):
 
 
 def test_val_tau_offline_equals_evals_offline_tau_on_the_same_documents(tiny):
-    batches = row_batches(tiny.store, SEQ_LEN, ANCHORS, 2, 0, split="val", with_last=True, **SPLIT)
+    batches = row_batches(tiny.store, DataConfig(seq_len=SEQ_LEN, num_anchors=ANCHORS, batch_rows=2, **SPLIT), 0,
+                          split="val", with_last=True)
     val = [batches[s] for s in range(len(batches))]
     for b in val:  # every eligible anchor is drawn (spec.md §3: a and a + 1 trained, in one document)
         m, doc = b["loss_mask"], b["document_ids"]

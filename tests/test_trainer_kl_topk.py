@@ -14,6 +14,7 @@ from test_trainer import exported, records, stopped_by_sigterm
 from tiny_targets import make_tiny_target, sample_records, write_jsonl
 
 from dflash_fast.data.batches import make_loader
+from dflash_fast.data.config import DataConfig
 from dflash_fast.drafter.model import build_drafter
 from dflash_fast.extract.extract import extract
 from dflash_fast.store.reader import HiddenStateStore
@@ -86,7 +87,8 @@ def test_first_step_loss_is_the_hand_computed_kl_topk_loss_of_the_first_batch(st
     drafter = build_drafter(store.target, LAYER_IDS, MASK_TOKEN, num_layers=1, block_size=BLOCK)
     drafter.load_state_dict(uninterrupted.initial)
     # The first micro-batch of epoch 0 on rank 0 of 1, as the trainer's config asks for it.
-    loader = make_loader(HiddenStateStore(store.path), SEQ_LEN, ANCHORS, ROWS, seed=0, rank=0, world_size=1, epoch=0)
+    loader = make_loader(HiddenStateStore(store.path), DataConfig(seq_len=SEQ_LEN, num_anchors=ANCHORS, batch_rows=ROWS,
+                         num_workers=0), seed=0, rank=0, world_size=1, epoch=0)
     batch = next(iter(loader))
     assert "last" not in batch and batch["anchor_valid"].any()
     with torch.no_grad():

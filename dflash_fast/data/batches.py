@@ -58,6 +58,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from dflash_fast.data.config import DataConfig
 from dflash_fast.store.fp8 import FP8_READ_DTYPE, SCALE_FIELDS, dequantize_fp8
 
 Piece = Tuple[int, int, int]
@@ -306,8 +307,8 @@ def collate_rows(
 class RowBatches(Dataset):
     """The steps of one rank in one epoch: item s -> batch dict of schedule[s] (see collate_rows).
 
-    rows: all packed rows of the split; schedule: [steps, R] row ids (-1 = empty row);
-    anchor_seed_prefix: (seed, stream[, epoch]) — a row's anchor seed is
+    rows: all packed rows of the split; schedule: [steps, R] row ids (-1 = empty row); data: the row shape
+    (data.seq_len T, data.num_anchors A); anchor_seed_prefix: (seed, stream[, epoch]) — a row's anchor seed is
     derive_seed(*prefix, row id), so it does not depend on who loads the row or when.
     """
 
@@ -316,14 +317,13 @@ class RowBatches(Dataset):
         store,
         rows: List[Row],
         schedule: np.ndarray,
-        seq_len: int,
-        num_anchors: int,
+        data: DataConfig,
         anchor_seed_prefix: Tuple[int, ...],
         with_last: bool = False,
         pad_id: int = 0,
     ):
         self.store, self.rows, self.schedule = store, rows, schedule
-        self.seq_len, self.num_anchors = seq_len, num_anchors
+        self.seq_len, self.num_anchors = data.seq_len, data.num_anchors
         self.anchor_seed_prefix, self.pad_id = anchor_seed_prefix, pad_id
         self.fields = row_fields(store, with_last)
 
@@ -367,27 +367,18 @@ def content_of(store) -> Optional[Sequence[str]]:
     return getattr(store, "content", None)
 
 
-def rows_per_epoch(
-    store, seq_len: int, seed: int, split: str = "train", val_fraction: float = 0.0, split_seed: int = 0
-) -> int:
-    """Packed rows in the split, all ranks together (from the token counts only; no token is read)."""
-    return len(split_rows(store.lengths, seq_len, seed, split, val_fraction, split_seed, content_of(store)))
+def rows_per_epoch(store, data: DataConfig, seed: int, split: str = "train") -> int:
+    """Packed rows in the split (data.seq_len, data.val_fraction, data.split_seed), all ranks together (from the
+    token counts only; no token is read)."""
+    return len(split_rows(store.lengths, data.seq_len, seed, split, data.val_fraction, data.split_seed,
+                          content_of(store)))
 
 
-def steps_per_epoch(
-    store,
-    seq_len: int,
-    batch_rows: int,
-    seed: int,
-    world_size: int = 1,
-    split: str = "train",
-    val_fraction: float = 0.0,
-    split_seed: int = 0,
-) -> int:
+def steps_per_epoch(store, data: DataConfig, seed: int, world_size: int = 1, split: str = "train") -> int:
     """Steps each rank takes per epoch (train drops the tail, val pads it); the same every epoch."""
-    _check(seq_len, 1, batch_rows, seed, 0, world_size, 0, split)
-    num_rows = rows_per_epoch(store, seq_len, seed, split, val_fraction, split_seed)
-    return len(epoch_schedule(num_rows, batch_rows, seed, 0, 0, world_size, split))
+    _check(data.seq_len, 1, data.batch_rows, seed, 0, world_size, 0, split)
+    num_rows = rows_per_epoch(store, data, seed, split)
+    return len(epoch_schedule(num_rows, data.batch_rows, seed, 0, 0, world_size, split))
 
 
 def leave_signals_to_the_main_process(_worker_id: int) -> None:
@@ -400,24 +391,22 @@ def leave_signals_to_the_main_process(_worker_id: int) -> None:
 
 def row_batches(
     store,
-    seq_len: int,
-    num_anchors: int,
-    batch_rows: int,
+    data: DataConfig,
     seed: int,
     rank: int = 0,
     world_size: int = 1,
     epoch: int = 0,
     split: str = "train",
     start_step: int = 0,
-    val_fraction: float = 0.0,
-    split_seed: int = 0,
     with_last: bool = False,
     pad_id: int = 0,
 ) -> RowBatches:
     """This rank's steps of one epoch from `start_step` on, as a RowBatches dataset (make_loader wraps it in a
-    DataLoader)."""
-    _check(seq_len, num_anchors, batch_rows, seed, rank, world_size, epoch, split)
-    rows = split_rows(store.lengths, seq_len, seed, split, val_fraction, split_seed, content_of(store))
+    DataLoader). data: the batch shape and split (data.seq_len, num_anchors, batch_rows, val_fraction,
+    split_seed); the rest is the run's: its seed, this rank, the epoch, which split, where a resume starts."""
+    seq_len, batch_rows = data.seq_len, data.batch_rows
+    _check(seq_len, data.num_anchors, batch_rows, seed, rank, world_size, epoch, split)
+    rows = split_rows(store.lengths, seq_len, seed, split, data.val_fraction, data.split_seed, content_of(store))
     schedule = epoch_schedule(len(rows), batch_rows, seed, epoch, rank, world_size, split)
     if len(schedule) == 0:
         raise ValueError(
@@ -426,28 +415,28 @@ def row_batches(
         )
     if not 0 <= start_step <= len(schedule):
         raise ValueError(f"start_step={start_step} is outside the epoch's {len(schedule)} steps")
-    prefix = (seed, _TAG_ANCHORS, epoch) if split == "train" else (split_seed, _TAG_VAL_ANCHORS)
-    return RowBatches(store, rows, schedule[start_step:], seq_len, num_anchors, prefix, with_last, pad_id)
+    prefix = (seed, _TAG_ANCHORS, epoch) if split == "train" else (data.split_seed, _TAG_VAL_ANCHORS)
+    return RowBatches(store, rows, schedule[start_step:], data, prefix, with_last, pad_id)
 
 
-def make_loader(store, *args, num_workers: int = 0, pin_memory: Optional[bool] = None, **kwargs) -> DataLoader:
+def make_loader(store, data: DataConfig, *args, pin_memory: Optional[bool] = None, **kwargs) -> DataLoader:
     """A DataLoader over this rank's steps of one epoch, from `start_step` on; each item is a batch dict.
-    args, kwargs: those of `row_batches` (seq_len, num_anchors, batch_rows, seed, rank, world_size, epoch, split,
-    start_step, val_fraction, split_seed, with_last, pad_id).
+    data, args, kwargs: those of `row_batches` (data; seed, rank, world_size, epoch, split, start_step, with_last,
+    pad_id); data.num_workers: the loader's worker processes.
 
     store: HiddenStateStore-like (`lengths`, `__getitem__` -> per-token tensors).
     Skipped steps are never loaded, so resuming at `start_step` costs nothing and
     yields exactly the batches an uninterrupted epoch yields from that step.
     pin_memory: None -> True only when CUDA is available. Use the same
-    `val_fraction` and `split_seed` for the train and the val loader.
-    With num_workers > 0 the store is shared with the workers (fork) or pickled
+    `data.val_fraction` and `data.split_seed` for the train and the val loader.
+    With data.num_workers > 0 the store is shared with the workers (fork) or pickled
     (spawn/forkserver): the store must pickle without copying its files.
     """
     return DataLoader(
-        row_batches(store, *args, **kwargs),
+        row_batches(store, data, *args, **kwargs),
         batch_size=None,
         shuffle=False,
-        num_workers=num_workers,
-        worker_init_fn=leave_signals_to_the_main_process if num_workers else None,
+        num_workers=data.num_workers,
+        worker_init_fn=leave_signals_to_the_main_process if data.num_workers else None,
         pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory,
     )

@@ -6,24 +6,18 @@ import dataclasses
 from typing import List, Optional
 
 from dflash_fast.errors import check_config as _check
+from dflash_fast.extract.plan import DTYPE_NAMES, ExtractSettings
 
 DATA_SOURCES = ("store", "online", "vllm", "vllm_serve")
 
 
-ONLINE_DTYPES = ("bf16", "fp16", "fp32", "fp8")
+@dataclasses.dataclass(frozen=True)  # frozen as ExtractSettings is: a dataclass and its base agree on it
+class OnlineConfig(ExtractSettings):
+    """`data.source: online`: the target forward inside the training job. Its extraction settings (max_seq_len,
+    batch_tokens, dtype, topk, parity_every, skip_bad) are dflash_fast.extract.plan.ExtractSettings, the definition
+    `dflash-fast extract`'s flags of the same names come from too (the batches are those a store extracted with them
+    would give); the fields below are the online source's own."""
 
-
-@dataclasses.dataclass
-class OnlineConfig:
-    """`data.source: online`: the target forward inside the training job, with the `dflash-fast extract`
-    settings of the same names (the batches are those a store extracted with them would give)."""
-
-    max_seq_len: int = 2048  # longer documents are truncated, as extract --max-seq-len
-    batch_tokens: int = 16384  # padded tokens per target forward
-    dtype: str = "bf16"  # hidden and `last` rounded as a store of this dtype holds them: bf16, fp16, fp32, fp8
-    topk: int = 8  # teacher top-k kept per token
-    parity_every: int = 50  # check lm_head(norm(last)) == logits on the first forward and every N
-    skip_bad: bool = False  # skip and count malformed JSONL lines instead of failing
     prefetch: bool = True  # run the next micro-batch's target forward on a side thread during this step
     # HOST:PORT of `dflash-fast serve-target` (same engine and settings): it runs the forwards; "": this process
     address: str = ""
@@ -73,7 +67,7 @@ def check_data_source(d: DataConfig, target: Optional[str]) -> None:
         n = d.online
         _check(bool(d.jsonl), f"data.source={d.source} needs data.jsonl=FILE (the JSONL `dflash-fast extract` reads)")
         _check(bool(target), f"data.source={d.source} needs model.target (the target to run: a directory or hub id)")
-        _check(n.dtype in ONLINE_DTYPES, f"data.online.dtype={n.dtype!r} is not one of {ONLINE_DTYPES}")
+        _check(n.dtype in DTYPE_NAMES, f"data.online.dtype={n.dtype!r} is not one of {DTYPE_NAMES}")
         _check(n.max_seq_len >= 2, f"data.online.max_seq_len={n.max_seq_len} must be >= 2")
         _check(n.batch_tokens >= 1 and n.topk >= 1 and n.parity_every >= 1,
                "data.online.batch_tokens, data.online.topk and data.online.parity_every must be >= 1")

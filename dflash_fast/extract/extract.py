@@ -32,13 +32,21 @@ import shutil
 import sys
 import time
 from collections import Counter
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import List, Optional, Sequence
 
 import numpy as np
 
 from dflash_fast.errors import COUNT, NUMBER, STR, ListOf, MapOf, Obj, UserError
-from dflash_fast.extract.plan import ExtractOptions, Job, job_manifest, plan_batches, plan_job, plan_shards
+from dflash_fast.extract.plan import (
+    DTYPE_NAMES,
+    ExtractOptions,
+    Job,
+    job_manifest,
+    plan_batches,
+    plan_job,
+    plan_shards,
+)
 from dflash_fast.extract.runners import make_runner
 from dflash_fast.lock import output_lock
 from dflash_fast.store.format import (
@@ -363,6 +371,15 @@ def _summarise(out, rank, stats, run, progress) -> dict:
 
 # ---------------------------------------------------------------- CLI
 
+# The flags' defaults are ExtractOptions' (the flags are its fields, named the same: options_of).
+DEFAULT = ExtractOptions()
+
+
+def options_of(args) -> dict:
+    """The ExtractOptions fields among a command's parsed flags (serve-target's are fewer than extract's)."""
+    return {f.name: getattr(args, f.name) for f in fields(ExtractOptions) if hasattr(args, f.name)}
+
+
 def _layer_ids_arg(text):
     try:
         return parse_layer_ids(text)
@@ -376,15 +393,18 @@ def add_arguments(parser) -> None:
     p.add_argument("--data", required=True,
                    help="JSONL ({conversations: [...]}, {text: ...} or {input_ids, loss_mask}), or a Hugging Face "
                         "dataset: a save_to_disk directory, a .parquet / .arrow file or a hub id (docs/extraction.md)")
-    p.add_argument("--split", default="train", help="the split of a Hugging Face dataset (default train)")
-    p.add_argument("--max-samples", type=int, default=None, help="read only the first N records / rows")
-    p.add_argument("--reasoning", choices=REASONING_MODES, default="train",
+    p.add_argument("--split", default=DEFAULT.split, help="the split of a Hugging Face dataset (default train)")
+    p.add_argument("--max-samples", type=int, default=DEFAULT.max_samples,
+                   help="read only the first N records / rows")
+    p.add_argument("--reasoning", choices=REASONING_MODES, default=DEFAULT.reasoning,
                    help="an assistant turn's reasoning (<think>...</think>, reasoning_content, thinking): train on it "
                         "(default: the target generates it when it serves), mask (in the context without loss) or "
                         "drop (removed; the template's thinking switch off)")
     p.add_argument("--out", required=True, help="store directory (re-run the same command to resume)")
-    p.add_argument("--batch-tokens", type=int, default=16384, help="padded tokens per forward (default 16384)")
-    p.add_argument("--shard-tokens", type=int, default=None, help="tokens per shard (default: about 1 GiB)")
+    p.add_argument("--batch-tokens", type=int, default=DEFAULT.batch_tokens,
+                   help=f"padded tokens per forward (default {DEFAULT.batch_tokens})")
+    p.add_argument("--shard-tokens", type=int, default=DEFAULT.shard_tokens,
+                   help="tokens per shard (default: about 1 GiB)")
     p.add_argument("--skip-bad", action="store_true", help="skip and count malformed JSONL lines instead of failing")
     p.add_argument("--estimate", action="store_true",
                    help="print the disk the store needs (tokens x bytes per token per field and dtype) and the free "
@@ -394,31 +414,29 @@ def add_arguments(parser) -> None:
 def add_target_arguments(p) -> None:
     """The flags of the target and of what is captured from it: extract's, and serve-target's (serve_target.py)."""
     p.add_argument("--target", required=True, help="Hugging Face causal LM: local directory or hub id")
-    p.add_argument("--layer-ids", type=_layer_ids_arg, default=None,
+    p.add_argument("--layer-ids", type=_layer_ids_arg, default=DEFAULT.layer_ids,
                    help="comma-separated decoder layer ids, 0..L-1 (id l = HF hidden_states[l+1]); "
                         "default: --num-tapped ids spread over 1..L-3")
-    p.add_argument("--num-tapped", type=int, default=5, help="K, when --layer-ids is not given (default 5)")
-    p.add_argument("--max-seq-len", type=int, default=2048, help="longer sequences are truncated and counted")
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32", "fp8"], default="bf16",
+    p.add_argument("--num-tapped", type=int, default=DEFAULT.num_tapped,
+                   help=f"K, when --layer-ids is not given (default {DEFAULT.num_tapped})")
+    p.add_argument("--max-seq-len", type=int, default=DEFAULT.max_seq_len,
+                   help="longer sequences are truncated and counted")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default=DEFAULT.dtype,
                    help="store dtype of hidden/last; fp8 = e4m3 with an fp32 scale per token and layer (half of bf16)")
-    p.add_argument("--topk", type=int, default=8, help="teacher top-k kept per token (default 8)")
+    p.add_argument("--topk", type=int, default=DEFAULT.topk,
+                   help=f"teacher top-k kept per token (default {DEFAULT.topk})")
     p.add_argument("--no-last", action="store_true", help="do not store `last` (stores for ce / top-k losses only)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modelling code to run")
-    p.add_argument("--parity-every", type=int, default=50,
-                   help="check lm_head(norm(last)) == logits on the first batch and every N batches (default 50)")
-    p.add_argument("--engine", choices=["hf", "vllm"], default="hf",
+    p.add_argument("--parity-every", type=int, default=DEFAULT.parity_every,
+                   help=f"check lm_head(norm(last)) == logits on the first batch and every N batches (default "
+                        f"{DEFAULT.parity_every})")
+    p.add_argument("--engine", choices=["hf", "vllm"], default=DEFAULT.engine,
                    help="what runs the target: hf (transformers, one device) or vllm (its extract_hidden_states "
                         "path; docs/engine-target.md)")
-    p.add_argument("--tensor-parallel-size", type=int, default=1, help="--engine vllm: GPUs the target spans")
+    p.add_argument("--tensor-parallel-size", type=int, default=DEFAULT.tensor_parallel_size,
+                   help="--engine vllm: GPUs the target spans")
 
 
 def run(args) -> int:
-    (estimate if args.estimate else extract)(
-        args.target, args.data, args.out,
-        layer_ids=args.layer_ids, num_tapped=args.num_tapped, max_seq_len=args.max_seq_len,
-        batch_tokens=args.batch_tokens, dtype=args.dtype, shard_tokens=args.shard_tokens, topk=args.topk,
-        no_last=args.no_last, skip_bad=args.skip_bad, trust_remote_code=args.trust_remote_code,
-        parity_every=args.parity_every, engine=args.engine, tensor_parallel_size=args.tensor_parallel_size,
-        split=args.split, max_samples=args.max_samples, reasoning=args.reasoning,
-    )
+    (estimate if args.estimate else extract)(args.target, args.data, args.out, **options_of(args))
     return 0

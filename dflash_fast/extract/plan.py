@@ -1,6 +1,7 @@
-"""An extraction job, planned and validated before the model loads: the options, the layer ids against the
-target's config, this rank's tokenized JSONL records, the store layout, the shards and batches, and the job's
-identity (what makes two runs the same extraction, so a re-run resumes and a different one is refused).
+"""An extraction job, planned and validated before the model loads: the options (ExtractOptions; of them the
+ExtractSettings, which an online source shares), the layer ids against the target's config, this rank's tokenized
+JSONL records, the store layout, the shards and batches, and the job's identity (what makes two runs the same
+extraction, so a re-run resumes and a different one is refused).
 
 `dflash-fast extract` (extract.py) runs a job into a store; the online mode (online.py) runs the same job's
 target inside training, with nothing written.
@@ -9,13 +10,13 @@ target inside training, with nothing written.
 import hashlib
 import json
 import os
-from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
 from dflash_fast.extract.capture import TargetRunner
-from dflash_fast.store.format import Layout, build_manifest, normalise_dtype
+from dflash_fast.store.format import DTYPE_ALIASES, Layout, build_manifest, normalise_dtype
 from dflash_fast.store.layer_ids import check_layer_ids, default_layer_ids
 from dflash_fast.target.load import check_target, config_sha256
 from dflash_fast.target.records import REASONING_MODES, ChatTokenizer, Example, InputStats, read_examples
@@ -63,21 +64,39 @@ def _default_device():
     return torch.device("cpu")
 
 
+# The store dtypes by the names `dflash-fast extract --dtype` and data.online.dtype take.
+DTYPE_NAMES = tuple(DTYPE_ALIASES)
+
+
 @dataclass(frozen=True)
-class ExtractOptions:
-    """Everything `dflash-fast extract` takes besides target, data and out (the CLI flags of the same names)."""
+class ExtractSettings:
+    """How the target's forwards are cut and what of them is kept, the one definition of these settings: the
+    `dflash-fast extract` flags of the same names (--max-seq-len, ...; ExtractOptions is these plus the rest of
+    extract's) and the data.online.* keys of an online source (data/config.py's OnlineConfig is these plus the
+    online source's own), so that online batches are those a store extracted with the same settings would give."""
+
+    max_seq_len: int = 2048  # longer documents are truncated and counted
+    batch_tokens: int = 16384  # padded tokens per target forward
+    dtype: str = "bf16"  # hidden and `last` rounded as a store of this dtype holds them: bf16, fp16, fp32, fp8
+    topk: int = 8  # teacher top-k kept per token
+    parity_every: int = 50  # check lm_head(norm(last)) == logits on the first forward and every N
+    skip_bad: bool = False  # skip and count malformed JSONL lines instead of failing
+
+    def settings(self) -> Dict[str, Any]:
+        """The settings by name (what ExtractOptions takes of them), without a subclass's own fields."""
+        return {f.name: getattr(self, f.name) for f in fields(ExtractSettings)}
+
+
+@dataclass(frozen=True)
+class ExtractOptions(ExtractSettings):
+    """Everything `dflash-fast extract` takes besides target, data and out (the CLI flags of the same names): its
+    ExtractSettings, and the layer ids, `last`, the engine and the records read."""
 
     layer_ids: Optional[Sequence[int]] = None  # None: num_tapped ids spread over 1..L-3
     num_tapped: int = 5
-    max_seq_len: int = 2048
-    batch_tokens: int = 16384
-    dtype: str = "bf16"
     shard_tokens: Optional[int] = None  # None: about 1 GiB per shard
-    topk: int = 8
     no_last: bool = False
-    skip_bad: bool = False
     trust_remote_code: bool = False
-    parity_every: int = 50
     engine: str = "hf"  # hf: transformers in this process; vllm: dflash_fast.extract.vllm_runner
     tensor_parallel_size: int = 1  # vllm only
     split: str = "train"  # a Hugging Face dataset's split (datasets_in); JSONL has none

@@ -149,8 +149,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    serve(args.target, args.host, args.port, layer_ids=args.layer_ids, num_tapped=args.num_tapped,
-          max_seq_len=args.max_seq_len, dtype=args.dtype, topk=args.topk, no_last=args.no_last,
-          trust_remote_code=args.trust_remote_code, parity_every=args.parity_every, engine=args.engine,
-          tensor_parallel_size=args.tensor_parallel_size)
+    from dflash_fast.extract.extract import options_of
+
+    serve(args.target, args.host, args.port, **options_of(args))
     return 0

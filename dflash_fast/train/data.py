@@ -46,20 +46,16 @@ def open_source(cfg: TrainConfig):
 
 
 def extraction_options(cfg: TrainConfig) -> ExtractOptions:
-    """The extraction an online source runs, and a store not yet extracted is planned with: model.layer_ids
-    (None: the default spread), data.online.* (max_seq_len, batch_tokens, dtype, topk, ...), `last` unless the
-    loss kind reads none."""
-    d, n = cfg.data, cfg.data.online
+    """The extraction an online source runs, and a store not yet extracted is planned with: data.online's
+    extraction settings (ExtractSettings: max_seq_len, batch_tokens, dtype, topk, ...), and the options the run
+    decides: model.layer_ids (None: the default spread), `last` unless the loss kind reads none, the source's
+    engine, the records data.* reads."""
+    d = cfg.data
     return ExtractOptions(
+        **d.online.settings(),
         layer_ids=cfg.model.layer_ids,
-        max_seq_len=n.max_seq_len,
-        batch_tokens=n.batch_tokens,
-        dtype=n.dtype,
-        topk=n.topk,
         # auto is kl when `last` exists; ce reads the top-k argmax the online source computes too
         no_last=not (cfg.loss.kind == "auto" or needs_last(cfg.loss.kind, stored_labels=True)),
-        skip_bad=n.skip_bad,
-        parity_every=n.parity_every,
         engine=Source.of(d).engine or "hf",
         split=d.split,
         max_samples=d.max_samples or None,
@@ -88,11 +84,10 @@ def open_batches(store, cfg: TrainConfig, rank: int, world_size: int, split: str
     """This rank's batch dicts of one epoch of `split` from `start_step` on: a DataLoader over the store, or
     online an OnlineBatches (the target forward one micro-batch ahead; close() it)."""
     d = cfg.data
-    args = (store, d.seq_len, d.num_anchors, d.batch_rows, cfg.seed, rank, world_size, epoch, split)
-    kwargs = dict(start_step=start_step, val_fraction=d.val_fraction, split_seed=d.split_seed, with_last=with_last)
+    args = (store, d, cfg.seed, rank, world_size, epoch, split, start_step, with_last)
     if Source.of(d).runs_target:
-        return OnlineBatches(store, row_batches(*args, **kwargs), d.online.prefetch)
-    return iter(make_loader(*args, num_workers=d.num_workers, **kwargs))
+        return OnlineBatches(store, row_batches(*args), d.online.prefetch)
+    return iter(make_loader(*args))
 
 
 def data_identity(manifest: Dict, cfg: TrainConfig, world_size: int) -> Dict:
@@ -131,10 +126,7 @@ class TrainStream:
         self, store, cfg: TrainConfig, rank: int, world_size: int, with_last: bool, epoch: int = 0, index: int = 0
     ):
         self.store, self.cfg, self.rank, self.world_size, self.with_last = store, cfg, rank, world_size, with_last
-        d = cfg.data
-        self.per_epoch = steps_per_epoch(
-            store, d.seq_len, d.batch_rows, cfg.seed, world_size, "train", d.val_fraction, d.split_seed
-        )
+        self.per_epoch = steps_per_epoch(store, cfg.data, cfg.seed, world_size, "train")
         self.epoch, self.index = epoch, index
         self._it = None
         self._target_seconds = None if Source.of(cfg.data).reads_store else 0.0
