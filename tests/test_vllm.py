@@ -219,6 +219,8 @@ READ_BACK = {
     "mixed": (dict(SLIDING, layer_types=["sliding", "full"], causal_in_block=[True, False]), ["zlab"]),
     "partial-rope": (dict(num_layers=1), ["speculators"]),
     "dflash2": (DRAFTERS["dflash2"], ["speculators", "zlab"]),
+    "lilicorr": (dict(num_layers=1, lilicorr_candidate_topk=4, lilicorr_hidden_size=32, lilicorr_num_heads=2,
+                      lilicorr_factor_dim=8, conv_kernel_size=2, conv_group_size=16), ["zlab"]),
 }
 PARTIAL_ROPE = {"rope_type": "default", "rope_theta": 5e5, "partial_rotary_factor": 0.5}
 
