@@ -11,8 +11,10 @@ from dflash_fast.drafter.masks import WINDOW_RULES
 from dflash_fast.errors import check_schema, is_int
 from dflash_fast.serve.architecture import ARCHITECTURE, architecture
 from dflash_fast.serve.layouts import (
+    ARCHITECTURES,
     CONFIG_SCHEMAS,
     FORMATS,
+    ZLAB_ARCHITECTURES,
     ExportError,
     export_format,
     format_config,
@@ -64,9 +66,9 @@ def served_architectures(config: Dict) -> Dict[str, Dict]:
     fmt = export_format(config)
     if fmt is None:
         raise ExportError(
-            "config.json is not a DFlash drafter: it has neither speculators_model_type 'dflash' or 'dspark' "
-            "(speculators layout) "
-            "nor architectures ['DFlashDraftModel'] with a dflash_config (z-lab layout)"
+            f"config.json is not a DFlash drafter: it has neither speculators_model_type one of "
+            f"{sorted(ARCHITECTURES)} (speculators layout) nor architectures one of "
+            f"{sorted(ZLAB_ARCHITECTURES.values())} with a dflash_config (z-lab layout)"
         )
     check_schema(config, CONFIG_SCHEMAS[fmt], "config.json", ExportError)  # every view trusts the JSON kinds
     if fmt == "zlab":
