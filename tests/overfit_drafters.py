@@ -31,6 +31,10 @@ DRAFTERS = {
     # DFlash2 (spec.md §9): both additions, served by vLLM's DFlash2DraftModel (qwen3_dflash2.py, the V2 speculator's
     # selector walk)
     "dflash2": dict(num_layers=1, conv_kernel_size=2, conv_group_size=16, selector_rank=16, selector_top_k=8),
+    # LiLiCorr (spec.md §11): the lattice on the plain backbone, served by vLLM's LiLiCorrDraftModel (the V2
+    # speculator's lattice walk)
+    "lilicorr": dict(num_layers=1, lilicorr_candidate_topk=4, lilicorr_hidden_size=32, lilicorr_num_heads=2,
+                     lilicorr_factor_dim=8),
 }
 @functools.lru_cache(maxsize=1)
 def training_rows() -> tuple:
@@ -53,8 +57,8 @@ def training_rows() -> tuple:
 
 
 def overfit(kind: str, steps: int = 60) -> torch.nn.Module:
-    """A drafter of `kind` trained (AdamW, eager ops; ce, kl where a confidence head needs the teacher) on the
-    target's greedy replies to the eval prompts."""
+    """A drafter of `kind` trained (AdamW, eager ops; ce, kl where a confidence head or LiLiCorr's distractor penalty
+    needs the teacher) on the target's greedy replies to the eval prompts."""
     rows = training_rows()
     torch.manual_seed(0)
     drafter = build_drafter(TARGET, LAYER_IDS, block_size=B, **DRAFTERS[kind])
@@ -62,7 +66,8 @@ def overfit(kind: str, steps: int = 60) -> torch.nn.Module:
     with ops.backend("eager"):
         for _ in range(steps):
             for row in rows:
-                drafter(row, loss_kind="kl" if drafter.proposes_confidence else "ce").loss.backward()
+                teacher = drafter.proposes_confidence or drafter.config.family == "lilicorr"
+                drafter(row, loss_kind="kl" if teacher else "ce").loss.backward()
                 opt.step()
                 opt.zero_grad()
     return drafter.eval()

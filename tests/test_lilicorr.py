@@ -292,25 +292,153 @@ def test_lilicorr_with_dflash2s_convolutions_is_one_family_with_both():
     assert trainable_shapes(d.config) == {n: tuple(p.shape) for n, p in d.named_parameters()}
 
 
-@pytest.mark.parametrize("fmt", ["speculators", "zlab"])
-def test_the_export_refuses_a_lilicorr_drafter_it_cannot_write(fmt):
-    """Either layout would write the backbone alone, which vLLM serves as plain DFlash: refused, naming LiLiCorr."""
-    from dflash_fast.serve.engines import check_servable
+# ---------------------------------------------------------------- the export (vLLM's LiLiCorrDraftModel)
+
+
+CONV = dict(conv_kernel_size=2, conv_group_size=8)
+
+
+def export_lilicorr(tmp_path, **kw):
+    """A LiLiCorr drafter and its zlab export (fp32, through the gate), and the export's config.json."""
+    import json
+
+    from dflash_fast.serve.export import export_drafter
+
+    drafter = lilicorr_drafter(**kw)
+    out = export_drafter(drafter, str(tmp_path / "export"), "target", torch.float32, fmt="zlab")
+    with open(f"{out}/config.json") as f:
+        return drafter, out, json.load(f)
+
+
+@pytest.mark.parametrize("conv", [{}, CONV], ids=["dflash", "dflash2-convolutions"])
+def test_a_lilicorr_export_is_vllms_lilicorr_draft_model_and_loads_back_walking_as_trained(tmp_path, conv):
+    """The zlab layout as architectures ["LiLiCorrDraftModel"] with every field vLLM's LiLiCorr reads in dflash_config
+    (and the convolutions' two with them), read by vLLM alone; the drafter rebuilt from it drafts what the trained one
+    drafts (the lattice walk) and has its tensors."""
+    from dflash_fast.serve.architecture import architecture
+    from dflash_fast.serve.engines import served_architectures
+    from dflash_fast.serve.export import load_exported
+
+    drafter, out, config = export_lilicorr(tmp_path, **conv)
+    cfg = drafter.config
+    assert config["architectures"] == ["LiLiCorrDraftModel"] and config["has_own_lm_head"] is False
+    want = {"lilicorr_enabled": True, **{k: getattr(cfg, k) for k in LILICORR}, "lilicorr_vector_eps": EPS,
+            **conv}
+    assert {k: v for k, v in config["dflash_config"].items() if k.startswith(("lilicorr_", "conv_"))} == want
+    assert served_architectures(config) == {"vllm": architecture(cfg)}
+    back = load_exported(out)
+    assert isinstance(back, LiLiCorrDrafter) and architecture(back.config) == architecture(cfg)
+    mine, theirs = dict(drafter.named_parameters()), dict(back.named_parameters())
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    for d in (drafter, back):
+        d.set_frozen(embed_tokens=torch.randn(V, cfg.hidden_size, generator=torch.Generator().manual_seed(3)),
+                     lm_head=torch.randn(V, cfg.hidden_size, generator=torch.Generator().manual_seed(4)),
+                     target_norm=torch.ones(cfg.hidden_size))
+    hidden = torch.randn(9, cfg.num_tapped, cfg.target_hidden_size, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(back.propose(hidden, 7), drafter.propose(hidden, 7))
+
+
+def test_the_gate_compares_the_lattice_walk_the_logits_do_not_see(tmp_path):
+    """A lattice tensor read back other than trained leaves every logit as it was: the gate refuses the export on the
+    LiLiCorr scores (naming the tensor), and passes the same files against the weights written."""
+    from dflash_fast.serve.export import gate, trainable_state_dict
     from dflash_fast.serve.layouts import ExportError
 
-    with pytest.raises(ExportError, match="LiLiCorr"):
-        check_servable(lilicorr_drafter().config, fmt)
+    drafter, out, _ = export_lilicorr(tmp_path, **CONV)
+    written = trainable_state_dict(drafter)
+    gate(out, drafter.config, written)
+    trained = dict(written, **{"lilicorr.out_head.weight": written["lilicorr.out_head.weight"] + 0.5})
+    with pytest.raises(ExportError, match=r"LiLiCorr (start|pair) scores.*lilicorr\.out_head\.weight"):
+        gate(out, drafter.config, trained)
 
 
-def test_the_trainer_trains_lilicorr_and_its_checkpoint_builds_the_drafter_back(tiny, tmp_path):  # noqa: F811
-    """Two steps of configs/tiny.yaml (its recipe, the penalty on) with LiLiCorr's keys on the tiny store: the
-    checkpoint builds the LiLiCorr drafter back with every lattice tensor (finite); a run asking for the export (which
-    refuses LiLiCorr) is refused before step 1, naming export=false. (Two steps of a fresh drafter rarely put the
+def test_the_speculators_format_refuses_a_lilicorr_drafter_naming_the_zlab_format():
+    """speculators has no LiLiCorr model and vLLM's speculators adapter no lilicorr type: refused before anything is
+    written, naming the field and the format that serves it; servable_format picks zlab."""
+    from dflash_fast.serve.engines import check_servable, servable_format
+    from dflash_fast.serve.layouts import ExportError
+
+    cfg = lilicorr_drafter().config
+    with pytest.raises(ExportError, match="lilicorr_candidate_topk=4.*--format zlab"):
+        check_servable(cfg, "speculators")
+    assert servable_format(cfg) == "zlab"
+
+
+# Edits of a LiLiCorr export's config.json that vLLM 0.32 refuses or would serve otherwise than trained, and the
+# field the refusal must name.
+REFUSED = {
+    "disabled": ({"lilicorr_enabled": False}, "lilicorr_enabled=False"),
+    "a field absent": ({"lilicorr_num_heads": None}, r"no \['lilicorr_num_heads'\]"),
+    "K not a power of two": ({"lilicorr_candidate_topk": 3}, "lilicorr_candidate_topk=3"),
+    "K zero": ({"lilicorr_candidate_topk": 0}, "lilicorr_candidate_topk=0"),
+    "heads": ({"lilicorr_num_heads": 3}, "lilicorr_num_heads=3"),
+    "taps without groups": ({"conv_kernel_size": 2}, "conv_kernel_size=2, conv_group_size=0"),
+    "no slot to draft": ({"block_size": 1}, "block_size=1"),
+}
+
+
+@pytest.mark.parametrize("edit", list(REFUSED))
+def test_an_export_vllms_lilicorr_would_refuse_or_serve_otherwise_is_refused_naming_the_field(tmp_path, edit):
+    from dflash_fast.serve.engines import config_from_export
+    from dflash_fast.serve.layouts import ExportError
+
+    _, _, config = export_lilicorr(tmp_path)
+    changes, field = REFUSED[edit]
+    for key, value in changes.items():
+        if value is None:
+            del config["dflash_config"][key]
+        else:
+            config["dflash_config"][key] = value
+    with pytest.raises(ExportError, match=field):
+        config_from_export(config)
+
+
+@pytest.mark.parametrize("top,match", [({"draft_vocab_size": V - 1}, f"draft_vocab_size={V - 1}"),
+                                       ({"has_own_lm_head": True}, "has_own_lm_head=true")])
+def test_a_draft_vocabulary_or_an_own_lm_head_is_refused_naming_the_field(tmp_path, top, match):
+    """vLLM's LiLiCorr needs the target's whole vocabulary (no d2t map) and draws the candidates from the checkpoint's
+    lm_head with has_own_lm_head: neither is the drafter trained here."""
+    from dflash_fast.serve.engines import config_from_export
+    from dflash_fast.serve.layouts import ExportError
+
+    _, _, config = export_lilicorr(tmp_path)
+    with pytest.raises(ExportError, match=match):
+        config_from_export(dict(config, **top))
+
+
+@pytest.mark.parametrize("architecture,conv", [("DFlashDraftModel", {}), ("DFlash2DraftModel", CONV)])
+def test_the_lilicorr_export_served_as_plain_dflash_reads_as_another_drafter(tmp_path, architecture, conv):
+    """The same files named as a plain DFlash drafter, or (with the convolutions and a selector's fields) a DFlash2
+    one: every engine of that name serves the backbone alone, which the gate's comparison names
+    (lilicorr_candidate_topk: trained 4, served 0), and the lattice tensors are no tensors of the drafter it reads."""
+    from dflash_fast.serve.architecture import architecture as trained_architecture
+    from dflash_fast.serve.engines import config_from_export, mismatches, served_architectures
+    from dflash_fast.serve.export import read_weights
+    from dflash_fast.serve.layouts import ExportError
+
+    drafter, out, config = export_lilicorr(tmp_path, **conv)
+    config["architectures"] = [architecture]
+    if architecture == "DFlash2DraftModel":
+        config["dflash_config"].update(selector_rank=4, selector_top_k=4)
+    served = served_architectures(config)
+    assert sorted(served) == ["sglang", "vllm"]
+    lines = mismatches(trained_architecture(drafter.config), served)
+    assert any(line.startswith("lilicorr_candidate_topk: trained 4, vllm serves 0") for line in lines), lines
+    with pytest.raises(ExportError, match="unexpected.*lilicorr"):
+        read_weights(out, config_from_export(config), warn=lambda _: None)
+
+
+def test_the_trainer_trains_lilicorr_exports_it_and_its_checkpoint_builds_the_drafter_back(tiny, tmp_path):  # noqa: F811
+    """Two steps of configs/tiny.yaml (its recipe, the penalty on) with LiLiCorr's keys on the tiny store: the run
+    ends with its gated export in the zlab layout (vLLM's LiLiCorrDraftModel), and the checkpoint builds the LiLiCorr
+    drafter back with every lattice tensor (finite), the export's. (Two steps of a fresh drafter rarely put the
     teacher's argmax among its top 4 of 384, so whether the lattice moves here is chance: the lattice's gradients
     are test_lilicorr_trains_with_every_loss_kind_and_weighting's.)"""
+    import json
+
     from test_trainer import TINY_YAML, settings
 
-    from dflash_fast.errors import ConfigError
+    from dflash_fast.serve.export import load_exported
     from dflash_fast.train.checkpoint import load_drafter_for_export
     from dflash_fast.train.config import load_config
     from dflash_fast.train.trainer import train
@@ -318,11 +446,13 @@ def test_the_trainer_trains_lilicorr_and_its_checkpoint_builds_the_drafter_back(
     out = str(tmp_path / "run")
     keys = dict(model__lilicorr_candidate_topk=4, model__lilicorr_hidden_size=32, model__lilicorr_num_heads=2,
                 model__lilicorr_factor_dim=8, schedule__steps=2)
-    with pytest.raises(ConfigError, match="export=false"):
-        train(load_config(TINY_YAML, settings(tiny, out, export="true", **keys)))
-    train(load_config(TINY_YAML, settings(tiny, out, export="false", **keys)))
+    train(load_config(TINY_YAML, settings(tiny, out, export="true", **keys)))
+    with open(f"{out}/export/config.json") as f:
+        assert json.load(f)["architectures"] == ["LiLiCorrDraftModel"]
+    exported = dict(load_exported(f"{out}/export").named_parameters())
     drafter, _ = load_drafter_for_export(out)
     assert drafter.config.lilicorr_candidate_topk == 4 and drafter.lilicorr is not None
     lattice = {f"lilicorr.{n}": p for n, p in drafter.lilicorr.named_parameters()}
     assert {n: tuple(p.shape) for n, p in lattice.items()} == head_shapes(drafter.config)
+    assert all(torch.equal(p.to(exported[n].dtype), exported[n]) for n, p in lattice.items())
     assert all(torch.isfinite(p).all() for p in lattice.values())

@@ -111,6 +111,15 @@ def test_export_gguf_refuses_a_drafter_tapping_the_last_layer_before_converting(
     assert os.listdir(tmp_path) == []
 
 
+def test_export_gguf_refuses_a_lilicorr_drafter_naming_its_field_before_converting(tmp_path):
+    """llama.cpp's DFlash builds no lattice: a LiLiCorr drafter would be served as its backbone alone."""
+    drafter = build_drafter(TARGET, LAYER_IDS, block_size=B, num_layers=1, lilicorr_candidate_topk=4,
+                            lilicorr_hidden_size=32, lilicorr_num_heads=2, lilicorr_factor_dim=8)
+    with pytest.raises(ExportError, match="lilicorr_candidate_topk=4.*--format zlab"):
+        llama_cpp.export_gguf(drafter, str(tmp_path / "draft.gguf"), TARGET, version="not-built")
+    assert os.listdir(tmp_path) == []
+
+
 def test_tensors_are_compared_by_their_gguf_names_and_a_changed_one_is_named(tmp_path):
     tensors = {"fc.weight": torch.randn(8, 24), "layers.0.self_attn.q_proj.weight": torch.randn(8, 8)}
     stored = {llama_cpp.gguf_name(k): v for k, v in tensors.items()}

@@ -3,9 +3,9 @@
 Runs where vLLM is installed (.ci/run's second venv, docs/vllm.md); DFLASH_REQUIRE_VLLM=1 turns the skip into a
 failure there. Drafters are overfitted in-process to the embedded target's greedy replies to a few prompts (real
 acceptance in seconds), exported, and served by vLLM: full-attention and all-sliding drafters on its V1 CPU runner
-in this process; mixed sliding/full, DSpark and DFlash2 drafters, which only its V2 runner serves, on a GPU in this
-process and on a CPU in a process of their own (tests/vllm_v2_on_cpu.py: Triton's interpreter runs the V2 runner's
-kernels).
+in this process; mixed sliding/full, DSpark, DFlash2 and LiLiCorr drafters, which only its V2 runner serves, on a GPU
+in this process and on a CPU in a process of their own (tests/vllm_v2_on_cpu.py: Triton's interpreter runs the V2
+runner's kernels).
 """
 import dataclasses
 import json
@@ -34,10 +34,10 @@ from dflash_fast.target.vllm import engine_args  # noqa: E402
 # vLLM's CPU kernels and our eager ops round differently; a near-tie in the drafter's top choice then drafts another
 # token at one step, and the replies drift by a block from there. Totals agree within this; outputs exactly.
 TAU_TOLERANCE = 0.1
-V2_LAYOUTS = {"mixed": "zlab", "dspark": "speculators", "dflash2": "speculators"}
-# The DFlash2 export served by vLLM as its plain `dflash` method (`served_as_dflash`), against our evaluator's report
-# of the DFlash2 export: the comparison must fail.
-FORCED_DFLASH = "dflash2-as-dflash"
+V2_LAYOUTS = {"mixed": "zlab", "dspark": "speculators", "dflash2": "speculators", "lilicorr": "zlab"}
+# The DFlash2 and LiLiCorr exports served by vLLM as its plain `dflash` method (`served_as_dflash`), against our
+# evaluator's report of the export they were made from: the comparison must fail.
+FORCED_DFLASH = {"dflash2-as-dflash": "dflash2", "lilicorr-as-dflash": "lilicorr"}
 
 
 
@@ -110,33 +110,41 @@ def assert_served_as_ours(export_dir: str, hf: dict, served: dict) -> None:
 
 
 def served_as_dflash(export_dir: str, out: str) -> str:
-    """The DFlash2 export `export_dir` as vLLM serves it when its method is forced to plain `dflash`: speculators'
-    dflash type (vLLM's DFlashDraftModel and DFlash speculator), without the convolutions' and the selector's
-    tensors, which that model has no module for (its weight loader would refuse them)."""
+    """The DFlash2 (speculators layout) or LiLiCorr (zlab layout) export `export_dir` as vLLM serves it when named
+    plain DFlash: speculators' dflash type or the z-lab DFlashDraftModel (vLLM's DFlash model and speculator), without
+    the family's fields and tensors (the convolutions', the selector's, the lattice's), which that model has no module
+    for (its weight loader would refuse them)."""
     from safetensors.torch import load_file, save_file
 
-    from dflash_fast.drafter.dflash2 import head_shapes
+    from dflash_fast.drafter.families import head_shapes
     from dflash_fast.serve.export import WEIGHTS
-    from dflash_fast.serve.layouts import DFLASH2_FIELDS
+    from dflash_fast.serve.layouts import DFLASH2_FIELDS, LILICORR_FIELDS
 
     config = read_export_config(export_dir)
-    dflash2 = head_shapes(config_from_export(config))
-    config = {k: v for k, v in config.items() if k not in DFLASH2_FIELDS}
-    config.update(speculators_model_type="dflash", architectures=["DFlashDraftModel"])
-    config["speculators_config"] = dict(config["speculators_config"], algorithm="dflash")
+    family = head_shapes(config_from_export(config))
+    if config.get("speculators_model_type"):
+        config = {k: v for k, v in config.items() if k not in DFLASH2_FIELDS}
+        config.update(speculators_model_type="dflash", architectures=["DFlashDraftModel"])
+        config["speculators_config"] = dict(config["speculators_config"], algorithm="dflash")
+    else:
+        dropped = (*DFLASH2_FIELDS, *LILICORR_FIELDS, "lilicorr_enabled")
+        config["dflash_config"] = {k: v for k, v in config["dflash_config"].items() if k not in dropped}
+        config = {k: v for k, v in config.items() if k != "has_own_lm_head"}
+        config["architectures"] = ["DFlashDraftModel"]
     os.makedirs(out)
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(config, f)
     tensors = load_file(os.path.join(export_dir, WEIGHTS))
-    save_file({k: v for k, v in tensors.items() if k not in dflash2}, os.path.join(out, WEIGHTS))
+    save_file({k: v for k, v in tensors.items() if k not in family}, os.path.join(out, WEIGHTS))
     return out
 
 
 def v2_exports(root) -> dict:
-    """{kind: export directory} of V2_LAYOUTS' drafters, trained here, and FORCED_DFLASH's copy of the DFlash2 one."""
+    """{kind: export directory} of V2_LAYOUTS' drafters, trained here, and FORCED_DFLASH's copies of two of them."""
     paths = {kind: export_drafter(overfit(kind), str(root / kind), TARGET, torch.float32, fmt=fmt)
              for kind, fmt in V2_LAYOUTS.items()}
-    return dict(paths, **{FORCED_DFLASH: served_as_dflash(paths["dflash2"], str(root / FORCED_DFLASH))})
+    return dict(paths, **{forced: served_as_dflash(paths[kind], str(root / forced))
+                          for forced, kind in FORCED_DFLASH.items()})
 
 
 @pytest.fixture(scope="module")
@@ -147,9 +155,9 @@ def v2_served(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm_v2")
 
     def ours_of_each(paths: dict) -> dict:
-        """Our evaluator's report of each trained export; FORCED_DFLASH's is the DFlash2 export's."""
-        ours = {kind: ours_of(path) for kind, path in paths.items() if kind != FORCED_DFLASH}
-        return dict(ours, **{FORCED_DFLASH: ours["dflash2"]})
+        """Our evaluator's report of each trained export; FORCED_DFLASH's are those of the exports they copy."""
+        ours = {kind: ours_of(path) for kind, path in paths.items() if kind not in FORCED_DFLASH}
+        return dict(ours, **{forced: ours[kind] for forced, kind in FORCED_DFLASH.items()})
 
     if torch.cuda.is_available():
         paths = v2_exports(root)
@@ -175,16 +183,18 @@ def v2_served(tmp_path_factory):
 
 
 @pytest.mark.parametrize("kind", list(V2_LAYOUTS))
-def test_vllms_v2_runner_serves_mixed_dspark_and_dflash2_exports_with_our_evaluators_acceptance_and_output(
+def test_vllms_v2_runner_serves_mixed_dspark_dflash2_and_lilicorr_exports_with_our_evaluators_acceptance_and_output(
         v2_served, kind):
     assert_served_as_ours(*v2_served[kind])
 
 
-def test_the_dflash2_export_forced_onto_vllms_plain_dflash_method_fails_the_comparison(v2_served):
-    """vLLM serving the DFlash2 export as its plain `dflash` method (no convolutions, no selector walk:
-    served_as_dflash) against our evaluator's report of the DFlash2 export: the check above tells the two apart."""
+@pytest.mark.parametrize("forced", list(FORCED_DFLASH))
+def test_a_dflash2_or_lilicorr_export_forced_onto_vllms_plain_dflash_method_fails_the_comparison(v2_served, forced):
+    """vLLM serving the DFlash2 or LiLiCorr export as its plain `dflash` method (no convolutions, no selector or
+    lattice walk: served_as_dflash) against our evaluator's report of that export: the check above tells them
+    apart."""
     with pytest.raises(AssertionError, match="vLLM accepts .* tokens per step|differs from the target's greedy"):
-        assert_served_as_ours(*v2_served[FORCED_DFLASH])
+        assert_served_as_ours(*v2_served[forced])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU's vLLM runs the V2 runner: nothing is refused")
@@ -198,7 +208,7 @@ def test_on_a_cpu_evaluate_vllm_refuses_in_one_line_what_vllms_v1_runner_refuses
 
     assert not v2_runner_available()
     refusals = {"mixed": "mixed sliding/full dflash drafts", "dspark": "dspark speculative decoding",
-                "dflash2": "DFlash candidate-head drafts"}
+                "dflash2": "DFlash candidate-head drafts", "lilicorr": "DFlash candidate-head drafts"}
     for kind, fmt in V2_LAYOUTS.items():
         drafter = build_drafter(TARGET, LAYER_IDS, block_size=B, **DRAFTERS[kind])
         out = export_drafter(drafter, str(tmp_path / kind), TARGET, torch.float32, fmt=fmt)
@@ -219,6 +229,8 @@ READ_BACK = {
     "mixed": (dict(SLIDING, layer_types=["sliding", "full"], causal_in_block=[True, False]), ["zlab"]),
     "partial-rope": (dict(num_layers=1), ["speculators"]),
     "dflash2": (DRAFTERS["dflash2"], ["speculators", "zlab"]),
+    "lilicorr": (dict(num_layers=1, lilicorr_candidate_topk=4, lilicorr_hidden_size=32, lilicorr_num_heads=2,
+                      lilicorr_factor_dim=8, conv_kernel_size=2, conv_group_size=16), ["zlab"]),
 }
 PARTIAL_ROPE = {"rope_type": "default", "rope_theta": 5e5, "partial_rotary_factor": 0.5}
 

@@ -5,8 +5,12 @@
 CASES.pt: a list of cases, each {"config": the dflash_config's lilicorr_* keys, "model_hidden_size", "block_size",
 "rms_norm_eps", "state": our head's state dict, "inputs": (token_embeddings, candidate_log_probs, pass_hidden,
 anchor_hidden, anchor_valid)} and optionally "lm_head" [V, H], "hidden" [S, H], "embed" [V, H] (the candidates).
+A case with "export" (an export directory), "target" (its target) and "inputs" builds the head as vLLM serves that
+export instead: vLLM's own config loader (SpeculativeConfig, method dflash, num_speculative_tokens "drafted"), the
+model class its registry names for the export's architectures, and that class's `load_weights` on the export's
+model.safetensors (LiLiCorrForCausalLM: the lattice tensors through AutoWeightsLoader, its coverage check).
 OUT.pt: per case {"start", "pair", "table", "walk" (indices per row), and with lm_head "ids", "log_probs",
-"drafted"}.
+"drafted"; with export "architectures", "model_class", "dflash_config" (as vLLM parsed them)}.
 
 vLLM's pieces as it serves them: `LiLiCorrHead` (model_executor/models/lilicorr.py) built under a VllmConfig without
 compilation, our state dict loaded `strict` and its layers' weights processed as vLLM's loader does
@@ -48,18 +52,49 @@ def walk(table):
     return tokens[0] - torch.arange(s) * k
 
 
+def served_head(case, out):
+    """vLLM's LiLiCorr head as vLLM builds and loads it from the export `case["export"]` (the module docstring)."""
+    from safetensors.torch import load_file
+    from vllm.config import (
+        CompilationConfig,
+        CompilationMode,
+        ModelConfig,
+        ParallelConfig,
+        SpeculativeConfig,
+        VllmConfig,
+        set_current_vllm_config,
+    )
+    from vllm.model_executor.model_loader import get_model_architecture
+
+    target, parallel = ModelConfig(model=case["target"], dtype="float32"), ParallelConfig()
+    spec = SpeculativeConfig(method="dflash", model=case["export"], num_speculative_tokens=case["drafted"],
+                             target_model_config=target, target_parallel_config=parallel)
+    config = VllmConfig(model_config=target, speculative_config=spec, parallel_config=parallel,
+                        compilation_config=CompilationConfig(mode=CompilationMode.NONE))
+    with set_current_vllm_config(config):
+        model_class, _ = get_model_architecture(spec.draft_model_config)
+        model = model_class(vllm_config=config)
+        model.load_weights(load_file(os.path.join(case["export"], "model.safetensors")).items())
+    out.update(architectures=list(spec.draft_model_config.architectures), model_class=model_class.__name__,
+               dflash_config=dict(spec.draft_model_config.hf_config.dflash_config))
+    return processed(model).model.lilicorr
+
+
 def run(case):
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
     from vllm.model_executor.models.lilicorr import LiLiCorrHead
 
-    head = LiLiCorrHead(model_hidden_size=case["model_hidden_size"], block_size=case["block_size"],
-                        rms_norm_eps=case["rms_norm_eps"], config=case["config"])
-    head.load_state_dict(case["state"], strict=True)
-    head.materialize_inference_buffers(torch.device("cpu"), torch.float32)  # in load_weights, as vLLM's loader
-    processed(head).eval()  # then the loader's processing of the loaded weights
-    emb, log_probs, pass_hidden, anchor, valid = case["inputs"]
     out = {}
+    if "export" in case:
+        head = served_head(case, out).eval()
+    else:
+        head = LiLiCorrHead(model_hidden_size=case["model_hidden_size"], block_size=case["block_size"],
+                            rms_norm_eps=case["rms_norm_eps"], config=case["config"])
+        head.load_state_dict(case["state"], strict=True)
+        head.materialize_inference_buffers(torch.device("cpu"), torch.float32)  # in load_weights, as vLLM's loader
+        processed(head).eval()  # then the loader's processing of the loaded weights
+    emb, log_probs, pass_hidden, anchor, valid = case["inputs"]
     with torch.no_grad():
         out["start"], out["pair"] = head.score(token_embeddings=emb, candidate_log_probs=log_probs,
                                                pass_hidden=pass_hidden, anchor_hidden=anchor, anchor_valid=valid)

@@ -195,6 +195,25 @@ def walk(table: torch.Tensor, draw=None) -> torch.Tensor:
     return torch.tensor(picks, dtype=torch.long, device=table.device)
 
 
+def candidates(logits: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """logits [..., V] -> each row's top-K (ids [..., K], best first) and their raw log-softmax [..., K] fp32 (vLLM's
+    `compute_candidates`: get_top_k_tokens(..., return_log_probs=True), no temperature)."""
+    top = F.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+    return top.indices, top.values
+
+
+def anchor_rows(ctx: torch.Tensor, batch: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The anchor input of every block of a batch: ctx [R, T, H] read at anchor - 1 (vLLM's prepare_context_anchor:
+    the position before the block's given token) -> (anchor_hidden [R*A, H], valid [R*A]); invalid (zeroed by the
+    head) at a row start, for an invalid anchor, and across a document start of a packed row."""
+    anchors = batch["anchors"]
+    before = (anchors - 1).clamp(min=0)
+    docs = batch["document_ids"]
+    valid = (anchors >= 1) & batch["anchor_valid"] & (docs.gather(1, before) == docs.gather(1, anchors))
+    anchor_hidden = ctx.gather(1, before[..., None].expand(-1, -1, ctx.shape[-1])).reshape(-1, ctx.shape[-1])
+    return anchor_hidden, valid.reshape(-1)
+
+
 def lilicorr_walk(head: LiLiCorrHead, anchor_ctx: torch.Tensor, hidden: torch.Tensor, logits: torch.Tensor,
                   embed_tokens: torch.Tensor, draw=None) -> torch.Tensor:
     """Inference of one block as vLLM 0.32 drafts it (spec_decode/lilicorr, dflash2's CandidateSampler):
@@ -203,11 +222,10 @@ def lilicorr_walk(head: LiLiCorrHead, anchor_ctx: torch.Tensor, hidden: torch.Te
     greedy walks the table's first argmaxes; `draw` (logits [1, V] -> token [1]) is handed each slot's walk row at
     the K candidates' ids and -inf elsewhere (vLLM's cached draft logits, the q its rejection sampler reads as
     softmax(row / T)), and the walk goes on from the candidate drawn."""
-    top = F.log_softmax(logits.float(), dim=-1).topk(head.top_k, dim=-1)
-    ids = top.indices
+    ids, log_probs = candidates(logits, head.top_k)
     emb = F.embedding(ids, embed_tokens).to(hidden.dtype)
     valid = torch.ones(1, dtype=torch.bool, device=hidden.device)
-    table = head.walk_scores(emb[None], top.values[None], hidden[None], anchor_ctx[None], valid)[0]
+    table = head.walk_scores(emb[None], log_probs[None], hidden[None], anchor_ctx[None], valid)[0]
     pick = None
     if draw is not None:
         def pick(s, row):
@@ -310,13 +328,9 @@ def lattice_terms(head: LiLiCorrHead, ctx: torch.Tensor, batch: Dict[str, torch.
     ids = out.topk_ids.view(r * a, b, k)[:, 1:]
     log_probs = (out.topk_logits - out.lse[:, None]).view(r * a, b, k)[:, 1:]
     pass_hidden = hidden.view(r * a, b, -1)[:, 1:]
-    anchors = batch["anchors"]
-    before = (anchors - 1).clamp(min=0)
-    docs = batch["document_ids"]
-    valid = (anchors >= 1) & batch["anchor_valid"] & (docs.gather(1, before) == docs.gather(1, anchors))
-    anchor_hidden = ctx.gather(1, before[..., None].expand(-1, -1, ctx.shape[-1])).reshape(r * a, -1)
+    anchor_hidden, valid = anchor_rows(ctx, batch)
     emb = F.embedding(ids, embed_tokens).to(hidden.dtype)
-    start, pair = head.log_factors(*head.scores(emb, log_probs, pass_hidden, anchor_hidden, valid.reshape(-1)))
+    start, pair = head.log_factors(*head.scores(emb, log_probs, pass_hidden, anchor_hidden, valid))
     teacher_logits = None
     if weights.w_pen > 0:
         if teacher.last is None:
@@ -343,8 +357,8 @@ class LiLiCorrDrafter(DFlash2Drafter):
     """LiLiCorr: the backbone (DFlash2's convolutions in the layers when conv_kernel_size > 0; no selector, which
     `value_problems` refuses beside it) plus the lattice head `lilicorr`. The fused lm_head pass gives each slot's
     top-K candidates, their logits and lse; the lattice terms are added to the main loss, and the draft the metrics
-    score and `propose` returns is the lattice walk's. The export gate compares the logits alone (the export refuses
-    a LiLiCorr drafter before the gate runs: serve.engines.check_servable)."""
+    score and `propose` returns is the lattice walk's. The export gate compares the logits and `gate_outputs`: the
+    lattice's scores, walk table and greedy walk."""
 
     family = "lilicorr"
 
@@ -373,6 +387,23 @@ class LiLiCorrDrafter(DFlash2Drafter):
                                         LatticeWeights.named(weights))
         draft = torch.cat([out.draft_argmax.view(r * a, b)[:, :1], walked], dim=1).reshape(-1)
         return FamilyTerms(lattice.loss, draft, {"lattice_loss": lattice.loss})
+
+    def gate_outputs(self, batch: Dict[str, torch.Tensor], logits: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """The lattice of every block of the one-row gate batch as vLLM's LiLiCorr scores it: the candidates of each
+        drafted slot are the top-K of `logits` [1, A*B, V] (the trained drafter's) with their log-softmax, the slots'
+        norm(x) this drafter's, the anchor its ctx at anchor - 1 -> start [A, K] and pair [A, B - 2, K, K] cosines,
+        the walk table [A, B - 1, K, K] and the greedy walk's candidate indices [A, B - 1] (as fp32)."""
+        b, k = self.config.block_size, self.lilicorr.top_k
+        ctx = self.context(batch["hidden"])
+        x = self.batch_states(batch, ctx=ctx)
+        a = x.shape[1] // b
+        ids, log_probs = candidates(logits[0, :, : self.config.vocab_size].view(a, b, -1)[:, 1:], k)
+        hidden = self.norm(x).view(a, b, -1)[:, 1:]
+        inputs = (F.embedding(ids, self.embed_tokens).to(hidden.dtype), log_probs, hidden, *anchor_rows(ctx, batch))
+        start, pair = self.lilicorr.scores(*inputs)
+        table = self.lilicorr.walk_scores(*inputs)
+        return {"LiLiCorr start scores": start.float(), "LiLiCorr pair scores": pair.float(),
+                "LiLiCorr walk table": table, "LiLiCorr greedy walk": torch.stack([walk(t) for t in table]).float()}
 
     def walk(self, x: torch.Tensor, hidden: torch.Tensor, logits: torch.Tensor,  # noqa: ARG002 (x: unread)
              anchor_token: int, draw=None, with_confidence: bool = False,  # noqa: ARG002 (the lattice's own start)

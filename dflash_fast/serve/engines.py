@@ -4,15 +4,17 @@ refuses a drafter its format's engines would serve differently from how it train
 each known cause), `config_from_export` rebuilds the DrafterConfig of an export the engines agree on,
 `check_made_for` refuses one made for another target.
 """
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 from dflash_fast.drafter.config import DrafterConfig, value_problems
 from dflash_fast.drafter.masks import WINDOW_RULES
 from dflash_fast.errors import check_schema, is_int
 from dflash_fast.serve.architecture import ARCHITECTURE, architecture
 from dflash_fast.serve.layouts import (
+    ARCHITECTURES,
     CONFIG_SCHEMAS,
     FORMATS,
+    ZLAB_ARCHITECTURES,
     ExportError,
     export_format,
     format_config,
@@ -21,6 +23,9 @@ from dflash_fast.serve.views import VIEWS, _check_zlab_neutral, zlab_tap_problem
 from dflash_fast.store.layer_ids import check_layer_ids
 
 ENGINES = {"speculators": ("speculators", "vllm"), "zlab": ("sglang", "vllm")}
+# A LiLiCorr export (the zlab layout as LiLiCorrDraftModel) is read by vLLM alone: SGLang's LiLiCorr (the PR vLLM's
+# head was adapted from) is not modelled here, and speculators has no LiLiCorr model.
+LILICORR_ENGINES = ("vllm",)
 # Why an engine reads a field differently, and the fix, for the mismatches that have a known cause.
 # Fields where an engine that serves another rule than the drafter trained with still runs it, at a lower acceptance:
 # export warns of them (naming the field) instead of refusing, and reads them back from our own metadata.
@@ -45,7 +50,14 @@ HINTS = {
     "candidate selector: train model.selector_rank >= 1 with model.conv_kernel_size >= 1",
     "target_hidden_size": "speculators and SGLang size fc from the drafter's hidden_size: the drafter's hidden size "
     "must equal the target's",
+    "lilicorr_candidate_topk": "only vLLM's LiLiCorrDraftModel builds the lattice head (the zlab layout as "
+    "architectures ['LiLiCorrDraftModel']); any other architecture serves the backbone alone, as plain DFlash(2)",
 }
+
+
+def serving_engines(fmt: str, family: str) -> Tuple[str, ...]:
+    """The engines that read a `family` drafter's export in `fmt` (ENGINES; LILICORR_ENGINES for LiLiCorr)."""
+    return LILICORR_ENGINES if family == "lilicorr" else ENGINES[fmt]
 
 
 def served_architectures(config: Dict) -> Dict[str, Dict]:
@@ -54,15 +66,16 @@ def served_architectures(config: Dict) -> Dict[str, Dict]:
     fmt = export_format(config)
     if fmt is None:
         raise ExportError(
-            "config.json is not a DFlash drafter: it has neither speculators_model_type 'dflash' or 'dspark' "
-            "(speculators layout) "
-            "nor architectures ['DFlashDraftModel'] with a dflash_config (z-lab layout)"
+            f"config.json is not a DFlash drafter: it has neither speculators_model_type one of "
+            f"{sorted(ARCHITECTURES)} (speculators layout) nor architectures one of "
+            f"{sorted(ZLAB_ARCHITECTURES.values())} with a dflash_config (z-lab layout)"
         )
     check_schema(config, CONFIG_SCHEMAS[fmt], "config.json", ExportError)  # every view trusts the JSON kinds
     if fmt == "zlab":
         _check_zlab_neutral(config)
     served = {}
-    for engine in ENGINES[fmt]:
+    lilicorr = fmt == "zlab" and "LiLiCorrDraftModel" in config["architectures"]
+    for engine in serving_engines(fmt, "lilicorr" if lilicorr else ""):
         try:
             served[engine] = VIEWS[fmt, engine](config)
         except (TypeError, AttributeError) as e:  # a hand-edited key of the wrong JSON type (a list for an object)
@@ -98,11 +111,12 @@ def mismatches(expected: Dict, served: Dict[str, Dict], serving_rules: bool = Fa
 
 def check_servable(cfg: DrafterConfig, fmt: str) -> None:
     """Refuse, before anything is written, a drafter that the engines of `fmt` would serve differently."""
-    if cfg.family == "lilicorr":  # both layouts would write a plain DFlash(2) drafter, served without its lattice
-        raise ExportError(f"the {fmt} format cannot serve this LiLiCorr drafter as it trained: the export of its "
-                          f"lattice head (vLLM's LiLiCorrDraftModel) is not built yet (docs/lilicorr.md); evaluate "
-                          f"the training checkpoint with our evaluator")
-    if cfg.is_dflash2:
+    if cfg.family == "lilicorr" and fmt != "zlab":
+        raise ExportError(f"the {fmt} format cannot serve this LiLiCorr drafter (lilicorr_candidate_topk="
+                          f"{cfg.lilicorr_candidate_topk}): speculators has no LiLiCorr model and vLLM's speculators "
+                          f"adapter no lilicorr type; export --format zlab (vLLM's LiLiCorrDraftModel, "
+                          f"docs/lilicorr.md)")
+    if cfg.family == "dflash2":
         dflash2_servable(cfg, fmt)
     problems = mismatches(architecture(cfg), served_architectures(format_config(cfg, fmt, verifier="")))
     if fmt == "zlab":

@@ -20,20 +20,28 @@ each serving engine does.
                  architectures ["DFlashDraftModel"], block_size, num_target_layers,
                  dflash_config {target_layer_ids = ids, mask_token_id, block_size}; a DFlash2 drafter as
                  architectures ["DFlash2DraftModel"] and DFlash2's four fields in dflash_config (z-lab's
-                 Qwen3.8-27B-DFlash2), the same tensor names as the speculators layout
+                 Qwen3.8-27B-DFlash2), the same tensor names as the speculators layout; a LiLiCorr drafter (spec.md
+                 §11) as architectures ["LiLiCorrDraftModel"] (vLLM's `dflash` method with its LiLiCorrForCausalLM,
+                 V2 runner; no other engine reads it) with lilicorr_enabled, the eight lilicorr_* fields and, with
+                 DFlash2's convolutions, conv_kernel_size and conv_group_size in dflash_config, has_own_lm_head false,
+                 and the lattice head's tensors lilicorr.* (vLLM's LiLiCorrHead names)
 
 Layer ids: ours name HF `hidden_states[id + 1]` (spec.md §1), and so do z-lab's target_layer_ids; speculators numbers
 the same tensors one higher.
 """
 from typing import Dict, Optional
 
-from dflash_fast.drafter.config import DFLASH_ONLY, DrafterConfig
+from dflash_fast.drafter.config import DFLASH_ONLY, DrafterConfig, DrafterOptions
 from dflash_fast.errors import BOOL, INT, NUMBER, OBJECT, STR, ListOf, Nullable, Obj
 
 FORMATS = ("speculators", "zlab")
 HF_LAYER_TYPES = {"full": "full_attention", "sliding": "sliding_attention"}
 # DFlash2's fields (spec.md §9) as speculators' DFlash2SpeculatorConfig names them (models/dflash2/config.py)
 DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+# LiLiCorr's fields (spec.md §11) under the names vLLM's LiLiCorrHead reads from dflash_config (lilicorr.py)
+LILICORR_FIELDS = tuple(key for key in DrafterOptions.names() if key.startswith("lilicorr_"))
+# DFlash2's convolution fields, which vLLM's LiLiCorr reads from dflash_config (LiLiCorr.__init__: both or neither)
+CONV_FIELDS = DFLASH2_FIELDS[:2]
 
 
 class ExportError(ValueError):
@@ -142,21 +150,37 @@ def speculators_config(cfg: DrafterConfig, verifier: str) -> Dict:
     }
 
 
+ZLAB_ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel", "lilicorr": "LiLiCorrDraftModel"}
+
+
+def zlab_family_fields(cfg: DrafterConfig) -> Dict:
+    """What a z-lab config.json's dflash_config carries beside the backbone's ids: DFlash2's four fields (z-lab's
+    dflash 0.1.0 model.py, SGLang's models/dflash.py and vLLM's qwen3_dflash2.py read them there); LiLiCorr's
+    lilicorr_enabled and eight fields (vLLM's LiLiCorrHead reads each as config[key], no default) and, with
+    convolutions, their two fields (LiLiCorr.__init__)."""
+    if cfg.family == "lilicorr":
+        conv = {key: getattr(cfg, key) for key in CONV_FIELDS} if cfg.conv_kernel_size else {}
+        return {"lilicorr_enabled": True, **{key: getattr(cfg, key) for key in LILICORR_FIELDS}, **conv}
+    return {key: getattr(cfg, key) for key in DFLASH2_FIELDS} if cfg.is_dflash2 else {}
+
+
 def zlab_config(cfg: DrafterConfig, verifier: str) -> Dict:
-    """config.json of the z-lab layout (no auto_map: the z-lab Transformers backend's dflash.py is not shipped); a
-    DFlash2 drafter as architectures ["DFlash2DraftModel"] with DFlash2's fields in dflash_config (z-lab's
-    dflash 0.1.0 model.py, SGLang's models/dflash.py and vLLM's qwen3_dflash2.py read them there)."""
-    dflash2 = {key: getattr(cfg, key) for key in DFLASH2_FIELDS} if cfg.is_dflash2 else {}
+    """config.json of the z-lab layout (no auto_map: the z-lab Transformers backend's dflash.py is not shipped): the
+    family's architecture (ZLAB_ARCHITECTURES; a DSpark drafter has none, engines.check_servable refuses it) and
+    its fields in dflash_config (zlab_family_fields). A LiLiCorr drafter's candidates are the target's lm_head's:
+    has_own_lm_head false (vLLM's LiLiCorrForCausalLM would otherwise require and use an lm_head.weight)."""
+    own_head = {"has_own_lm_head": False} if cfg.family == "lilicorr" else {}
     return {
         **qwen3_layer(cfg),
-        "architectures": ["DFlash2DraftModel" if cfg.is_dflash2 else "DFlashDraftModel"],
+        "architectures": [ZLAB_ARCHITECTURES.get(cfg.family, "DFlashDraftModel")],
+        **own_head,
         "block_size": cfg.block_size,
         "num_target_layers": cfg.target_num_layers,
         "dflash_config": {
             "target_layer_ids": list(cfg.layer_ids),
             "mask_token_id": cfg.mask_token_id,
             "block_size": cfg.block_size,
-            **dflash2,
+            **zlab_family_fields(cfg),
         },
         "dflash_fast": _metadata(cfg, verifier),
     }
@@ -173,7 +197,7 @@ def export_format(config: Dict) -> Optional[str]:
     if config.get("speculators_model_type") in ARCHITECTURES:
         return "speculators"
     architectures = config.get("architectures") or []
-    zlab = any(name in architectures for name in ("DFlashDraftModel", "DFlash2DraftModel"))
+    zlab = any(name in architectures for name in ZLAB_ARCHITECTURES.values())
     if zlab and isinstance(config.get("dflash_config"), dict):
         return "zlab"
     return None
@@ -189,6 +213,11 @@ _DFLASH_KEYS = {"target_layer_ids": ListOf(INT), "num_target_layers": _OPT_INT, 
                 # z-lab's scalings (views.ZLAB_NEUTRAL: only their neutral values are read)
                 "input_embedding_scale": NUMBER, "output_multiplier": NUMBER,
                 "final_logit_softcapping": Nullable(NUMBER), **{key: _OPT_INT for key in DFLASH2_FIELDS}}
+# LiLiCorr's dflash_config keys (vLLM's LiLiCorrHead: int sizes, float ratio, eps and scale; lilicorr_enabled a flag)
+_LILICORR_KEYS = {"lilicorr_enabled": _OPT_BOOL, "lilicorr_mlp_ratio": NUMBER, "lilicorr_vector_eps": NUMBER,
+                  "lilicorr_logit_scale": NUMBER,
+                  **{key: INT for key in LILICORR_FIELDS if key not in ("lilicorr_mlp_ratio", "lilicorr_vector_eps",
+                                                                        "lilicorr_logit_scale")}}
 
 
 CONFIG_SCHEMAS = {
@@ -204,7 +233,8 @@ CONFIG_SCHEMAS = {
     "zlab": Obj(
         {"architectures": ListOf(STR),
          "dflash_config": Obj({}, optional={**_DFLASH_KEYS, "use_swa": _OPT_BOOL, "swa_window_size": _OPT_INT,
-                                            "causal": _OPT_BOOL})},
-        optional={**_DFLASH_KEYS, "layer_types": Nullable(ListOf(STR)), "dflash_fast": Nullable(OBJECT)},
+                                            "causal": _OPT_BOOL, **_LILICORR_KEYS})},
+        optional={**_DFLASH_KEYS, "layer_types": Nullable(ListOf(STR)), "dflash_fast": Nullable(OBJECT),
+                  "has_own_lm_head": _OPT_BOOL, "draft_vocab_size": _OPT_INT},
     ),
 }

@@ -31,7 +31,7 @@ import sys
 import tempfile
 from typing import Dict, List, Optional, Sequence
 
-from dflash_fast.serve.architecture import ARCHITECTURE, DFLASH2_OFF, architecture
+from dflash_fast.serve.architecture import ARCHITECTURE, DFLASH2_OFF, LILICORR_OFF, architecture
 from dflash_fast.serve.engines import mismatches
 from dflash_fast.serve.layouts import DFLASH_ONLY, ExportError
 
@@ -199,6 +199,7 @@ def gguf_architecture(fields: Dict) -> Dict:
         **(dict(conv_kernel_size=conv, conv_group_size=fields.get("dflash.conv_group_size", 16) if conv else 16,
                 selector_rank=fields.get("dflash.selector_rank", 0), selector_top_k=top_k if top_k else 16)
            if conv or top_k else DFLASH2_OFF),
+        **LILICORR_OFF,  # src/models/dflash.cpp builds no LiLiCorr lattice
     }
 
 
@@ -332,6 +333,10 @@ def export_gguf(drafter, out_path: str, verifier: str, outtype: str = "f32", ver
     if trained["markov_rank"]:
         raise ExportError("markov_rank: the GGUF export converts the zlab layout, which has no DSpark heads; "
                           "export a DSpark drafter with --format speculators")
+    if trained["lilicorr_candidate_topk"]:
+        raise ExportError(f"lilicorr_candidate_topk={trained['lilicorr_candidate_topk']}: llama.cpp's DFlash "
+                          f"(src/models/dflash.cpp) has no LiLiCorr lattice and would serve the backbone alone; "
+                          f"export a LiLiCorr drafter with --format zlab for vLLM (docs/lilicorr.md)")
     target = target_description(verifier)
     taps = target_tap_problems(trained["layer_ids"], target["architecture"], target["num_layers"])
     if taps:

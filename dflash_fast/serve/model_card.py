@@ -62,10 +62,13 @@ def _table(rows: List[tuple]) -> str:
     return "| | |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
 
 
-def serving(export_dir: str, target: str, fmt: str, block_size: int) -> str:
-    """The vLLM command (either layout) and the SGLang one (the zlab layout), as docs/export.md gives them."""
+def serving(export_dir: str, target: str, fmt: str, block_size: int, family: str = "dflash") -> str:
+    """The vLLM command (either layout) and the SGLang one (the zlab layout; a LiLiCorr export is vLLM's alone), as
+    docs/export.md gives them."""
     spec = json.dumps({"method": "dflash", "model": export_dir, "num_speculative_tokens": block_size - 1})
     text = f"```bash\n# vLLM\nvllm serve {target} --speculative-config '{spec}'\n"
+    if family == "lilicorr":
+        return text + "```\n\nOnly vLLM serves LiLiCorr (its LiLiCorrDraftModel, V2 model runner).\n"
     if fmt == "zlab":
         text += (f"# SGLang\npython -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH \\\n"
                  f"    --speculative-draft-model-path {export_dir} --speculative-num-draft-tokens {block_size}\n")
@@ -94,7 +97,8 @@ def model_card(cfg: DrafterConfig, target: str, fmt: str, export_dir: str, clien
     run = client.get("config") or provenance.get("config") or {}
     data = provenance.get("data", {})
     sources = [d for d in (data.get("data"), data.get("jsonl"), (run.get("data") or {}).get("jsonl")) if d]
-    family = ("DSpark (DFlash backbone with DSpark heads)" if cfg.markov_rank or cfg.confidence_head else
+    family = ("LiLiCorr (DFlash backbone with a candidate-lattice correlator)" if cfg.family == "lilicorr" else
+              "DSpark (DFlash backbone with DSpark heads)" if cfg.markov_rank or cfg.confidence_head else
               "DFlash2 (DFlash backbone with dynamic convolutions and a candidate selector)" if cfg.is_dflash2 else
               "DFlash")
     parts = [front_matter(target, sources), f"# {family} drafter for {target}\n",
@@ -109,7 +113,13 @@ def model_card(cfg: DrafterConfig, target: str, fmt: str, export_dir: str, clien
                   if cfg.sliding_window else "-"),
                  *([("DFlash2", f"{cfg.conv_kernel_size}-tap convolutions in groups of {cfg.conv_group_size}, a "
                                f"selector of rank {cfg.selector_rank} over the unary top {cfg.selector_top_k} (vLLM: "
-                               f"its V2 model runner)")] if cfg.is_dflash2 else []),
+                               f"its V2 model runner)")] if cfg.family == "dflash2" else []),
+                 *([("LiLiCorr", f"a lattice of the top {cfg.lilicorr_candidate_topk} candidates per slot, "
+                                 f"{cfg.lilicorr_num_layers} layers of width "
+                                 f"{cfg.lilicorr_hidden_size or cfg.hidden_size}"
+                                 + (f", {cfg.conv_kernel_size}-tap convolutions in groups of {cfg.conv_group_size}"
+                                    if cfg.conv_kernel_size else "") + " (vLLM: its V2 model runner)")]
+                   if cfg.family == "lilicorr" else []),
              ])]
     parts.append("\n## Data and recipe\n")
     if run:
@@ -130,7 +140,7 @@ def model_card(cfg: DrafterConfig, target: str, fmt: str, export_dir: str, clien
     else:
         parts.append("Not recorded: this export was not written from a dflash-fast checkpoint.\n")
     parts += ["\n## Serving\n", "The drafter's path is where it was exported; give its hub id once uploaded.\n\n"
-              + serving(export_dir, target, fmt, cfg.block_size)]
+              + serving(export_dir, target, fmt, cfg.block_size, cfg.family)]
     if report is not None:
         parts += ["\n## Benchmark\n", "Block speculative decoding measured by `dflash-fast eval`"
                   + (f" on {report['prompts']} prompts" if report.get("prompts") else "")

@@ -9,14 +9,25 @@ in the terms of `architecture.ARCHITECTURE`. `VIEWS`: each format's engines and 
 DFlash2 (spec.md §9) in either layout: speculators' DFlash2SpeculatorConfig, vLLM's qwen3_dflash2.py (read from the
 speculators layout's top level through its adapter, from the z-lab layout's dflash_config), SGLang's and z-lab's
 DFlash2DraftModel (dflash_config); `architecture._dflash2_fields` are their terms.
+
+LiLiCorr (spec.md §11): only vLLM reads it, from the z-lab layout as architectures ["LiLiCorrDraftModel"]
+(`_vllm_lilicorr`: lilicorr.py's LiLiCorr and LiLiCorrForCausalLM); every other view of every layout builds no
+lattice (`architecture.LILICORR_OFF`), so a LiLiCorr drafter written as plain DFlash or DFlash2 reads as a mismatch.
 """
 import json
 from typing import Dict, List, Optional
 
-from dflash_fast.drafter.config import DFLASH_ONLY
+from dflash_fast.drafter.config import DFLASH_ONLY, lilicorr_problems
 from dflash_fast.errors import is_int
-from dflash_fast.serve.architecture import DFLASH2_OFF, _dflash2_fields, _dspark_fields, normal_rope
-from dflash_fast.serve.layouts import DFLASH2_FIELDS, HF_LAYER_TYPES, ExportError
+from dflash_fast.serve.architecture import (
+    DFLASH2_OFF,
+    LILICORR_OFF,
+    _dflash2_fields,
+    _dspark_fields,
+    _lilicorr_fields,
+    normal_rope,
+)
+from dflash_fast.serve.layouts import CONV_FIELDS, DFLASH2_FIELDS, HF_LAYER_TYPES, LILICORR_FIELDS, ExportError
 from dflash_fast.store.layer_ids import default_layer_ids
 
 
@@ -126,6 +137,7 @@ def _speculators_view(config: Dict) -> Dict:
         **(_speculators_dspark(config) if dspark else DFLASH_ONLY),
         # models/dflash2/config.py: DFlash2SpeculatorConfig's defaults, each ge=1
         **(_dflash2_read(config, where + ": DFlash2SpeculatorConfig", SPECULATORS_DFLASH2) if dflash2 else DFLASH2_OFF),
+        **LILICORR_OFF,
     }
 
 
@@ -255,6 +267,7 @@ def _vllm_speculators_view(config: Dict) -> Dict:
         "window_from": "query" if any(w is not None for w in windows) else None,
         **dspark,
         **dflash2,
+        **LILICORR_OFF,
     }
 
 
@@ -339,6 +352,7 @@ def _sglang_view(config: Dict) -> Dict:
         "window_from": "query" if "sliding_attention" in types else None,  # RadixAttention window_left = W - 1
         **DFLASH_ONLY,
         **_sglang_dflash2(config, where),
+        **LILICORR_OFF,
     }
 
 
@@ -356,13 +370,65 @@ def _sglang_dflash2(config: Dict, where: str) -> Dict:
     return DFLASH2_OFF
 
 
+def _vllm_lilicorr(config: Dict, hf) -> Dict:
+    """vLLM 0.32 serving architectures ["LiLiCorrDraftModel"] (model_executor/models/lilicorr.py; its `dflash` method
+    picks LiLiCorrSpeculator by that name, v1/worker/gpu/spec_decode/__init__.py): DFlash2's fields and LiLiCorr's
+    (`_lilicorr_fields`), refusing, with the field named, what vLLM refuses or would serve otherwise than trained:
+    lilicorr_enabled false; a lilicorr_* key absent (LiLiCorrHead reads each as config[key]); a K other than a power
+    of two <= 16, heads not dividing the lattice width (LiLiCorrHead, LiLiCorrLatticeAttention raise); one
+    convolution field without the other (LiLiCorr.__init__); a block with no slot to draft (vLLM needs 1 <=
+    num_speculative_tokens < block_size); a draft vocabulary other than the target's (LiLiCorrForCausalLM: "LiLiCorr
+    candidates require the full target vocabulary", no d2t map); has_own_lm_head true (the candidates would be
+    an lm_head.weight of the checkpoint's, ours are the target's)."""
+    where = "vLLM (lilicorr.py, LiLiCorrDraftModel) cannot serve this config.json as it trained:"
+    dflash = config["dflash_config"]
+    problems = []
+    if not dflash.get("lilicorr_enabled", True):
+        problems.append(f"dflash_config.lilicorr_enabled={dflash['lilicorr_enabled']!r}: vLLM raises "
+                        f"(\"LiLiCorr requires lilicorr_enabled=True\"); write true")
+    absent = [key for key in LILICORR_FIELDS if key not in dflash]
+    if absent:
+        problems.append(f"dflash_config has no {absent}: vLLM's LiLiCorrHead reads each, with no default")
+    values = {key: dflash.get(key) for key in LILICORR_FIELDS}
+    if not absent:
+        if values["lilicorr_candidate_topk"] == 0:
+            problems.append("dflash_config.lilicorr_candidate_topk=0: vLLM's LiLiCorrHead needs a power of two <= 16")
+        problems += [f"dflash_config.{line}" for line in lilicorr_problems({**values, "hidden_size": hf.hidden_size})]
+        block = dflash.get("block_size", config.get("block_size", 0))  # LiLiCorr.__init__'s reading
+        if not is_int(block) or block < 2:
+            problems.append(f"dflash_config.block_size={block!r}: vLLM needs 1 <= num_speculative_tokens < "
+                            f"block_size, the trained block (>= 2)")
+    taps, group = dflash.get(CONV_FIELDS[0], 0), dflash.get(CONV_FIELDS[1], 0)
+    if not (is_int(taps) and is_int(group)) or taps < 0 or group < 0 or bool(taps) != bool(group):
+        problems.append(f"dflash_config.conv_kernel_size={taps!r}, conv_group_size={group!r}: vLLM's LiLiCorr builds "
+                        f"DFlash2's convolutions with both >= 1 or neither (0 or absent)")
+    draft_vocab = config.get("draft_vocab_size")
+    if draft_vocab is not None and draft_vocab != hf.vocab_size:
+        problems.append(f"draft_vocab_size={draft_vocab} of a {hf.vocab_size}-token vocabulary: LiLiCorr's candidates "
+                        f"need the target's full vocabulary (vLLM refuses a draft-to-target map)")
+    if config.get("has_own_lm_head"):
+        problems.append("has_own_lm_head=true: vLLM would draw the candidates from an lm_head.weight of the export, "
+                        "dflash-fast's drafter drafts through the target's lm_head (write false)")
+    if problems:
+        raise ExportError(where + "\n  - " + "\n  - ".join(problems))
+    conv = _dflash2_fields(taps, group, 0, 16) if taps else DFLASH2_OFF
+    return {**conv, **_lilicorr_fields(values, hf.hidden_size)}
+
+
 def _vllm_zlab_view(config: Dict) -> Dict:
     """vLLM reading the z-lab layout (`--speculative-config '{"method": "dflash", "model": DIR}'`): AutoConfig
     (Qwen3Config) of config.json and qwen3_dflash.py's rules (see _vllm_layers, _vllm_rope); the block is the
     command line's num_speculative_tokens + 1, which docs/export.md tells you to set to block_size - 1.
-    architectures ["DFlash2DraftModel"]: qwen3_dflash2.py, DFlash2's fields from dflash_config."""
+    architectures ["DFlash2DraftModel"]: qwen3_dflash2.py, DFlash2's fields from dflash_config;
+    ["LiLiCorrDraftModel"]: lilicorr.py (`_vllm_lilicorr`)."""
     where = "vLLM (qwen3_dflash.py)"
     hf = _hf_config(config, where)
+    if "LiLiCorrDraftModel" in config["architectures"]:
+        family = _vllm_lilicorr(config, hf)
+    elif "DFlash2DraftModel" in config["architectures"]:
+        family = {**_dflash2_read(config["dflash_config"], "vLLM (qwen3_dflash2.py): dflash_config"), **LILICORR_OFF}
+    else:
+        family = {**DFLASH2_OFF, **LILICORR_OFF}
     ids, mask, block = _zlab_ids(config, hf, where)
     windows, causal = _vllm_layers(hf, where)
     return {
@@ -377,8 +443,7 @@ def _vllm_zlab_view(config: Dict) -> Dict:
         "layer_causal": causal,
         "window_from": "query" if any(w is not None for w in windows) else None,
         **DFLASH_ONLY,
-        **(_dflash2_read(config["dflash_config"], "vLLM (qwen3_dflash2.py): dflash_config")
-           if "DFlash2DraftModel" in config["architectures"] else DFLASH2_OFF),
+        **family,
     }
 
 

@@ -6,9 +6,7 @@ export formats it writes.
 import argparse
 import os
 
-from dflash_fast.serve.engines import (
-    ENGINES,
-)
+from dflash_fast.serve.engines import serving_engines
 from dflash_fast.serve.export import export_drafter
 from dflash_fast.serve.layouts import FORMATS, ExportError
 from dflash_fast.serve.model_card import model_card, read_eval_report, read_provenance
@@ -41,9 +39,10 @@ def run(args: argparse.Namespace):
     card = model_card(drafter.config, verifier, args.format, os.path.abspath(args.out), client,
                       read_provenance(run_dir), report)
     export_drafter(drafter, args.out, verifier, torch_dtype(args.dtype), fmt=args.format, card=card)
+    engines = " and ".join(serving_engines(args.format, drafter.config.family))
     print(
         f"exported {sum(p.numel() for p in drafter.parameters()):,} parameters to {args.out} ({args.format} format; "
-        f"read back as {' and '.join(ENGINES[args.format])} read it: same architecture and logits)"
+        f"read back as {engines} read it: same architecture and logits)"
     )
 
 

@@ -58,7 +58,7 @@ from dflash_fast.drafter.model import DrafterOutput
 from dflash_fast.errors import DEBUG_ENV, ConfigError, UserError, run_reporting_errors
 from dflash_fast.extract.vllm_runner import GPU_MEMORY_UTILIZATION
 from dflash_fast.lock import output_lock
-from dflash_fast.serve.engines import ENGINES
+from dflash_fast.serve.engines import serving_engines
 from dflash_fast.serve.export import export_drafter
 from dflash_fast.serve.model_card import model_card, read_provenance
 from dflash_fast.store.format import torch_dtype
@@ -283,8 +283,9 @@ class Trainer:
                                   fmt=self.export_format, card=card)
 
         path = self.sharing.on_rank0(write, (UserError, ValueError, OSError))  # an error is every rank's (errors.py)
+        engines = " and ".join(serving_engines(self.export_format, module.config.family))
         self.log(f"exported the drafter to {path} ({self.export_format} format, {self.cfg.export_dtype}; gated: "
-                 f"read back as {' and '.join(ENGINES[self.export_format])} read it, same architecture and logits)")
+                 f"read back as {engines} read it, same architecture and logits)")
         return path
 
     # ---- the loop
