@@ -2,6 +2,7 @@
 analysis / final channels and rendered back, `data.reasoning: train|mask|drop`, and one training row per assistant
 turn where the template drops earlier turns' reasoning (Qwen3's), so that training contexts are serving contexts."""
 import json
+import os
 
 import pytest
 from tiny_targets import make_tiny_target, make_tokenizer, write_jsonl
@@ -13,6 +14,8 @@ from dflash_fast.extract import regenerate as regen
 from dflash_fast.target.harmony import split_channels
 from dflash_fast.target.prompts import decode_reply
 from dflash_fast.target.records import ChatTokenizer, read_examples
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Qwen3's chat template as it treats reasoning (written after the published one): `reasoning_content` or the text
 # before `</think>`; assistant turns after the last user turn render `<think>...</think>` (the last one always),
@@ -351,3 +354,63 @@ def test_validation_prompts_of_the_other_thinking_setting_get_one_warning_line()
                            "of the 42 training conversations were rendered with thinking on") and "\n" not in line
     assert thinking_mismatch({"on": 40}, "on", "x") is None
     assert thinking_mismatch({}, "off", "x") is None and thinking_mismatch({"on": 3}, None, "x") is None
+
+
+def test_eval_warns_in_one_line_when_its_prompts_use_the_other_thinking_setting_than_the_exported_drafter(
+        tmp_path, capsys):
+    """A store rendered with thinking on -> the run's provenance.json -> `dflash-fast export` records it in config.json
+    (dflash_fast.thinking) -> `dflash-fast eval --thinking off` warns once; `--thinking on` does not, nor does an
+    export written before the field; a field that is not counts is refused by name."""
+    from safetensors.torch import save_file
+
+    from dflash_fast.drafter.model import build_drafter
+    from dflash_fast.extract.extract import extract
+    from dflash_fast.store.reader import HiddenStateStore
+    from dflash_fast.train.checkpoint import WEIGHTS, write_marker
+    from dflash_fast.train.config import load_config
+    from dflash_fast.train.trackers import provenance
+
+    target = make_tiny_target(tmp_path / "target")
+    tok = AutoTokenizer.from_pretrained(target)
+    tok.chat_template = QWEN3_TEMPLATE
+    tok.save_pretrained(target)
+    turn = [{"role": "user", "content": "hidden"}, {"role": "assistant", "content": "anchor slot"}]
+    records = [{"conversations": turn, "chat_template_kwargs": {"enable_thinking": True}}] * 3
+    extract(target, str(write_jsonl(tmp_path / "data.jsonl", records)), str(tmp_path / "store"), layer_ids=[1, 3],
+            dtype="fp32", progress=False)
+    manifest = HiddenStateStore(str(tmp_path / "store")).manifest
+    assert manifest["extraction"]["thinking"] == {"on": 3}
+
+    drafter = build_drafter(target, [1, 3], mask_token_id=0, num_layers=1, block_size=4)
+    run = tmp_path / "run"
+    ckpt = run / "checkpoints" / "step00000001"
+    ckpt.mkdir(parents=True)
+    save_file({n: p.detach() for n, p in drafter.named_parameters()}, str(ckpt / WEIGHTS))
+    config = load_config(os.path.join(REPO, "configs", "tiny.yaml")).to_dict()
+    write_marker(str(ckpt), {"drafter": drafter.config.to_dict(), "verifier": target, "step": 1, "config": config})
+    (run / "provenance.json").write_text(json.dumps(provenance(config, manifest, {}, 0, 1)))
+    export = str(tmp_path / "export")
+    assert cli.main(["export", "--checkpoint", str(run), "--out", export, "--dtype", "fp32"]) == 0
+    exported = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert exported["dflash_fast"]["thinking"] == {"on": 3}
+    assert "| thinking | on (3 conversations)" in (tmp_path / "export" / "README.md").read_text()
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"conversations": turn[:1]}])
+
+    def warnings(thinking):
+        capsys.readouterr()
+        assert cli.main(["eval", "--target", target, "--drafter", export, "--data", str(prompts), "--thinking",
+                         thinking, "--max-new-tokens", "2", "--no-baseline", "--no-offline"]) == 0
+        return [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+
+    assert warnings("off") == [
+        "warning: eval prompts (--thinking off) render with thinking off, but 3 of the 3 training conversations were "
+        "rendered with thinking on: acceptance here is measured on another distribution than the drafter learned "
+        "(docs/troubleshooting.md#thinking-on-in-training-off-in-serving)"]
+    assert warnings("on") == []
+    del exported["dflash_fast"]["thinking"]  # an export written before dflash-fast recorded it
+    (tmp_path / "export" / "config.json").write_text(json.dumps(exported))
+    assert warnings("off") == []
+    exported["dflash_fast"]["thinking"] = {"on": "3"}
+    (tmp_path / "export" / "config.json").write_text(json.dumps(exported))
+    assert cli.main(["eval", "--target", target, "--drafter", export, "--data", str(prompts)]) == 1
+    assert "config.json: dflash_fast.thinking.on must be a non-negative integer" in capsys.readouterr().err

@@ -24,7 +24,7 @@ from dflash_fast.evaluate.decode import Proposer, Step, TargetRunner, greedy_gen
 from dflash_fast.evaluate.report import Tally, mean_acceptance, report, summary
 from dflash_fast.evaluate.sampling import Sampler, add_sampling_arguments, check_sampling, make_sampler
 from dflash_fast.flags import call_with_flags
-from dflash_fast.serve.export import load_exported
+from dflash_fast.serve.export import exported_thinking, load_exported
 from dflash_fast.store.layer_ids import default_layer_ids
 from dflash_fast.target.load import check_target
 from dflash_fast.target.prompts import (
@@ -32,8 +32,8 @@ from dflash_fast.target.prompts import (
     encode_prompt,
     eos_token_ids,
     load_model,
+    prompt_tokenizer,
     read_prompts,
-    thinking_switch,
 )
 
 
@@ -199,15 +199,14 @@ def evaluate(
     `thinking` "on" / "off" sets the chat template's thinking switch (target/prompts.thinking_switch).
     `split`: the split read when `data` is a Hugging Face dataset (target/datasets_in.py).
     """
-    from transformers import AutoTokenizer
-
     sampling = check_sampling(temperature, top_p, seed)
     check_target(target)
     suites = None if benchmark is None else load_suites(benchmark, benchmark_dir, num_prompts)
     prompts = read_prompts(data, num_prompts, split) if suites is None else []
-    think = {"on": True, "off": False}.get(thinking, thinking)
-    tokenizer = AutoTokenizer.from_pretrained(target, trust_remote_code=trust_remote_code)
-    thinking_switch(tokenizer, think)  # a template without the switch is refused before the model loads
+    exported = isinstance(drafter, str) and os.path.isfile(os.path.join(drafter, "config.json"))
+    tokenizer, think = prompt_tokenizer(target, thinking, exported_thinking(drafter) if exported else {},
+                                        f"eval prompts (--thinking {thinking or 'not given: the template default'})",
+                                        trust_remote_code)
     model = load_model(target, device, dtype, trust_remote_code)
     name = drafter if isinstance(drafter, str) else getattr(drafter, "__name__", type(drafter).__name__)
     sampler = make_sampler(sampling, model.device)

@@ -24,7 +24,6 @@ also temperature, tau_sampled and accept_sampled_j.
 import contextlib
 import json
 import os
-import sys
 import time
 from typing import Dict, List, Optional
 
@@ -37,15 +36,7 @@ from dflash_fast.evaluate.evaluate import decode_all, make_proposal
 from dflash_fast.evaluate.report import report
 from dflash_fast.evaluate.sampling import Sampling, make_sampler
 from dflash_fast.store.format import write_json_atomic
-from dflash_fast.target.prompts import (
-    encode_prompt,
-    eos_token_ids,
-    load_model,
-    read_prompts,
-    thinking_mismatch,
-    thinking_state,
-    thinking_switch,
-)
+from dflash_fast.target.prompts import encode_prompt, eos_token_ids, load_model, prompt_tokenizer, read_prompts
 from dflash_fast.train.distributed import gathered_state
 
 RESULT = "validation.json"
@@ -85,19 +76,13 @@ class RealAcceptance:
 
     def _prompts(self):
         """The prompts encoded as eval encodes them, and the tokenizer (rank 0)."""
-        from transformers import AutoTokenizer
-
         try:
             prompts = read_prompts(self.cfg.prompts, self.cfg.num_prompts)
         except (OSError, ValueError) as e:
             raise UserError(f"validation.prompts={self.cfg.prompts}: {e}") from None
-        think = {"on": True, "off": False}.get(self.cfg.thinking)
-        tokenizer = AutoTokenizer.from_pretrained(self.target)
-        thinking_switch(tokenizer, think)
-        line = thinking_mismatch(self.trained_thinking, thinking_state(tokenizer, think),
-                                 f"validation.prompts (validation.thinking={self.cfg.thinking or 'the default'})")
-        if line:
-            print(line, file=sys.stderr)
+        tokenizer, think = prompt_tokenizer(
+            self.target, self.cfg.thinking, self.trained_thinking,
+            f"validation.prompts (validation.thinking={self.cfg.thinking or 'the default'})")
         return [encode_prompt(tokenizer, p, think) for p in prompts], tokenizer
 
     # ---- the trainer's two calls

@@ -29,11 +29,11 @@ from dflash_fast.evaluate.report import Tally, report
 from dflash_fast.evaluate.sampling import Sampling, check_sampling
 from dflash_fast.serve.architecture import DFLASH2_OFF, LILICORR_OFF, _dflash2_fields, _lilicorr_fields, normal_rope
 from dflash_fast.serve.engines import config_from_export
-from dflash_fast.serve.export import read_export_config
+from dflash_fast.serve.export import exported_thinking, read_export_config
 from dflash_fast.serve.layouts import CONV_FIELDS, DFLASH2_FIELDS, DFLASH_ONLY, LILICORR_FIELDS, is_dspark
 from dflash_fast.store.format import normalise_dtype
 from dflash_fast.target.load import check_target
-from dflash_fast.target.prompts import encode_prompt, eos_token_ids, read_prompts, thinking_switch
+from dflash_fast.target.prompts import encode_prompt, eos_token_ids, prompt_tokenizer, read_prompts
 from dflash_fast.target.vllm import generate, import_vllm, load_engine
 
 
@@ -107,7 +107,7 @@ def evaluate_vllm(
     rendered and encoded by the same code, every later turn asked after vLLM's own answer to the one before; one
     report row per benchmark (benchmarks.benchmarks_report). Default budget: 128 for `data`, each benchmark's own.
     """
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, GenerationConfig
 
     sampling = check_sampling(temperature, top_p, seed)
     check_target(target)
@@ -129,9 +129,9 @@ def evaluate_vllm(
     vllm = import_vllm()
     suites = None if benchmark is None else load_suites(benchmark, benchmark_dir, num_prompts)
     prompts = read_prompts(data, num_prompts, split) if suites is None else []  # split: of a Hugging Face dataset
-    think = {"on": True, "off": False}.get(thinking, thinking)
-    tokenizer = AutoTokenizer.from_pretrained(target, trust_remote_code=trust_remote_code)
-    thinking_switch(tokenizer, think)  # a template without the switch is refused before vLLM loads
+    tokenizer, think = prompt_tokenizer(target, thinking, exported_thinking(drafter),  # before vLLM loads
+                                        f"eval prompts (--thinking {thinking or 'not given: the template default'})",
+                                        trust_remote_code)
     eos = eos_token_ids(GenerationConfig.from_pretrained(target, trust_remote_code=trust_remote_code), tokenizer)
     dtype = dtype or ("bf16" if torch.cuda.is_available() else "fp32")
     speculative = speculative_config(drafter, cfg, sampling.temperature)

@@ -113,6 +113,13 @@ def read_export_config(export_dir: str) -> Dict:
     return check_schema(config, CONFIG_SCHEMAS[fmt], path, ExportError)
 
 
+def exported_thinking(export_dir: str) -> Dict[str, int]:
+    """How the drafter's training conversations were rendered, as its export records them (config.json
+    dflash_fast.thinking: counts of conversations with the target thinking "on" / "off"); {} when not recorded
+    (an export written before dflash-fast recorded it, a published one, a run whose data did not say)."""
+    return (read_export_config(export_dir).get("dflash_fast") or {}).get("thinking") or {}
+
+
 def load_exported(
     export_dir: str,
     target_path: Optional[str] = None,
@@ -227,12 +234,14 @@ def export_drafter(
     fmt: str = "speculators",
     warn: Callable[[str], None] = stderr_line,
     card: Optional[str] = None,
+    thinking: Optional[Dict[str, int]] = None,
 ) -> str:
     """Write OUT/config.json and OUT/model.safetensors in `fmt`, gated: written into a temporary directory beside
     OUT, read back as the serving engines read it, and renamed to OUT only when it passes; nothing is left behind
     on failure. `state_dict` overrides the module's own weights (e.g. gathered from ZeRO-3). An engine that serves
     another SERVING_RULES rule than the drafter trained with is warned of (one line each). `card`: the text of
-    OUT/README.md (model_card), written with the rest. Returns out_dir."""
+    OUT/README.md (model_card), written with the rest. `thinking`: the training conversations' counts by thinking
+    setting (model_card.trained_thinking), recorded as config.json dflash_fast.thinking. Returns out_dir."""
     from safetensors.torch import save_file
 
     cfg = drafter.config
@@ -252,7 +261,10 @@ def export_drafter(
         save_file(tensors, os.path.join(tmp, WEIGHTS), metadata={"format": "pt"})
         with open(os.path.join(tmp, WEIGHTS), "rb") as f:
             os.fsync(f.fileno())
-        write_json_atomic(os.path.join(tmp, "config.json"), format_config(cfg, fmt, verifier))
+        config = format_config(cfg, fmt, verifier)
+        if thinking:  # what `dflash-fast eval` compares its prompts' setting with
+            config["dflash_fast"]["thinking"] = thinking
+        write_json_atomic(os.path.join(tmp, "config.json"), config)
         if card is not None:
             with open(os.path.join(tmp, CARD), "w") as f:
                 f.write(card)

@@ -32,7 +32,7 @@ the same tensors one higher.
 from typing import Dict, Optional
 
 from dflash_fast.drafter.config import DFLASH_ONLY, DrafterConfig, DrafterOptions
-from dflash_fast.errors import BOOL, INT, NUMBER, OBJECT, STR, ListOf, Nullable, Obj
+from dflash_fast.errors import BOOL, COUNT, INT, NUMBER, OBJECT, STR, ListOf, MapOf, Nullable, Obj
 
 FORMATS = ("speculators", "zlab")
 HF_LAYER_TYPES = {"full": "full_attention", "sliding": "sliding_attention"}
@@ -206,6 +206,9 @@ def export_format(config: Dict) -> Optional[str]:
 # The JSON shape of the keys each layout's readers take from config.json (errors.check_schema); the sizes inside
 # transformer_layer_config / the z-lab top level are transformers' (_hf_config) and _check_values' to judge.
 _OPT_INT, _OPT_BOOL = Nullable(INT), Nullable(BOOL)
+# Our metadata (_metadata): `thinking` counts the training conversations by the thinking switch they were rendered
+# with (the store's extraction.thinking; export_drafter writes it), what `dflash-fast eval` warns against.
+_OURS = Nullable(Obj({}, optional={"thinking": Nullable(MapOf(COUNT))}))
 
 
 _DFLASH_KEYS = {"target_layer_ids": ListOf(INT), "num_target_layers": _OPT_INT, "mask_token_id": _OPT_INT,
@@ -227,14 +230,14 @@ CONFIG_SCHEMAS = {
                       "proposal_methods": Nullable(ListOf(Obj({}, optional={"speculative_tokens": _OPT_INT})))})),
                   "mask_token_id": _OPT_INT, "block_size": _OPT_INT, "draft_vocab_size": _OPT_INT,
                   "target_hidden_size": _OPT_INT, "sample_from_anchor": _OPT_BOOL,
-                  "sliding_window_non_causal": _OPT_BOOL, "dflash_fast": Nullable(OBJECT),
+                  "sliding_window_non_causal": _OPT_BOOL, "dflash_fast": _OURS,
                   **{key: _OPT_INT for key in DFLASH2_FIELDS}},
     ),
     "zlab": Obj(
         {"architectures": ListOf(STR),
          "dflash_config": Obj({}, optional={**_DFLASH_KEYS, "use_swa": _OPT_BOOL, "swa_window_size": _OPT_INT,
                                             "causal": _OPT_BOOL, **_LILICORR_KEYS})},
-        optional={**_DFLASH_KEYS, "layer_types": Nullable(ListOf(STR)), "dflash_fast": Nullable(OBJECT),
+        optional={**_DFLASH_KEYS, "layer_types": Nullable(ListOf(STR)), "dflash_fast": _OURS,
                   "has_own_lm_head": _OPT_BOOL, "draft_vocab_size": _OPT_INT},
     ),
 }

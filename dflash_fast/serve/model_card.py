@@ -13,7 +13,7 @@ import re
 from typing import Dict, List, Optional
 
 from dflash_fast.drafter.config import DrafterConfig
-from dflash_fast.errors import NUMBER, Nullable, Obj, read_mapping
+from dflash_fast.errors import COUNT, NUMBER, MapOf, Nullable, Obj, read_mapping
 from dflash_fast.serve.layouts import ExportError
 
 CARD = "README.md"
@@ -23,6 +23,8 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 EVAL_SCHEMA = Obj({"tau": Nullable(NUMBER)},
                   optional={"tau_offline": Nullable(NUMBER), "tokens_per_s": Nullable(NUMBER),
                             "target_tokens_per_s": Nullable(NUMBER), "speedup": Nullable(NUMBER)})
+# The fields of provenance.json an export carries on: the training conversations' thinking counts (trackers.py).
+PROVENANCE_SCHEMA = Obj({}, optional={"data": Obj({}, optional={"thinking": Nullable(MapOf(COUNT))})})
 
 
 def read_eval_report(path: str) -> Dict:
@@ -35,7 +37,14 @@ def read_provenance(run_dir: str) -> Optional[Dict]:
     path = os.path.join(run_dir, PROVENANCE)
     if not os.path.exists(path):
         return None
-    return read_mapping(path, json.load, json.JSONDecodeError, ExportError, "JSON", "a JSON object")
+    return read_mapping(path, json.load, json.JSONDecodeError, ExportError, "JSON", "a JSON object",
+                        schema=PROVENANCE_SCHEMA)
+
+
+def trained_thinking(provenance: Optional[Dict]) -> Optional[Dict[str, int]]:
+    """The counts of training conversations rendered with the target thinking "on" / "off" that a run's
+    provenance.json records (the store's extraction.thinking); None when it records none."""
+    return ((provenance or {}).get("data") or {}).get("thinking") or None
 
 
 def _yaml_list(items: List[str]) -> str:
@@ -128,6 +137,10 @@ def model_card(cfg: DrafterConfig, target: str, fmt: str, export_dir: str, clien
         if data.get("data_sha256"):
             rows.append(("data sha256", f"`{data['data_sha256']}`"))
         rows.append(("reasoning", REASONING_LINES.get(data.get("reasoning"), REASONING_LINES[None])))
+        thinking = trained_thinking(provenance)
+        if thinking:
+            rows.append(("thinking", ", ".join(f"{k} ({n} conversations)" for k, n in thinking.items())
+                         + ": serve with the same setting of the chat template's thinking switch"))
         rows += [("loss", f"{client.get('loss_kind') or loss.get('kind')}, weighting {loss.get('weighting')}"),
                  ("optimizer", f"{opt.get('kind')}, lr {opt.get('lr')}"),
                  ("schedule", f"{sched.get('kind')}, warmup {sched.get('warmup_ratio')}"),

@@ -5,6 +5,8 @@ ids, and a response cut where the target stops.
     read_prompts    JSONL {conversations: [...]} / {text: ...} (or records in memory) -> [Prompt]
     encode_prompt   a Prompt -> token ids (the chat template with the generation prompt, or the text); `thinking`
                     sets the template's thinking switch (thinking_switch: Qwen3 / gpt-oss)
+    prompt_tokenizer  the tokenizer eval and validation encode with, warning when their thinking setting is not the
+                    training data's (thinking_mismatch)
     load_model      the target for generation (eval, regenerate --engine hf)
     eos_token_ids   the ids that end a response; cut_response: a generated response cut there or at the budget
     decode_reply    a response's tokens -> the assistant turn's fields (gpt-oss: analysis and final channels split)
@@ -12,6 +14,7 @@ ids, and a response cut where the target stops.
 
 import json
 import os
+import sys
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Union
 
@@ -138,6 +141,24 @@ def thinking_mismatch(trained: Dict[str, int], state: Optional[str], prompts: st
     return (f"warning: {prompts} render with thinking {state}, but {sum(other.values())} of the {total} training "
             f"conversations were rendered with thinking {', '.join(other)}: acceptance here is measured on another "
             f"distribution than the drafter learned (docs/troubleshooting.md#thinking-on-in-training-off-in-serving)")
+
+
+def prompt_tokenizer(target: str, thinking: Optional[str], trained: Dict[str, int], prompts: str,
+                     trust_remote_code: bool = False):
+    """The target's tokenizer for prompts rendered with `thinking` ("on" / "off"; None or "": the template's
+    default), and the switch encode_prompt takes for it (True / False / None). A template without the switch is
+    refused before any model loads; one line on stderr (thinking_mismatch) when the prompts, `prompts` naming them,
+    render with another setting than the `trained` conversations (a store's extraction.thinking counts) ->
+    (tokenizer, switch)."""
+    from transformers import AutoTokenizer
+
+    think = {"on": True, "off": False, "": None}.get(thinking, thinking)
+    tokenizer = AutoTokenizer.from_pretrained(target, trust_remote_code=trust_remote_code)
+    thinking_switch(tokenizer, think)
+    line = thinking_mismatch(trained, thinking_state(tokenizer, think), prompts)
+    if line:
+        print(line, file=sys.stderr)
+    return tokenizer, think
 
 
 def thinking_of_kwargs(kwargs: Dict[str, object]) -> Optional[bool]:

@@ -70,7 +70,10 @@ def provenance(config: Dict, manifest: Dict, data_identity: Dict, resumed_step: 
                  # an assistant turn's reasoning: extract --reasoning for a store (None: extracted before it was
                  # recorded), data.reasoning for online rows
                  "reasoning": extraction.get("reasoning") if config["data"]["source"] == "store"
-                 else config["data"]["reasoning"]},
+                 else config["data"]["reasoning"],
+                 # conversations rendered with the target thinking on / off (a store's extraction.thinking; the
+                 # export carries it on for eval to warn against)
+                 "thinking": extraction.get("thinking") if config["data"]["source"] == "store" else None},
         "config": config,
     }
 
