@@ -17,6 +17,7 @@ from typing import Dict, List, Optional
 
 import yaml
 
+from dflash_fast.data.source import Source
 from dflash_fast.errors import STR, MapOf, read_mapping
 from dflash_fast.serve.model_card import PROVENANCE
 from dflash_fast.store.format import write_json_atomic
@@ -57,6 +58,7 @@ def provenance(config: Dict, manifest: Dict, data_identity: Dict, resumed_step: 
     (the store or online source, its extraction's data path and sha256, the batching identity) and the target
     (path and config.json sha256, from the manifest)."""
     extraction = manifest.get("extraction", {})
+    stored = Source(config["data"]["source"]).reads_store
     return {
         "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "resumed_step": resumed_step,
@@ -69,11 +71,11 @@ def provenance(config: Dict, manifest: Dict, data_identity: Dict, resumed_step: 
                  **{k: extraction.get(k) for k in ("data", "data_sha256", "job")}, "identity": data_identity,
                  # an assistant turn's reasoning: extract --reasoning for a store (None: extracted before it was
                  # recorded), data.reasoning for online rows
-                 "reasoning": extraction.get("reasoning") if config["data"]["source"] == "store"
+                 "reasoning": extraction.get("reasoning") if stored
                  else config["data"]["reasoning"],
                  # conversations rendered with the target thinking on / off (a store's extraction.thinking; the
                  # export carries it on for eval to warn against)
-                 "thinking": extraction.get("thinking") if config["data"]["source"] == "store" else None},
+                 "thinking": extraction.get("thinking") if stored else None},
         "config": config,
     }
 
