@@ -113,9 +113,8 @@ def served(tmp_path_factory):
     return ours, torch.load(tmp / "out.pt")
 
 
-@pytest.mark.parametrize("case", range(len(CASES)), ids=[f"K{c[0]}-B{c[1]}-S{c[2]}-R{c[3]}-W{c[4]}" for c in CASES])
-def test_our_head_scores_and_walks_as_vllms(served, case):
-    (head, inputs), want = served[0][case], served[1][case]
+def assert_scores_and_walk_as_vllms(head, inputs, want):
+    """`head`'s start and pair scores, walk table and greedy walk on `inputs` equal vLLM's (`want`)."""
     with torch.no_grad():
         start, pair = head.scores(*inputs)
         table = head.walk_scores(*inputs)
@@ -123,6 +122,12 @@ def test_our_head_scores_and_walks_as_vllms(served, case):
     torch.testing.assert_close(pair, want["pair"], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(table, want["table"], rtol=1e-5, atol=1e-5)
     assert torch.equal(torch.stack([walk(t) for t in table]), want["walk"])
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[f"K{c[0]}-B{c[1]}-S{c[2]}-R{c[3]}-W{c[4]}" for c in CASES])
+def test_our_head_scores_and_walks_as_vllms(served, case):
+    (head, inputs), want = served[0][case], served[1][case]
+    assert_scores_and_walk_as_vllms(head, inputs, want)
 
 
 @pytest.mark.parametrize("i", range(len(CANDIDATE_K)), ids=[f"K{k}" for k in CANDIDATE_K])
@@ -153,10 +158,4 @@ def test_vllm_builds_and_loads_our_lilicorr_export_and_scores_and_walks_as_the_t
     assert want["architectures"] == ["LiLiCorrDraftModel"] and want["model_class"] == "LiLiCorrForCausalLM"
     assert {key: want["dflash_config"][key] for key in VLLM_KEYS} == {key: getattr(cfg, key) for key in VLLM_KEYS}
     for head in (drafter.lilicorr, load_exported(export).lilicorr):
-        with torch.no_grad():
-            start, pair = head.scores(*inputs)
-            table = head.walk_scores(*inputs)
-        torch.testing.assert_close(start, want["start"], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(pair, want["pair"], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(table, want["table"], rtol=1e-5, atol=1e-5)
-        assert torch.equal(torch.stack([walk(t) for t in table]), want["walk"])
+        assert_scores_and_walk_as_vllms(head, inputs, want)
