@@ -13,7 +13,8 @@ from dflash_fast.drafter.dflash2 import head_shapes
 from dflash_fast.serve import export
 from dflash_fast.serve.architecture import architecture
 from dflash_fast.serve.engines import config_from_export, served_architectures
-from dflash_fast.serve.layouts import DFLASH2_FIELDS, ExportError
+from dflash_fast.serve.families.dflash2 import DFLASH2_FIELDS
+from dflash_fast.serve.layouts import ExportError
 
 # Each DFlash2 tensor and a likely misnaming: z-lab's nn.Embedding codebooks are `.weight` in its module but not in
 # its checkpoints (its from_pretrained's key_mapping adds it), SGLang's and vLLM's projection modules' own names.

@@ -129,11 +129,15 @@ def circles(graph: dict) -> list:
 
 def listed_modules(text: str) -> set:
     """The modules docs/layout.md's tree lists: `  name.py` at the top of dflash_fast/, `    name.py` under
-    `  package/`, and the kernels/ files named on its line."""
-    found, package = set(), None
+    `  package/`, `      name.py` under its `    subpackage/`, and the kernels/ files named on its line."""
+    found, package, sub = set(), None, None
     for line in text.splitlines():
         if m := re.match(r"^  ([a-z_]+)/\s", line):
             package = m.group(1)
+        elif m := re.match(r"^    ([a-z_]+)/\s", line):
+            sub = m.group(1)
+        elif m := re.match(r"^      ([a-z_0-9]+)\.py\b", line):
+            found.add(f"dflash_fast.{package}.{sub}.{m.group(1)}")
         elif m := re.match(r"^    ([a-z_0-9]+)\.py\b", line):
             found.add(f"dflash_fast.{package}.{m.group(1)}")
         elif m := re.match(r"^  ([a-z_0-9]+)\.py\b", line):
@@ -230,3 +234,52 @@ def test_no_module_but_a_familys_own_reaches_into_its_modules():
              if m not in FAMILY_MODULES}
     assert {m: uses for m, uses in found.items() if uses} == {}
     assert family_attribute_uses("def f(d):\n    return d.candidate_selector.top_k\n") == {"candidate_selector"}
+
+
+# Where a family's name may be spelled (docs/contributing.md, "A drafter family"): its two homes, the drafter's and
+# the serving side's, and these three, each for a reason of its own.
+NAMING_MODULES = {
+    "dflash_fast.drafter.config": "its options' DrafterConfig.family case",
+    "dflash_fast.drafter.families": "the one list of the families",
+    "dflash_fast.evaluate.quickstart": "the quickstart's recipe of the family, when it has one (a YAML under configs/)",
+}
+
+
+def family_spellings() -> dict:
+    """Every family's name and the architectures its serving home gives it -> the family (DFlash, the backbone and
+    every engine's default, aside: its name is also vLLM's method and its architecture every plain export's)."""
+    from dflash_fast.serve.families import LAYOUTS
+
+    return {spelled: name for name, layout in LAYOUTS.items() if name != "dflash"
+            for spelled in (name, layout.speculators_architecture, layout.zlab_architecture) if spelled}
+
+
+def names_spelled(source: str, spellings: dict) -> set:
+    """The families whose name (or architecture) `source` writes as a whole string, docstrings aside."""
+    tree = ast.parse(source)
+    docs = {id(node.body[0].value) for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body
+            and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    return {spellings[node.value] for node in ast.walk(tree) if isinstance(node, ast.Constant)
+            and isinstance(node.value, str) and node.value in spellings and id(node) not in docs}
+
+
+def test_no_module_outside_a_familys_homes_branches_on_its_name():
+    """One home per family, on each side of the pipeline: dflash_fast/drafter/<family>.py (the model, its loss terms
+    and walk) and dflash_fast/serve/families/<family>.py (its layouts, the engines' readings, what serves it). Every
+    other module asks DrafterConfig.family and the homes' hooks, so it never spells a family's name or architecture
+    (as LiLiCorr's export once did in model_card.py, engines.py and evaluate/vllm.py)."""
+    spellings = family_spellings()
+    assert set(spellings.values()) == {"dspark", "dflash2", "lilicorr"}
+    found = {}
+    for m, path in MODULES.items():
+        named = names_spelled(open(path).read(), spellings)
+        homes = {f for f in named if m in (f"dflash_fast.drafter.{f}", f"dflash_fast.serve.families.{f}")}
+        if named - homes and m not in NAMING_MODULES:
+            found[m] = sorted(named - homes)
+    assert found == {}
+    # the check can fail: a branch on a name, or an architecture's, in a module outside the homes
+    for line in ('if cfg.family == "lilicorr":\n    pass\n',
+                 'LILICORR = ("vllm",) if x == "LiLiCorrDraftModel" else ()\n'):
+        source = open(MODULES["dflash_fast.serve.model_card"]).read() + "\n" + line
+        assert names_spelled(source, spellings) == {"lilicorr"}, line

@@ -118,7 +118,8 @@ def served_as_dflash(export_dir: str, out: str) -> str:
 
     from dflash_fast.drafter.families import head_shapes
     from dflash_fast.serve.export import WEIGHTS
-    from dflash_fast.serve.layouts import DFLASH2_FIELDS, LILICORR_FIELDS
+    from dflash_fast.serve.families.dflash2 import DFLASH2_FIELDS
+    from dflash_fast.serve.families.lilicorr import LILICORR_FIELDS
 
     config = read_export_config(export_dir)
     family = head_shapes(config_from_export(config))

@@ -27,10 +27,10 @@ from dflash_fast.evaluate.benchmarks import benchmarks_report, decode_suites, lo
 from dflash_fast.evaluate.decode import SpecResult
 from dflash_fast.evaluate.report import Tally, report
 from dflash_fast.evaluate.sampling import Sampling, check_sampling
-from dflash_fast.serve.architecture import DFLASH2_OFF, LILICORR_OFF, _dflash2_fields, _lilicorr_fields, normal_rope
+from dflash_fast.serve.architecture import normal_rope
 from dflash_fast.serve.engines import config_from_export
 from dflash_fast.serve.export import exported_thinking, read_export_config
-from dflash_fast.serve.layouts import CONV_FIELDS, DFLASH2_FIELDS, DFLASH_ONLY, LILICORR_FIELDS, is_dspark
+from dflash_fast.serve.families import LAYOUTS, OFF, zlab_family
 from dflash_fast.store.format import normalise_dtype
 from dflash_fast.target.load import check_target
 from dflash_fast.target.prompts import encode_prompt, eos_token_ids, prompt_tokenizer, read_prompts
@@ -38,12 +38,12 @@ from dflash_fast.target.vllm import generate, import_vllm, load_engine
 
 
 def speculative_config(drafter: str, cfg: DrafterConfig, temperature: float = 0.0) -> Dict:
-    """vLLM's speculative_config for the export `drafter` of `cfg`: the method its layout names (layouts.py:
-    speculators' `dspark` type for a DSpark drafter) and the tokens a block drafts, which vLLM verifies with the
-    anchor. At temperature > 0 the drafts are sampled and verified against the drafter's tempered softmax
+    """vLLM's speculative_config for the export `drafter` of `cfg`: the method its family's serving home names
+    (`dspark` for a DSpark drafter, serve/families/dspark.py) and the tokens a block drafts, which vLLM verifies with
+    the anchor. At temperature > 0 the drafts are sampled and verified against the drafter's tempered softmax
     (draft_sample_method "probabilistic"; vLLM's default "greedy" drafts the argmax with q one-hot), as our
     evaluator does."""
-    config = {"method": "dspark" if is_dspark(cfg) else "dflash", "model": drafter,
+    config = {"method": LAYOUTS[cfg.family].vllm_method, "model": drafter,
               "num_speculative_tokens": cfg.drafted_tokens}
     if temperature > 0:
         config["draft_sample_method"] = "probabilistic"
@@ -115,11 +115,9 @@ def evaluate_vllm(
         raise ValueError(f"--engine vllm serves an export directory; {drafter} has no config.json "
                          f"(run `dflash-fast export` on the checkpoint first)")
     cfg = config_from_export(read_export_config(drafter))
+    family = LAYOUTS[cfg.family]
     needs_v2 = [what for what, yes in (("mixes sliding and full layers", len(set(cfg.layer_types)) > 1),
-                                       ("is a DSpark drafter", is_dspark(cfg)),
-                                       # config/vllm.py: "DFlash candidate-head drafts" are the V2 speculator's only
-                                       ("is a DFlash2 drafter", cfg.family == "dflash2"),
-                                       ("is a LiLiCorr drafter", cfg.family == "lilicorr")) if yes]
+                                       (f"is a {family.short} drafter", family.vllm_v2)) if yes]
     if needs_v2 and not v2_runner_available():
         raise UserError(
             f"{drafter} {' and '.join(needs_v2)}: vLLM serves that only with its V2 model runner, which needs a "
@@ -241,23 +239,11 @@ def vllm_architecture(export_dir: str) -> Dict:
         # Attention(per_layer_sliding_window=W) ends each query's window at its own position (tests/test_vllm.py
         # probes vLLM's CPU attention op for it)
         "window_from": "query" if any(window is not None for window, _ in layers) else None,
-        **DFLASH_ONLY,  # vLLM's dflash method: no Markov or confidence head, slot j predicts a + j
-        **family_fields(hf),
+        # vLLM's dflash method: no Markov or confidence head, slot j predicts a + j; the fields of the family whose
+        # architecture vLLM loaded, as its serving home says vLLM's config holds them
+        **OFF,
+        **zlab_family(hf.architectures).vllm_loaded(hf),
     }
-
-
-def family_fields(hf) -> Dict:
-    """The DFlash2 and LiLiCorr fields vLLM builds from its config `hf`: DFlash2DraftModel (qwen3_dflash2.py)
-    int(dflash_config[key]) for each DFlash2 field; LiLiCorrDraftModel (lilicorr.py) the convolutions when
-    dflash_config has conv_kernel_size and LiLiCorrHead's config[key] for each lilicorr field; DFlash: neither."""
-    dflash = hf.dflash_config
-    if "LiLiCorrDraftModel" in hf.architectures:
-        taps, group = (dflash.get(key, 0) for key in CONV_FIELDS)
-        return {**(_dflash2_fields(taps, group, 0, 16) if taps else DFLASH2_OFF),
-                **_lilicorr_fields({key: dflash[key] for key in LILICORR_FIELDS}, hf.hidden_size)}
-    if "DFlash2DraftModel" in hf.architectures:
-        return {**{key: int(dflash[key]) for key in DFLASH2_FIELDS}, **LILICORR_OFF}
-    return {**DFLASH2_OFF, **LILICORR_OFF}
 
 
 AGREEMENT_Z = 4.0  # two engines agree at T > 0 when every compared mean is within this many standard errors

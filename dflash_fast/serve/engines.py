@@ -10,6 +10,7 @@ from dflash_fast.drafter.config import DrafterConfig, value_problems
 from dflash_fast.drafter.masks import WINDOW_RULES
 from dflash_fast.errors import check_schema, is_int
 from dflash_fast.serve.architecture import ARCHITECTURE, architecture
+from dflash_fast.serve.families import LAYOUTS, hints, speculators_family, zlab_family
 from dflash_fast.serve.layouts import (
     ARCHITECTURES,
     CONFIG_SCHEMAS,
@@ -22,10 +23,8 @@ from dflash_fast.serve.layouts import (
 from dflash_fast.serve.views import VIEWS, _check_zlab_neutral, zlab_tap_problems
 from dflash_fast.store.layer_ids import check_layer_ids
 
+# The engines that read each layout; a family's serving home may name fewer (FamilyLayout.engines: LiLiCorr's vLLM).
 ENGINES = {"speculators": ("speculators", "vllm"), "zlab": ("sglang", "vllm")}
-# A LiLiCorr export (the zlab layout as LiLiCorrDraftModel) is read by vLLM alone: SGLang's LiLiCorr (the PR vLLM's
-# head was adapted from) is not modelled here, and speculators has no LiLiCorr model.
-LILICORR_ENGINES = ("vllm",)
 # Why an engine reads a field differently, and the fix, for the mismatches that have a known cause.
 # Fields where an engine that serves another rule than the drafter trained with still runs it, at a lower acceptance:
 # export warns of them (naming the field) instead of refusing, and reads them back from our own metadata.
@@ -40,24 +39,15 @@ HINTS = {
     "or export the other format)",
     "rope_parameters": "SGLang's DFlash rotates all head_dim channels (get_rope(rotary_dim=head_dim)): export "
     "a drafter with partial_rotary_factor 1 to the zlab format, or use the speculators format (vLLM applies it)",
-    "markov_head_type": "vLLM's DSpark (qwen3_dspark.py, DSparkMarkovHead) serves the vanilla Markov head only: "
-    "train model.markov_head_type=vanilla to serve with vLLM",
-    "markov_rank": "the z-lab layout (SGLang's and vLLM's dflash method) has no DSpark heads: export a DSpark drafter "
-    "in the speculators format",
-    "conv_kernel_size": "speculators' DFlash2SpeculatorConfig, vLLM's and z-lab's DFlash2DraftModel build both "
-    "DFlash2 additions: train model.conv_kernel_size >= 1 with model.selector_rank >= 1",
-    "selector_rank": "speculators' DFlash2SpeculatorConfig, vLLM's, SGLang's and z-lab's DFlash2DraftModel build the "
-    "candidate selector: train model.selector_rank >= 1 with model.conv_kernel_size >= 1",
     "target_hidden_size": "speculators and SGLang size fc from the drafter's hidden_size: the drafter's hidden size "
     "must equal the target's",
-    "lilicorr_candidate_topk": "only vLLM's LiLiCorrDraftModel builds the lattice head (the zlab layout as "
-    "architectures ['LiLiCorrDraftModel']); any other architecture serves the backbone alone, as plain DFlash(2)",
+    **hints(),  # the families' fields (their serving homes)
 }
 
 
 def serving_engines(fmt: str, family: str) -> Tuple[str, ...]:
-    """The engines that read a `family` drafter's export in `fmt` (ENGINES; LILICORR_ENGINES for LiLiCorr)."""
-    return LILICORR_ENGINES if family == "lilicorr" else ENGINES[fmt]
+    """The engines that read a `family` drafter's export in `fmt` (ENGINES, or the fewer its serving home names)."""
+    return LAYOUTS[family].engines or ENGINES[fmt]
 
 
 def served_architectures(config: Dict) -> Dict[str, Dict]:
@@ -74,8 +64,8 @@ def served_architectures(config: Dict) -> Dict[str, Dict]:
     if fmt == "zlab":
         _check_zlab_neutral(config)
     served = {}
-    lilicorr = fmt == "zlab" and "LiLiCorrDraftModel" in config["architectures"]
-    for engine in serving_engines(fmt, "lilicorr" if lilicorr else ""):
+    family = speculators_family(config) if fmt == "speculators" else zlab_family(config["architectures"])
+    for engine in serving_engines(fmt, family.name):
         try:
             served[engine] = VIEWS[fmt, engine](config)
         except (TypeError, AttributeError) as e:  # a hand-edited key of the wrong JSON type (a list for an object)
@@ -110,32 +100,18 @@ def mismatches(expected: Dict, served: Dict[str, Dict], serving_rules: bool = Fa
 
 
 def check_servable(cfg: DrafterConfig, fmt: str) -> None:
-    """Refuse, before anything is written, a drafter that the engines of `fmt` would serve differently."""
-    if cfg.family == "lilicorr" and fmt != "zlab":
-        raise ExportError(f"the {fmt} format cannot serve this LiLiCorr drafter (lilicorr_candidate_topk="
-                          f"{cfg.lilicorr_candidate_topk}): speculators has no LiLiCorr model and vLLM's speculators "
-                          f"adapter no lilicorr type; export --format zlab (vLLM's LiLiCorrDraftModel, "
-                          f"docs/lilicorr.md)")
-    if cfg.family == "dflash2":
-        dflash2_servable(cfg, fmt)
+    """Refuse, before anything is written, a drafter that the engines of `fmt` would serve differently: first what
+    its family's serving home refuses (FamilyLayout.refusals), then every field an engine reads otherwise."""
+    family = LAYOUTS[cfg.family]
+    problems = family.refusals(cfg, fmt)
+    if problems:
+        raise ExportError(f"the {fmt} format cannot serve this {family.short} drafter as it trained:\n  - "
+                          + "\n  - ".join(problems))
     problems = mismatches(architecture(cfg), served_architectures(format_config(cfg, fmt, verifier="")))
     if fmt == "zlab":
         problems += zlab_tap_problems(cfg.layer_ids, cfg.target_num_layers)
     if problems:
         raise ExportError(f"the {fmt} format cannot serve this drafter as it trained:\n  - " + "\n  - ".join(problems))
-
-
-def dflash2_servable(cfg: DrafterConfig, fmt: str) -> None:
-    """Refuse a DFlash2 drafter no engine of `fmt` builds: one addition alone (speculators' DFlash2SpeculatorConfig,
-    vLLM's and z-lab's DFlash2DraftModel build both, each of size >= 1), or drafting from the anchor (speculators'
-    DFlash2 and vLLM's walk start from the given anchor token)."""
-    problems = [f"{key}=0: {HINTS[key]}" for key in ("conv_kernel_size", "selector_rank") if not getattr(cfg, key)]
-    if cfg.sample_from_anchor:
-        problems.append("sample_from_anchor=true: speculators' DFlash2 and vLLM's dflash2 draft the block after the "
-                        "given anchor token only (train model.sample_from_anchor=false)")
-    if problems:
-        raise ExportError(f"the {fmt} format cannot serve this DFlash2 drafter as it trained:\n  - "
-                          + "\n  - ".join(problems))
 
 
 def servable_format(cfg: DrafterConfig) -> str:

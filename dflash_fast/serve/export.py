@@ -34,7 +34,7 @@ from dflash_fast.serve.engines import (
     served_architectures,
 )
 from dflash_fast.serve.layouts import CONFIG_SCHEMAS, ExportError, export_format, format_config
-from dflash_fast.serve.model_card import CARD
+from dflash_fast.serve.model_card import CARD, model_card, read_provenance, trained_thinking
 from dflash_fast.store.format import write_json_atomic
 
 WEIGHTS = "model.safetensors"
@@ -281,3 +281,16 @@ def export_drafter(
     for line in rules:
         warn(f"warning: {out_dir} serves at a lower acceptance than it trained for: model.{line}")
     return out_dir
+
+
+def export_run(drafter: DFlashDrafter, out_dir: str, verifier: str, dtype: Optional[torch.dtype], fmt: str,
+               run_dir: str, client: Dict, report: Optional[Dict] = None,
+               state_dict: Optional[Dict[str, torch.Tensor]] = None) -> str:
+    """A training run's drafter exported with its model card (`dflash-fast export` and the trainer's own export):
+    the card from the checkpoint's client state (step, run config), the run's OUT/provenance.json and an eval
+    report, the provenance's thinking counts recorded in config.json; written and gated by export_drafter.
+    Returns out_dir."""
+    provenance = read_provenance(run_dir)
+    card = model_card(drafter.config, verifier, fmt, os.path.abspath(out_dir), client, provenance, report)
+    return export_drafter(drafter, out_dir, verifier, dtype, state_dict=state_dict, fmt=fmt, card=card,
+                          thinking=trained_thinking(provenance))

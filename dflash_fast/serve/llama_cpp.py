@@ -31,9 +31,12 @@ import sys
 import tempfile
 from typing import Dict, List, Optional, Sequence
 
-from dflash_fast.serve.architecture import ARCHITECTURE, DFLASH2_OFF, LILICORR_OFF, architecture
+from dflash_fast.drafter.config import DFLASH_ONLY
+from dflash_fast.serve.architecture import ARCHITECTURE, architecture
 from dflash_fast.serve.engines import mismatches
-from dflash_fast.serve.layouts import DFLASH_ONLY, ExportError
+from dflash_fast.serve.families import OFF
+from dflash_fast.serve.families.dflash2 import DFLASH2_OFF
+from dflash_fast.serve.layouts import ExportError
 
 LLAMA_CPP_PYTHON = "0.3.36"  # the llama-cpp-python sdist whose vendor/llama.cpp is built and read
 CACHE_ENV = "DFLASH_LLAMA_CPP_CACHE"
@@ -195,11 +198,11 @@ def gguf_architecture(fields: Dict) -> Dict:
         "layer_windows": [window if w else None for w in pattern],
         "layer_causal": [bool(causal)] * layers,
         "window_from": "query" if any(pattern) else None,  # LLAMA_SWA_TYPE_STANDARD: each query's own window
+        **OFF,  # what src/models/dflash.cpp builds of no family below (no LiLiCorr lattice): each family's `off`
         **dict(DFLASH_ONLY, markov_rank=-1 if "markov_w1.weight" in tensors else 0),
         **(dict(conv_kernel_size=conv, conv_group_size=fields.get("dflash.conv_group_size", 16) if conv else 16,
                 selector_rank=fields.get("dflash.selector_rank", 0), selector_top_k=top_k if top_k else 16)
            if conv or top_k else DFLASH2_OFF),
-        **LILICORR_OFF,  # src/models/dflash.cpp builds no LiLiCorr lattice
     }
 
 

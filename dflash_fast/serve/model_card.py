@@ -14,6 +14,8 @@ from typing import Dict, List, Optional
 
 from dflash_fast.drafter.config import DrafterConfig
 from dflash_fast.errors import COUNT, NUMBER, MapOf, Nullable, Obj, read_mapping
+from dflash_fast.serve.engines import serving_engines
+from dflash_fast.serve.families import LAYOUTS
 from dflash_fast.serve.layouts import ExportError
 
 CARD = "README.md"
@@ -72,20 +74,25 @@ def _table(rows: List[tuple]) -> str:
 
 
 def serving(export_dir: str, target: str, fmt: str, block_size: int, family: str = "dflash") -> str:
-    """The vLLM command (either layout) and the SGLang one (the zlab layout; a LiLiCorr export is vLLM's alone), as
-    docs/export.md gives them."""
-    spec = json.dumps({"method": "dflash", "model": export_dir, "num_speculative_tokens": block_size - 1})
+    """The vLLM command (the method the family's serving home names) and the SGLang one where SGLang reads the export
+    (engines.serving_engines), as docs/export.md gives them; where the zlab layout would be read by SGLang, the way
+    there."""
+    layout = LAYOUTS[family]
+    engines = serving_engines(fmt, family)
+    spec = json.dumps({"method": layout.vllm_method, "model": export_dir, "num_speculative_tokens": block_size - 1})
     text = f"```bash\n# vLLM\nvllm serve {target} --speculative-config '{spec}'\n"
-    if family == "lilicorr":
-        return text + "```\n\nOnly vLLM serves LiLiCorr (its LiLiCorrDraftModel, V2 model runner).\n"
-    if fmt == "zlab":
+    if "sglang" in engines:
         text += (f"# SGLang\npython -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH \\\n"
                  f"    --speculative-draft-model-path {export_dir} --speculative-num-draft-tokens {block_size}\n")
     text += "```\n"
-    if fmt != "zlab":
-        text += ("\nSGLang reads the zlab layout: export it again with `dflash-fast export --format zlab` to serve it "
-                 "there.\n")
-    return text
+    if "sglang" in engines:
+        return text
+    if "sglang" in serving_engines("zlab", family) and layout.zlab_architecture:
+        return text + ("\nSGLang reads the zlab layout: export it again with `dflash-fast export --format zlab` to "
+                       "serve it there.\n")
+    model = layout.zlab_architecture if fmt == "zlab" else layout.speculators_architecture
+    runner = ", V2 model runner" if layout.vllm_v2 else ""
+    return text + f"\nOnly vLLM serves {layout.short} (its {model}{runner}).\n"
 
 
 # data.reasoning / extract --reasoning, as a reader of the card needs it: what the drafter learned of reasoning spans.
@@ -106,10 +113,8 @@ def model_card(cfg: DrafterConfig, target: str, fmt: str, export_dir: str, clien
     run = client.get("config") or provenance.get("config") or {}
     data = provenance.get("data", {})
     sources = [d for d in (data.get("data"), data.get("jsonl"), (run.get("data") or {}).get("jsonl")) if d]
-    family = ("LiLiCorr (DFlash backbone with a candidate-lattice correlator)" if cfg.family == "lilicorr" else
-              "DSpark (DFlash backbone with DSpark heads)" if cfg.markov_rank or cfg.confidence_head else
-              "DFlash2 (DFlash backbone with dynamic convolutions and a candidate selector)" if cfg.is_dflash2 else
-              "DFlash")
+    layout = LAYOUTS[cfg.family]
+    family = layout.title
     parts = [front_matter(target, sources), f"# {family} drafter for {target}\n",
              f"A block-diffusion speculative-decoding drafter trained with dflash-fast: it drafts "
              f"{cfg.block_size - 1} tokens per forward for `{target}`, which verifies them.\n",
@@ -120,15 +125,7 @@ def model_card(cfg: DrafterConfig, target: str, fmt: str, export_dir: str, clien
                  ("layer types", ", ".join(cfg.layer_types) if cfg.layer_types else "full attention"),
                  ("sliding window", f"{cfg.sliding_window} (ends at the {cfg.window_from})"
                   if cfg.sliding_window else "-"),
-                 *([("DFlash2", f"{cfg.conv_kernel_size}-tap convolutions in groups of {cfg.conv_group_size}, a "
-                               f"selector of rank {cfg.selector_rank} over the unary top {cfg.selector_top_k} (vLLM: "
-                               f"its V2 model runner)")] if cfg.family == "dflash2" else []),
-                 *([("LiLiCorr", f"a lattice of the top {cfg.lilicorr_candidate_topk} candidates per slot, "
-                                 f"{cfg.lilicorr_num_layers} layers of width "
-                                 f"{cfg.lilicorr_hidden_size or cfg.hidden_size}"
-                                 + (f", {cfg.conv_kernel_size}-tap convolutions in groups of {cfg.conv_group_size}"
-                                    if cfg.conv_kernel_size else "") + " (vLLM: its V2 model runner)")]
-                   if cfg.family == "lilicorr" else []),
+                 *[row for row in [layout.card_row(cfg)] if row],
              ])]
     parts.append("\n## Data and recipe\n")
     if run:

@@ -6,47 +6,18 @@ in the terms of `architecture.ARCHITECTURE`. `VIEWS`: each format's engines and 
     speculators layout   speculators (`_speculators_view`), vLLM (`_vllm_speculators_view`)
     zlab layout          SGLang (`_sglang_view`), vLLM (`_vllm_zlab_view`)
 
-DFlash2 (spec.md §9) in either layout: speculators' DFlash2SpeculatorConfig, vLLM's qwen3_dflash2.py (read from the
-speculators layout's top level through its adapter, from the z-lab layout's dflash_config), SGLang's and z-lab's
-DFlash2DraftModel (dflash_config); `architecture._dflash2_fields` are their terms.
-
-LiLiCorr (spec.md §11): only vLLM reads it, from the z-lab layout as architectures ["LiLiCorrDraftModel"]
-(`_vllm_lilicorr`: lilicorr.py's LiLiCorr and LiLiCorrForCausalLM); every other view of every layout builds no
-lattice (`architecture.LILICORR_OFF`), so a LiLiCorr drafter written as plain DFlash or DFlash2 reads as a mismatch.
+Each view reads the backbone here, and the fields of the family the config.json names as that family's serving home
+reads them (`families.read_families`: dflash_fast/serve/families/<family>.py, its `read` for the view); no view names
+a family.
 """
 import json
-from typing import Dict, List, Optional
+from typing import Dict, List
 
-from dflash_fast.drafter.config import DFLASH_ONLY, lilicorr_problems
-from dflash_fast.errors import is_int
-from dflash_fast.serve.architecture import (
-    DFLASH2_OFF,
-    LILICORR_OFF,
-    _dflash2_fields,
-    _dspark_fields,
-    _lilicorr_fields,
-    normal_rope,
-)
-from dflash_fast.serve.layouts import CONV_FIELDS, DFLASH2_FIELDS, HF_LAYER_TYPES, LILICORR_FIELDS, ExportError
+from dflash_fast.serve.architecture import normal_rope
+from dflash_fast.serve.families import read_families
+from dflash_fast.serve.families.base import VIEW_SGLANG, VIEW_SPECULATORS, VIEW_VLLM_SPECULATORS, VIEW_VLLM_ZLAB
+from dflash_fast.serve.layouts import HF_LAYER_TYPES, ExportError
 from dflash_fast.store.layer_ids import default_layer_ids
-
-
-def _dflash2_read(holder: Dict, where: str, defaults: Optional[Dict] = None) -> Dict:
-    """DFlash2's four fields from `holder` (a config.json's top level or its dflash_config), each an integer >= 1 as
-    the engine builds it (speculators: pydantic ge=1; vLLM, z-lab: int(dflash_config[key]) with no default; a
-    convolution needs its group to divide the hidden size, checked by _check_values); `defaults` fills absent
-    keys (speculators' DFlash2SpeculatorConfig: 2, 16, 256, 16), else an absent key is refused."""
-    values = {}
-    for key in DFLASH2_FIELDS:
-        value = holder.get(key, (defaults or {}).get(key))
-        if not is_int(value) or value < 1:
-            raise ExportError(f"{where}: {key}={value!r}; its DFlash2 model builds that size, an integer >= 1 "
-                              f"(speculators' DFlash2SpeculatorConfig names the four fields {list(DFLASH2_FIELDS)})")
-        values[key] = value
-    return _dflash2_fields(*values.values())
-
-
-SPECULATORS_DFLASH2 = dict(conv_kernel_size=2, conv_group_size=16, selector_rank=256, selector_top_k=16)
 
 
 def _need(config: Dict, key: str, where: str):
@@ -110,12 +81,8 @@ def _speculators_view(config: Dict) -> Dict:
     where = "speculators (DFlashSpeculatorConfig / DFlashDraftModel)"
     hf = _hf_config(_need(config, "transformer_layer_config", where), where)
     aux = _need(config, "aux_hidden_state_layer_ids", where)
-    dspark = config.get("speculators_model_type") == "dspark"
-    dflash2 = config.get("speculators_model_type") == "dflash2"
-    if config.get("sample_from_anchor", False) and dflash2:
-        raise ExportError(f"{where}: a DFlash2 drafter with sample_from_anchor=true: speculators' DFlash2 and vLLM's "
-                          f"dflash2 draft with the anchor as the given token (sample_from_anchor=false) only")
-    if config.get("sample_from_anchor", False) and not dspark:
+    family = read_families(VIEW_SPECULATORS, config, hf, where)
+    if config.get("sample_from_anchor", False) and not family["sample_from_anchor"]:
         raise ExportError(f"{where}: a DFlash drafter with sample_from_anchor=true: dflash-fast trains that as DSpark")
     rope = hf.rope_parameters
     if "rope_type" not in rope and "sliding_attention" in rope:
@@ -134,42 +101,8 @@ def _speculators_view(config: Dict) -> Dict:
         "layer_windows": [hf.sliding_window if t == "sliding_attention" else None for t in types],
         "layer_causal": [t == "sliding_attention" and not non_causal for t in types],
         "window_from": "anchor" if "sliding_attention" in types else None,  # kv_base_pos >= q_anchor - sliding_window
-        **(_speculators_dspark(config) if dspark else DFLASH_ONLY),
-        # models/dflash2/config.py: DFlash2SpeculatorConfig's defaults, each ge=1
-        **(_dflash2_read(config, where + ": DFlash2SpeculatorConfig", SPECULATORS_DFLASH2) if dflash2 else DFLASH2_OFF),
-        **LILICORR_OFF,
+        **family,
     }
-
-
-def _speculators_dspark(config: Dict) -> Dict:
-    """speculators' DSparkSpeculatorConfig (models/dspark/config.py) defaults: sample_from_anchor true, markov_rank
-    256, vanilla, enable_confidence_head true, confidence_head_with_markov true; DSparkDraftModel builds no Markov
-    head at markov_rank 0."""
-    return _dspark_fields(
-        bool(config.get("sample_from_anchor", True)),
-        config.get("markov_rank", 256),
-        config.get("markov_head_type", "vanilla"),
-        bool(config.get("enable_confidence_head", True)),
-        bool(config.get("confidence_head_with_markov", True)),
-    )
-
-
-def _vllm_dspark(config: Dict, where: str) -> Dict:
-    """vLLM's dspark method: algos.py update_dspark surfaces markov_rank, markov_head_type, enable_confidence_head,
-    confidence_head_with_markov and dspark_bonus_anchor = not sample_from_anchor (default true); qwen3_dspark.py
-    always builds a vanilla DSparkMarkovHead of markov_rank (W1[prev] -> W2, no gate or recurrence), the confidence
-    head only with enable_confidence_head (default false), reading [hidden, W1[prev]] only with
-    confidence_head_with_markov (default false)."""
-    rank = config.get("markov_rank")
-    if not is_int(rank) or rank < 1:
-        raise ExportError(f"{where}: markov_rank={rank!r}; vLLM's DSpark builds a Markov head of that rank (>= 1)")
-    return _dspark_fields(
-        bool(config.get("sample_from_anchor", True)),
-        rank,
-        "vanilla",
-        bool(config.get("enable_confidence_head", False)),
-        bool(config.get("confidence_head_with_markov", False)),
-    )
 
 
 def _vllm_layers(hf, where: str):
@@ -248,11 +181,7 @@ def _vllm_speculators_view(config: Dict) -> Dict:
         raise ExportError(f"config.json has no speculators_config.proposal_methods[0].speculative_tokens ({where})")
     windows, causal = _vllm_layers(hf, where)
     _check_vocab(config.get("draft_vocab_size") or hf.vocab_size, hf.vocab_size, where)
-    dspark = _vllm_dspark(config, where) if config.get("speculators_model_type") == "dspark" else DFLASH_ONLY
-    dflash2 = DFLASH2_OFF
-    if config.get("speculators_model_type") == "dflash2":
-        dflash2 = _dflash2_read({k: config[k] for k in DFLASH2_FIELDS if config.get(k) is not None},
-                                where.replace("qwen3_dflash.py", "qwen3_dflash2.py"))
+    family = read_families(VIEW_VLLM_SPECULATORS, config, hf, where)
     return {
         **_common(hf, where, getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads),
         "vocab_size": hf.vocab_size,
@@ -260,14 +189,12 @@ def _vllm_speculators_view(config: Dict) -> Dict:
         "layer_ids": layer["dflash_config"]["target_layer_ids"],
         "mask_token_id": config["mask_token_id"],
         # the anchor is a bonus token (one more slot than drafted tokens) unless it samples from the anchor
-        "block_size": tokens + 1 - int(dspark["sample_from_anchor"]),
+        "block_size": tokens + 1 - int(family["sample_from_anchor"]),
         "rope_parameters": _vllm_rope(hf),
         "layer_windows": windows,
         "layer_causal": causal,
         "window_from": "query" if any(w is not None for w in windows) else None,
-        **dspark,
-        **dflash2,
-        **LILICORR_OFF,
+        **family,
     }
 
 
@@ -350,85 +277,19 @@ def _sglang_view(config: Dict) -> Dict:
         "layer_windows": [hf.sliding_window if t == "sliding_attention" else None for t in types],
         "layer_causal": [t == "sliding_attention" for t in types],
         "window_from": "query" if "sliding_attention" in types else None,  # RadixAttention window_left = W - 1
-        **DFLASH_ONLY,
-        **_sglang_dflash2(config, where),
-        **LILICORR_OFF,
+        **read_families(VIEW_SGLANG, config, hf, where),
     }
-
-
-def _sglang_dflash2(config: Dict, where: str) -> Dict:
-    """SGLang, models/dflash.py: every DFlash draft builds the convolutions when dflash_config.conv_kernel_size is
-    set (DFlashDraftModel.__init__, grouped_conv), only DFlash2DraftModel the candidate selector (it raises without
-    selector_rank). Its parse_dflash_draft_config (not read here) is modelled as dflash_config's four fields, none
-    defaulted: where z-lab's published DFlash2 checkpoint has them and the zlab layout writes them."""
-    dflash = config["dflash_config"]
-    if "DFlash2DraftModel" in config["architectures"]:
-        return _dflash2_read(dflash, where + ": dflash_config")
-    if dflash.get("conv_kernel_size"):
-        taps = _dflash2_read({**dflash, "selector_rank": 1, "selector_top_k": 1}, where + ": dflash_config")
-        return dict(taps, selector_rank=0, selector_top_k=16)
-    return DFLASH2_OFF
-
-
-def _vllm_lilicorr(config: Dict, hf) -> Dict:
-    """vLLM 0.32 serving architectures ["LiLiCorrDraftModel"] (model_executor/models/lilicorr.py; its `dflash` method
-    picks LiLiCorrSpeculator by that name, v1/worker/gpu/spec_decode/__init__.py): DFlash2's fields and LiLiCorr's
-    (`_lilicorr_fields`), refusing, with the field named, what vLLM refuses or would serve otherwise than trained:
-    lilicorr_enabled false; a lilicorr_* key absent (LiLiCorrHead reads each as config[key]); a K other than a power
-    of two <= 16, heads not dividing the lattice width (LiLiCorrHead, LiLiCorrLatticeAttention raise); one
-    convolution field without the other (LiLiCorr.__init__); a block with no slot to draft (vLLM needs 1 <=
-    num_speculative_tokens < block_size); a draft vocabulary other than the target's (LiLiCorrForCausalLM: "LiLiCorr
-    candidates require the full target vocabulary", no d2t map); has_own_lm_head true (the candidates would be
-    an lm_head.weight of the checkpoint's, ours are the target's)."""
-    where = "vLLM (lilicorr.py, LiLiCorrDraftModel) cannot serve this config.json as it trained:"
-    dflash = config["dflash_config"]
-    problems = []
-    if not dflash.get("lilicorr_enabled", True):
-        problems.append(f"dflash_config.lilicorr_enabled={dflash['lilicorr_enabled']!r}: vLLM raises "
-                        f"(\"LiLiCorr requires lilicorr_enabled=True\"); write true")
-    absent = [key for key in LILICORR_FIELDS if key not in dflash]
-    if absent:
-        problems.append(f"dflash_config has no {absent}: vLLM's LiLiCorrHead reads each, with no default")
-    values = {key: dflash.get(key) for key in LILICORR_FIELDS}
-    if not absent:
-        if values["lilicorr_candidate_topk"] == 0:
-            problems.append("dflash_config.lilicorr_candidate_topk=0: vLLM's LiLiCorrHead needs a power of two <= 16")
-        problems += [f"dflash_config.{line}" for line in lilicorr_problems({**values, "hidden_size": hf.hidden_size})]
-        block = dflash.get("block_size", config.get("block_size", 0))  # LiLiCorr.__init__'s reading
-        if not is_int(block) or block < 2:
-            problems.append(f"dflash_config.block_size={block!r}: vLLM needs 1 <= num_speculative_tokens < "
-                            f"block_size, the trained block (>= 2)")
-    taps, group = dflash.get(CONV_FIELDS[0], 0), dflash.get(CONV_FIELDS[1], 0)
-    if not (is_int(taps) and is_int(group)) or taps < 0 or group < 0 or bool(taps) != bool(group):
-        problems.append(f"dflash_config.conv_kernel_size={taps!r}, conv_group_size={group!r}: vLLM's LiLiCorr builds "
-                        f"DFlash2's convolutions with both >= 1 or neither (0 or absent)")
-    draft_vocab = config.get("draft_vocab_size")
-    if draft_vocab is not None and draft_vocab != hf.vocab_size:
-        problems.append(f"draft_vocab_size={draft_vocab} of a {hf.vocab_size}-token vocabulary: LiLiCorr's candidates "
-                        f"need the target's full vocabulary (vLLM refuses a draft-to-target map)")
-    if config.get("has_own_lm_head"):
-        problems.append("has_own_lm_head=true: vLLM would draw the candidates from an lm_head.weight of the export, "
-                        "dflash-fast's drafter drafts through the target's lm_head (write false)")
-    if problems:
-        raise ExportError(where + "\n  - " + "\n  - ".join(problems))
-    conv = _dflash2_fields(taps, group, 0, 16) if taps else DFLASH2_OFF
-    return {**conv, **_lilicorr_fields(values, hf.hidden_size)}
 
 
 def _vllm_zlab_view(config: Dict) -> Dict:
     """vLLM reading the z-lab layout (`--speculative-config '{"method": "dflash", "model": DIR}'`): AutoConfig
     (Qwen3Config) of config.json and qwen3_dflash.py's rules (see _vllm_layers, _vllm_rope); the block is the
     command line's num_speculative_tokens + 1, which docs/export.md tells you to set to block_size - 1.
-    architectures ["DFlash2DraftModel"]: qwen3_dflash2.py, DFlash2's fields from dflash_config;
-    ["LiLiCorrDraftModel"]: lilicorr.py (`_vllm_lilicorr`)."""
+    A family's architecture (DFlash2DraftModel: qwen3_dflash2.py, LiLiCorrDraftModel: lilicorr.py) is read by its
+    serving home."""
     where = "vLLM (qwen3_dflash.py)"
     hf = _hf_config(config, where)
-    if "LiLiCorrDraftModel" in config["architectures"]:
-        family = _vllm_lilicorr(config, hf)
-    elif "DFlash2DraftModel" in config["architectures"]:
-        family = {**_dflash2_read(config["dflash_config"], "vLLM (qwen3_dflash2.py): dflash_config"), **LILICORR_OFF}
-    else:
-        family = {**DFLASH2_OFF, **LILICORR_OFF}
+    family = read_families(VIEW_VLLM_ZLAB, config, hf, where)
     ids, mask, block = _zlab_ids(config, hf, where)
     windows, causal = _vllm_layers(hf, where)
     return {
@@ -442,7 +303,6 @@ def _vllm_zlab_view(config: Dict) -> Dict:
         "layer_windows": windows,
         "layer_causal": causal,
         "window_from": "query" if any(w is not None for w in windows) else None,
-        **DFLASH_ONLY,
         **family,
     }
 

@@ -4,12 +4,11 @@ export formats it writes.
 """
 
 import argparse
-import os
 
 from dflash_fast.serve.engines import serving_engines
-from dflash_fast.serve.export import export_drafter
+from dflash_fast.serve.export import export_run
 from dflash_fast.serve.layouts import FORMATS, ExportError
-from dflash_fast.serve.model_card import model_card, read_eval_report, read_provenance, trained_thinking
+from dflash_fast.serve.model_card import read_eval_report
 from dflash_fast.store.format import torch_dtype
 from dflash_fast.train.checkpoint import load_checkpoint_for_export
 
@@ -36,10 +35,7 @@ def run(args: argparse.Namespace):
         return _run_gguf(args)
     report = read_eval_report(args.card_from) if args.card_from else None  # a bad report fails before any work
     drafter, verifier, client, run_dir = load_checkpoint_for_export(args.checkpoint)
-    provenance = read_provenance(run_dir)
-    card = model_card(drafter.config, verifier, args.format, os.path.abspath(args.out), client, provenance, report)
-    export_drafter(drafter, args.out, verifier, torch_dtype(args.dtype), fmt=args.format, card=card,
-                   thinking=trained_thinking(provenance))
+    export_run(drafter, args.out, verifier, torch_dtype(args.dtype), args.format, run_dir, client, report)
     engines = " and ".join(serving_engines(args.format, drafter.config.family))
     print(
         f"exported {sum(p.numel() for p in drafter.parameters()):,} parameters to {args.out} ({args.format} format; "

@@ -59,8 +59,7 @@ from dflash_fast.errors import DEBUG_ENV, ConfigError, UserError, run_reporting_
 from dflash_fast.extract.vllm_runner import GPU_MEMORY_UTILIZATION
 from dflash_fast.lock import output_lock
 from dflash_fast.serve.engines import serving_engines
-from dflash_fast.serve.export import export_drafter
-from dflash_fast.serve.model_card import model_card, read_provenance, trained_thinking
+from dflash_fast.serve.export import export_run
 from dflash_fast.store.format import torch_dtype
 from dflash_fast.train.checkpoint import (
     CheckpointError,
@@ -275,13 +274,10 @@ class Trainer:
         module = self.engine.module
         state = gathered_state(module, self.rank, self.zero_stage)
         def write() -> str:
-            out = os.path.abspath(os.path.join(self.out_dir, "export"))
-            provenance = read_provenance(self.out_dir)
-            card = model_card(module.config, self.target, self.export_format, out,
+            return export_run(module, os.path.join(self.out_dir, "export"), self.target,
+                              torch_dtype(self.cfg.export_dtype), self.export_format, self.out_dir,
                               {"step": self.step, "loss_kind": self.loss_kind, "config": self.cfg.to_dict()},
-                              provenance)
-            return export_drafter(module, out, self.target, torch_dtype(self.cfg.export_dtype), state_dict=state,
-                                  fmt=self.export_format, card=card, thinking=trained_thinking(provenance))
+                              state_dict=state)
 
         path = self.sharing.on_rank0(write, (UserError, ValueError, OSError))  # an error is every rank's (errors.py)
         engines = " and ".join(serving_engines(self.export_format, module.config.family))
