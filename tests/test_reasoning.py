@@ -359,8 +359,9 @@ def test_validation_prompts_of_the_other_thinking_setting_get_one_warning_line()
 def test_eval_warns_in_one_line_when_its_prompts_use_the_other_thinking_setting_than_the_exported_drafter(
         tmp_path, capsys):
     """A store rendered with thinking on -> the run's provenance.json -> `dflash-fast export` records it in config.json
-    (dflash_fast.thinking) -> `dflash-fast eval --thinking off` warns once; `--thinking on` does not, nor does an
-    export written before the field; a field that is not counts is refused by name."""
+    (dflash_fast.thinking) -> `dflash-fast eval --thinking off` warns once, of the export and of the checkpoint (its
+    run's provenance.json); `--thinking on` does not, nor does an export written before the field; a field that is
+    not counts is refused by name."""
     from safetensors.torch import save_file
 
     from dflash_fast.drafter.model import build_drafter
@@ -396,9 +397,9 @@ def test_eval_warns_in_one_line_when_its_prompts_use_the_other_thinking_setting_
     assert "| thinking | on (3 conversations)" in (tmp_path / "export" / "README.md").read_text()
     prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"conversations": turn[:1]}])
 
-    def warnings(thinking):
+    def warnings(thinking, drafter=export):
         capsys.readouterr()
-        assert cli.main(["eval", "--target", target, "--drafter", export, "--data", str(prompts), "--thinking",
+        assert cli.main(["eval", "--target", target, "--drafter", drafter, "--data", str(prompts), "--thinking",
                          thinking, "--max-new-tokens", "2", "--no-baseline", "--no-offline"]) == 0
         return [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
 
@@ -407,6 +408,17 @@ def test_eval_warns_in_one_line_when_its_prompts_use_the_other_thinking_setting_
         "rendered with thinking on: acceptance here is measured on another distribution than the drafter learned "
         "(docs/troubleshooting.md#thinking-on-in-training-off-in-serving)"]
     assert warnings("on") == []
+    assert warnings("off", str(run)) == [  # the checkpoint itself: its run's provenance.json
+        "warning: eval prompts (--thinking off) render with thinking off, but 3 of the 3 training conversations were "
+        "rendered with thinking on: acceptance here is measured on another distribution than the drafter learned "
+        "(docs/troubleshooting.md#thinking-on-in-training-off-in-serving)"]
+    assert warnings("off", str(ckpt)) != [] and warnings("on", str(run)) == []
+    from dflash_fast.evaluate.evaluate import evaluate
+
+    capsys.readouterr()  # `--engine both`: vLLM's run of the same prompts has warned, ours does not say it again
+    evaluate(target, str(prompts), export, max_new_tokens=2, offline=False, baseline=False, progress=False,
+             thinking="off", warn_thinking=False)
+    assert "warning:" not in capsys.readouterr().err
     del exported["dflash_fast"]["thinking"]  # an export written before dflash-fast recorded it
     (tmp_path / "export" / "config.json").write_text(json.dumps(exported))
     assert warnings("off") == []
@@ -414,3 +426,25 @@ def test_eval_warns_in_one_line_when_its_prompts_use_the_other_thinking_setting_
     (tmp_path / "export" / "config.json").write_text(json.dumps(exported))
     assert cli.main(["eval", "--target", target, "--drafter", export, "--data", str(prompts)]) == 1
     assert "config.json: dflash_fast.thinking.on must be a non-negative integer" in capsys.readouterr().err
+
+
+def test_an_online_source_counts_the_thinking_its_conversations_render_with_for_the_runs_provenance(tmp_path):
+    """An online run keeps no store, yet its rows render the same conversations: its source counts them as
+    extraction does, and the run's provenance.json records them (what export carries on and eval warns against)."""
+    from dflash_fast.data.online import OnlineSource
+    from dflash_fast.extract.plan import ExtractOptions
+    from dflash_fast.train.config import load_config
+    from dflash_fast.train.trackers import provenance
+
+    target = make_tiny_target(tmp_path / "target")
+    tok = AutoTokenizer.from_pretrained(target)
+    tok.chat_template = QWEN3_TEMPLATE
+    tok.save_pretrained(target)
+    turn = [{"role": "user", "content": "hidden"}, {"role": "assistant", "content": "anchor slot"}]
+    records = [{"conversations": turn, "chat_template_kwargs": {"enable_thinking": i != 1}} for i in range(3)]
+    data = str(write_jsonl(tmp_path / "data.jsonl", records))
+    source = OnlineSource(target, data, ExtractOptions(layer_ids=[1, 3], dtype="fp32"))
+    assert source.manifest["extraction"]["thinking"] == {"off": 1, "on": 2}
+    config = load_config(os.path.join(REPO, "configs", "tiny.yaml"),
+                         ["data.source=online", f"data.jsonl={data}", f"model.target={target}"]).to_dict()
+    assert provenance(config, source.manifest, {}, 0, 1)["data"]["thinking"] == {"off": 1, "on": 2}

@@ -50,8 +50,11 @@ class OnlineSource:
         if not len(self.lengths):
             raise ValueError(f"{jsonl}: no usable documents ({self.job.stats.to_dict()})")
         self.path = f"online: {target} over {jsonl}"
+        manifest = job_manifest(self.job, self.runner)
+        # the conversations by the thinking setting they render with, as a store's extraction.thinking counts them
+        manifest["extraction"]["thinking"] = dict(sorted(self.job.stats.thinking.items()))
         self.manifest = {
-            **job_manifest(self.job, self.runner),
+            **manifest,
             "num_sequences": len(self.lengths),
             "num_tokens": int(self.lengths.sum()),
             "num_loss_tokens": int(sum(int(e.loss_mask.sum()) for e in self.job.examples)),

@@ -25,6 +25,7 @@ from dflash_fast.evaluate.report import Tally, mean_acceptance, report, summary
 from dflash_fast.evaluate.sampling import Sampler, add_sampling_arguments, check_sampling, make_sampler
 from dflash_fast.flags import call_with_flags
 from dflash_fast.serve.export import exported_thinking, load_exported
+from dflash_fast.serve.model_card import read_provenance, trained_thinking
 from dflash_fast.store.layer_ids import default_layer_ids
 from dflash_fast.target.load import check_target
 from dflash_fast.target.prompts import (
@@ -78,6 +79,19 @@ def offline_tau(
         tau_sum += float(m["tau_sum"])
         blocks += int(m["blocks"])
     return tau_sum, blocks
+
+
+def drafter_thinking(drafter) -> Dict[str, int]:
+    """How the training conversations of `drafter` were rendered (counts by thinking "on" / "off"): an export's
+    config.json dflash_fast.thinking, a trainer checkpoint's run OUT/provenance.json; {} when neither records it
+    (or `drafter` is a module, not a path)."""
+    if not isinstance(drafter, str) or not os.path.exists(drafter):
+        return {}
+    if os.path.isfile(os.path.join(drafter, "config.json")):
+        return exported_thinking(drafter)
+    from dflash_fast.train.checkpoint import run_dir_of
+
+    return trained_thinking(read_provenance(run_dir_of(drafter))) or {}
 
 
 def load_drafter(path: str, target: str) -> DFlashDrafter:
@@ -184,6 +198,7 @@ def evaluate(
     benchmark_dir: Optional[str] = None,
     thinking: Optional[str] = None,
     split: str = "train",
+    warn_thinking: bool = True,
 ) -> Dict:
     """Speculative decoding of every prompt in `data` (regenerate's JSONL formats, or records) -> report dict.
 
@@ -196,15 +211,16 @@ def evaluate(
     `benchmark` ("gsm8k,mt-bench=PATH,...", files found in `benchmark_dir`) replaces `data`: one report row per
     benchmark (evaluate/benchmarks.py), each at its own token budget unless `max_new_tokens` is given (default 128
     for `data`).
-    `thinking` "on" / "off" sets the chat template's thinking switch (target/prompts.thinking_switch).
+    `thinking` "on" / "off" sets the chat template's thinking switch (target/prompts.thinking_switch); one line
+    warns when the drafter trained on the other setting (drafter_thinking), unless `warn_thinking` is false (`--engine
+    both`: vLLM's run of the same prompts has said it).
     `split`: the split read when `data` is a Hugging Face dataset (target/datasets_in.py).
     """
     sampling = check_sampling(temperature, top_p, seed)
     check_target(target)
     suites = None if benchmark is None else load_suites(benchmark, benchmark_dir, num_prompts)
     prompts = read_prompts(data, num_prompts, split) if suites is None else []
-    exported = isinstance(drafter, str) and os.path.isfile(os.path.join(drafter, "config.json"))
-    tokenizer, think = prompt_tokenizer(target, thinking, exported_thinking(drafter) if exported else {},
+    tokenizer, think = prompt_tokenizer(target, thinking, drafter_thinking(drafter) if warn_thinking else {},
                                         f"eval prompts (--thinking {thinking or 'not given: the template default'})",
                                         trust_remote_code)
     model = load_model(target, device, dtype, trust_remote_code)
@@ -298,7 +314,8 @@ def run(args) -> int:
         report = call_with_flags(vllm_engine.evaluate_vllm, args, baseline=not args.no_baseline)
         text = report["table"] if args.benchmark else summary(report)
         if args.engine == "both":
-            ours = call_with_flags(evaluate, args, offline=not args.no_offline, baseline=not args.no_baseline)
+            ours = call_with_flags(evaluate, args, offline=not args.no_offline, baseline=not args.no_baseline,
+                                   warn_thinking=False)
             report = {"side_by_side": vllm_engine.side_by_side(ours, report), "hf": ours, "vllm": report}
             if args.benchmark:  # one table, each cell "ours / vLLM"
                 report["table"] = "ours / vLLM\n\n" + markdown_table(ours, report["vllm"])

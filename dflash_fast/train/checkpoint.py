@@ -380,6 +380,17 @@ def write_weights(ckpt: str, tensors: Dict[str, torch.Tensor], cfg: DrafterConfi
     save_file(tensors, os.path.join(ckpt, WEIGHTS), metadata={"format": "pt"})
 
 
+def run_dir_of(path: str) -> str:
+    """The run directory of a checkpoint path as select_checkpoint takes it (a run, its checkpoints/ directory, or
+    one stepNNNNNNNN checkpoint), found without reading the checkpoint; where OUT/provenance.json is."""
+    path = os.path.abspath(path)
+    if os.path.isdir(os.path.join(path, "checkpoints")):
+        return path
+    if CHECKPOINT_TAG.match(os.path.basename(path)) or os.path.isfile(os.path.join(path, MARKER)):
+        path = os.path.dirname(path)
+    return os.path.dirname(path)
+
+
 def load_drafter_for_export(checkpoint: str, log: Callable[[str], None] = stderr_line) -> Tuple[DFlashDrafter, str]:
     """The trained drafter of a run or checkpoint (select_checkpoint) and the verifier (target) path it was
     trained against: built from the marker's JSON drafter config and `drafter.safetensors`, never from

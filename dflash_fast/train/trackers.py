@@ -73,9 +73,9 @@ def provenance(config: Dict, manifest: Dict, data_identity: Dict, resumed_step: 
                  # recorded), data.reasoning for online rows
                  "reasoning": extraction.get("reasoning") if stored
                  else config["data"]["reasoning"],
-                 # conversations rendered with the target thinking on / off (a store's extraction.thinking; the
-                 # export carries it on for eval to warn against)
-                 "thinking": extraction.get("thinking") if stored else None},
+                 # conversations rendered with the target thinking on / off (a store's or an online source's
+                 # extraction.thinking; the export carries it on for eval to warn against)
+                 "thinking": extraction.get("thinking")},
         "config": config,
     }
 
