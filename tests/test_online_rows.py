@@ -142,7 +142,8 @@ class FakeTargetServer:
     def serve(self):
         conn, _ = self.listener.accept()
         with conn, self.listener:
-            for k in range(-1, 1 << 20):
+            runs = 0
+            while True:
                 try:
                     header, payload = receive(conn, 1 << 30)
                 except (EOFError, OSError):
@@ -151,7 +152,8 @@ class FakeTargetServer:
                     send(conn, {"settings": self.settings})
                     continue
                 ids = np.frombuffer(payload, dtype="<i4")
-                carried, named = self.answer(k, np.split(ids, np.cumsum(header["lengths"])[:-1]))
+                carried, named = self.answer(runs, np.split(ids, np.cumsum(header["lengths"])[:-1]))
+                runs += 1
                 total = sum(len(d) for d in carried)
                 described = [{"name": n, "dtype": d.str, "shape": [total, *s]} for n, (d, s) in self.fields.items()]
                 send(conn, {"fields": described, "documents": token_digests(named)},
@@ -212,7 +214,7 @@ def test_negative_control_another_rows_states_under_this_rows_name_fail_the_row_
 # ---------------------------------------------------------------- vllm_serve: each request's file holds its tokens
 
 # Seconds a held request waits for more to arrive before the held ones are answered.
-HOLD_S = 0.3
+HOLD_S = 0.5
 
 
 class FakeReplica(ThreadingHTTPServer):
@@ -224,16 +226,16 @@ class FakeReplica(ThreadingHTTPServer):
         reverse      requests held until none has come for HOLD_S, then answered last come, first served
         fail         HTTP 500 (the request is retried on another replica)
         die          the connection closed unanswered and the replica gone (a replica lost mid-forward)
-        hang         no answer within the client's timeout; the file written after it (a stale, late answer)
+        hang         no answer until `wake` is set, past the client's timeout; then the file (a stale, late answer)
         crossed      held, then each pair of requests answered with each other's file
         mislabelled  held, each pair's files hold each other's states under their own tokens (the negative control)
     """
 
     daemon_threads = True
 
-    def __init__(self, storage, name, shape, hang_s=0.0):
+    def __init__(self, storage, name, shape):
         super().__init__(("127.0.0.1", 0), FakeVllmHandler)
-        self.storage, self.name, self.shape, self.hang_s = storage, name, shape, hang_s
+        self.storage, self.name, self.shape, self.wake = storage, name, shape, threading.Event()
         self.url = "http://127.0.0.1:%d" % self.server_address[1]
         self.mode, self.count, self.answered = "in order", 0, []
         self.held, self.cond = [], threading.Condition()
@@ -303,7 +305,7 @@ class FakeVllmHandler(BaseHTTPRequestHandler):
             self.close_connection = True
             return
         if mode == "hang":
-            time.sleep(replica.hang_s)
+            replica.wake.wait(60)
         index, shape = None, replica.shape
         if mode in ("in order", "hang"):
             path = replica.write(ids, states_of(ids, *shape))
@@ -327,11 +329,11 @@ def vllm_job(tiny):
     return job_of(tiny, "vllm")
 
 
-def replicas_of(vllm_job, tmp_path, n=2, timeout_s=5.0, hang_s=0.0):
+def replicas_of(vllm_job, tmp_path, n=2, timeout_s=5.0):
     """`n` fake replicas sharing one storage directory (as docs/engine-target.md allows) and a runner connected to
     them -> (the runner, the replicas)."""
     shape = (3, 32)  # aux ids 2, 3, 4 (layer ids 1, 2 and `last` of the 4-layer target) x hidden size 32
-    replicas = [FakeReplica(str(tmp_path), chr(ord("a") + i), shape, hang_s) for i in range(n)]
+    replicas = [FakeReplica(str(tmp_path), chr(ord("a") + i), shape) for i in range(n)]
     runner = ServedVllmRunner(vllm_job, [r.url for r in replicas], timeout_s=timeout_s)
     return runner, replicas
 
@@ -363,12 +365,13 @@ def test_vllm_serve_rows_are_their_tokens_answered_out_of_order_retried_or_faile
 
 
 def test_vllm_serve_a_late_answer_from_a_timed_out_request_lands_in_no_row(vllm_job, tmp_path):
-    runner, replicas = replicas_of(vllm_job, tmp_path, timeout_s=1.0, hang_s=2.5)
+    runner, replicas = replicas_of(vllm_job, tmp_path, timeout_s=2.0)
     replicas[0].mode = "hang"
     examples = distinct(vllm_job.examples, 6)
     hidden, logprobs = runner.capture(examples, logprobs=True)  # A's requests time out and go to B
     assert_captures_are_their_tokens(examples, hidden, logprobs)
     assert [r.alive for r in runner.replicas] == [False, True] and "timed out" in runner.replicas[0].why
+    replicas[0].wake.set()
     deadline = time.monotonic() + 10
     while not any(p.startswith("a-") for p in os.listdir(tmp_path)):  # A wakes and writes what nobody awaits
         assert time.monotonic() < deadline, "the hung replica never wrote its late file"
