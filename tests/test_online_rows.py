@@ -329,13 +329,25 @@ def vllm_job(tiny):
     return job_of(tiny, "vllm")
 
 
-def replicas_of(vllm_job, tmp_path, n=2, timeout_s=5.0):
-    """`n` fake replicas sharing one storage directory (as docs/engine-target.md allows) and a runner connected to
-    them -> (the runner, the replicas)."""
-    shape = (3, 32)  # aux ids 2, 3, 4 (layer ids 1, 2 and `last` of the 4-layer target) x hidden size 32
-    replicas = [FakeReplica(str(tmp_path), chr(ord("a") + i), shape) for i in range(n)]
-    runner = ServedVllmRunner(vllm_job, [r.url for r in replicas], timeout_s=timeout_s)
-    return runner, replicas
+@pytest.fixture
+def replicas_of(vllm_job, tmp_path):
+    """-> make(n=2, timeout_s=5.0): `n` fake replicas sharing one storage directory (as docs/engine-target.md
+    allows) and a runner connected to them -> (the runner, the replicas). All stopped after the test."""
+    made = []
+
+    def make(n=2, timeout_s=5.0):
+        shape = (3, 32)  # aux ids 2, 3, 4 (layer ids 1, 2 and `last` of the 4-layer target) x hidden size 32
+        replicas = [FakeReplica(str(tmp_path), chr(ord("a") + i), shape) for i in range(n)]
+        made.append((ServedVllmRunner(vllm_job, [r.url for r in replicas], timeout_s=timeout_s), replicas))
+        return made[-1]
+
+    yield make
+    for runner, replicas in made:
+        runner.close()
+        for replica in replicas:
+            replica.wake.set()
+            replica.shutdown()
+            replica.server_close()
 
 
 def assert_captures_are_their_tokens(examples, hidden, logprobs):
@@ -348,8 +360,9 @@ def assert_captures_are_their_tokens(examples, hidden, logprobs):
 
 
 @pytest.mark.parametrize("modes", [("reverse", "reverse"), ("fail", "reverse"), ("die", "in order")])
-def test_vllm_serve_rows_are_their_tokens_answered_out_of_order_retried_or_failed_over(vllm_job, tmp_path, modes):
-    runner, replicas = replicas_of(vllm_job, tmp_path)
+def test_vllm_serve_rows_are_their_tokens_answered_out_of_order_retried_or_failed_over(vllm_job, replicas_of, tmp_path,
+                                                                                      modes):
+    runner, replicas = replicas_of()
     for replica, mode in zip(replicas, modes):
         replica.mode = mode
     examples = distinct(vllm_job.examples, 8)
@@ -364,8 +377,8 @@ def test_vllm_serve_rows_are_their_tokens_answered_out_of_order_retried_or_faile
     assert os.listdir(tmp_path) == [], "every file read once and removed"
 
 
-def test_vllm_serve_a_late_answer_from_a_timed_out_request_lands_in_no_row(vllm_job, tmp_path):
-    runner, replicas = replicas_of(vllm_job, tmp_path, timeout_s=2.0)
+def test_vllm_serve_a_late_answer_from_a_timed_out_request_lands_in_no_row(vllm_job, replicas_of, tmp_path):
+    runner, replicas = replicas_of(timeout_s=2.0)
     replicas[0].mode = "hang"
     examples = distinct(vllm_job.examples, 6)
     hidden, logprobs = runner.capture(examples, logprobs=True)  # A's requests time out and go to B
@@ -382,8 +395,8 @@ def test_vllm_serve_a_late_answer_from_a_timed_out_request_lands_in_no_row(vllm_
     assert all(p.startswith("a-") for p in os.listdir(tmp_path)), "only A's late files are left: nobody read them"
 
 
-def test_vllm_serve_a_reply_naming_another_requests_file_is_refused(vllm_job, tmp_path):
-    runner, replicas = replicas_of(vllm_job, tmp_path, n=1)
+def test_vllm_serve_a_reply_naming_another_requests_file_is_refused(vllm_job, replicas_of):
+    runner, replicas = replicas_of(n=1)
     replicas[0].mode = "crossed"
     with pytest.raises(UserError, match=r"vllm serve at .*: the capture .* holds tokens \[\d+\] and hidden states "
                                         r"\[\d+, 3, 32\], not this request's \d+ tokens"):
@@ -391,8 +404,8 @@ def test_vllm_serve_a_reply_naming_another_requests_file_is_refused(vllm_job, tm
 
 
 def test_negative_control_vllm_serve_states_of_another_row_under_this_rows_tokens_fail_the_row_check(vllm_job,
-                                                                                                    tmp_path):
-    runner, replicas = replicas_of(vllm_job, tmp_path, n=1)
+                                                                                                    replicas_of):
+    runner, replicas = replicas_of(n=1)
     replicas[0].mode = "mislabelled"
     examples = distinct(vllm_job.examples, 2)
     hidden, logprobs = runner.capture(examples, logprobs=True)  # accepted: the file says these tokens
