@@ -130,8 +130,8 @@ def test_the_server_answers_a_bad_request_with_an_error_not_a_crash(served, leng
 
 
 def fake_server(settings, reply):
-    """A one-connection server: answers hello with `settings`, then any run with `reply(request_header)` -> raw
-    bytes. -> its address."""
+    """A one-connection server: answers hello with `settings`, then one run with `reply(request_header, token ids)`
+    -> raw bytes. -> its address."""
     listener = socket.create_server(("127.0.0.1", 0))
 
     def answer():
@@ -139,8 +139,8 @@ def fake_server(settings, reply):
         with conn, listener:
             header, _ = receive(conn, 1 << 30)
             send(conn, {"settings": settings})
-            header, _ = receive(conn, 1 << 30)
-            conn.sendall(reply(header))
+            header, payload = receive(conn, 1 << 30)
+            conn.sendall(reply(header, np.frombuffer(payload, dtype="<i4")))
 
     threading.Thread(target=answer, daemon=True).start()
     return "127.0.0.1:%d" % listener.getsockname()[1]
@@ -152,14 +152,15 @@ def message(header, payload=b"", magic=MAGIC, header_size=None, payload_size=Non
                        len(payload) if payload_size is None else payload_size) + body + payload
 
 
-def good_reply(job, header):
+def good_reply(job, header, ids):
     """The reply a real server gives, with zeros: -> (its header, its payload)."""
-    from dflash_fast.extract.remote import served_fields
+    from dflash_fast.extract.remote import served_fields, token_digests
 
     total = sum(header["lengths"])
     fields = [{"name": n, "dtype": d.str, "shape": [total, *s]} for n, (d, s) in served_fields(job).items()]
     payload = b"".join(np.zeros([total, *s], dtype=d).tobytes() for d, s in served_fields(job).values())
-    return {"fields": fields}, payload
+    documents = token_digests(np.split(ids, np.cumsum(header["lengths"])[:-1]))
+    return {"fields": fields, "documents": documents}, payload
 
 
 @pytest.fixture(scope="module")
@@ -173,14 +174,14 @@ def settings_of(job):
 
 
 def test_a_well_formed_reply_is_accepted(job):
-    address = fake_server(settings_of(job), lambda h: message(*good_reply(job, h)))
+    address = fake_server(settings_of(job), lambda h, ids: message(*good_reply(job, h, ids)))
     out = RemoteRunner(address, job)(job.examples[:2])
     assert [len(a["hidden"]) for a in out] == [len(e.input_ids) for e in job.examples[:2]]
 
 
 def tampered(job, how):
-    def reply(header):
-        fields, payload = good_reply(job, header)
+    def reply(header, ids):
+        fields, payload = good_reply(job, header, ids)
         if how == "dtype":
             fields["fields"][0]["dtype"] = "<f8"
         elif how == "shape":
@@ -197,11 +198,14 @@ def tampered(job, how):
             return message(fields, payload, magic=b"HTTP")
         elif how == "closed":
             return message(fields, payload)[:20]
+        elif how == "no documents":  # a server of an older version: its rows are not named
+            del fields["documents"]
         return message(fields, payload)
     return reply
 
 
-@pytest.mark.parametrize("how", ["dtype", "shape", "short", "oversized", "header", "not json", "magic", "closed"])
+@pytest.mark.parametrize("how", ["dtype", "shape", "short", "oversized", "header", "not json", "magic", "closed",
+                                 "no documents"])
 def test_a_malformed_reply_is_one_error_naming_the_address(job, how):
     address = fake_server(settings_of(job), tampered(job, how))
     runner = RemoteRunner(address, job)

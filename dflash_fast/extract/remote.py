@@ -5,14 +5,18 @@ Protocol (TCP; no pickle anywhere: what comes off the network is untrusted): a m
     MAGIC (4 bytes) | header length (uint32, big-endian) | payload length (uint64) | JSON header | raw payload
 
   hello  -> {"settings": {...}}   the server's extraction settings; the trainer refuses any that differ from its own
-  run {"lengths": [n, ...]} + int32 token ids  ->  {"fields": [{"name", "dtype", "shape"}, ...]} + each field's
-         bytes, the documents' tokens concatenated ([sum n, *per-token shape]); or {"error": "..."}
+  run {"lengths": [n, ...]} + int32 token ids  ->  {"fields": [{"name", "dtype", "shape"}, ...], "documents":
+         [digest, ...]} + each field's bytes, the documents' tokens concatenated ([sum n, *per-token shape]); or
+         {"error": "..."}. `documents` names the reply's rows by their token ids as the server's runner returned
+         them with their states (token_digests); the trainer refuses a reply whose rows are not its request's
+         documents, in its order: another request's reply, or rows a server put in another order.
 
 Each end checks what it reads before allocating for it: the header's size, the payload's size against what the
 request implies (the trainer computes the exact reply size from the layout), every field's name, dtype and shape.
 RemoteRunner is a runner like the others (extract/runners.py) over a served target.
 """
 
+import hashlib
 import json
 import socket
 import struct
@@ -107,6 +111,12 @@ def served_fields(job: Job) -> Dict[str, Tuple[np.dtype, tuple]]:
             if name not in ("input_ids", "loss_mask")}  # little-endian on the wire, whatever the machines
 
 
+def token_digests(documents: Sequence[np.ndarray]) -> List[str]:
+    """Each document's token ids -> a 16-hex-digit digest (blake2b-64 of the ids as little-endian int32): the name a
+    reply's row carries, so that a row whose states belong to other tokens is refused on receipt."""
+    return [hashlib.blake2b(np.ascontiguousarray(d, dtype="<i4").data, digest_size=8).hexdigest() for d in documents]
+
+
 class RemoteRunner:
     """TargetRunner's interface (`runner(examples)` -> per-document arrays in the store's layout, and the target
     facts job_manifest records) over a served target at `address`, whose settings are checked against `job`'s."""
@@ -164,6 +174,14 @@ class RemoteRunner:
         if described != want or len(data) != sum(sizes.values()):
             raise self._error(f"a reply of fields {described} in {len(data)} bytes, not this request's {want} in "
                               f"{sum(sizes.values())} bytes: does the server run this version of dflash-fast?")
+        ours, theirs = token_digests([e.input_ids for e in examples]), reply.get("documents")
+        if theirs != ours:
+            theirs = theirs if isinstance(theirs, list) else []
+            row = next((r for r in range(len(ours)) if theirs[r:r + 1] != ours[r:r + 1]), len(ours))
+            raise self._error(f"a reply whose rows are not this request's documents in its order (token digests "
+                              f"differ from row {row} of {len(ours)}): the states of other tokens, from a reply to "
+                              "another request or rows put in another order; does the server run this version of "
+                              "dflash-fast?")
         out = [{"input_ids": e.input_ids, "loss_mask": e.loss_mask} for e in examples]
         offset = 0
         for name, (dtype, shape) in self.fields.items():

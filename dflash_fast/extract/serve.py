@@ -22,7 +22,7 @@ import numpy as np
 
 from dflash_fast.errors import ConfigError, UserError
 from dflash_fast.extract.plan import ExtractOptions, Job, plan_job
-from dflash_fast.extract.remote import MAX_REQUEST_DOCUMENTS, SETTINGS, receive, send, served_fields
+from dflash_fast.extract.remote import MAX_REQUEST_DOCUMENTS, SETTINGS, receive, send, served_fields, token_digests
 from dflash_fast.extract.runners import make_runner
 from dflash_fast.target.records import Example
 
@@ -77,7 +77,8 @@ class TargetServer(socketserver.ThreadingTCPServer):
             data = np.ascontiguousarray(np.concatenate([a[name] for a in arrays]), dtype=dtype)
             header.append({"name": name, "dtype": dtype.str, "shape": list(data.shape)})
             payload.append(data.data)
-        return {"fields": header}, payload
+        # Each row named by the tokens the runner returned with its states: the trainer checks them on receipt.
+        return {"fields": header, "documents": token_digests([a["input_ids"] for a in arrays])}, payload
 
 
 class Handler(socketserver.BaseRequestHandler):
