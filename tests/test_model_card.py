@@ -121,3 +121,29 @@ def test_the_card_states_how_the_data_treated_reasoning(tmp_path, capsys, source
     assert cli.main(["export", "--checkpoint", run, "--out", out, "--dtype", "fp32"]) == 0
     capsys.readouterr()
     assert line in open(os.path.join(out, "README.md")).read()
+
+
+@pytest.mark.parametrize("options,fmt,title,method,tokens,sglang,note", [
+    ({}, "zlab", "DFlash", "dflash", 7, True, None),
+    ({}, "speculators", "DFlash", "dflash", 7, False, "SGLang reads the zlab layout"),
+    (dict(markov_rank=8, sample_from_anchor=True), "speculators", "DSpark", "dspark", 8, False,
+     "Only vLLM serves DSpark (its DSparkDraftModel, V2 model runner)"),
+    (dict(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4), "zlab", "DFlash2", "dflash", 7,
+     True, None),
+    (dict(lilicorr_candidate_topk=4, lilicorr_hidden_size=16, lilicorr_num_heads=2), "zlab", "LiLiCorr", "dflash", 7,
+     False, "Only vLLM serves LiLiCorr (its LiLiCorrDraftModel, V2 model runner)"),
+])
+def test_the_cards_family_and_serving_commands_are_its_serving_homes(options, fmt, title, method, tokens, sglang,
+                                                                     note):
+    """Each family's title, vLLM method and drafted tokens (a DSpark drafter sampling from the anchor drafts the whole
+    block: vLLM's `dspark` method), and SGLang's command only where SGLang reads the export."""
+    from dflash_fast.serve.model_card import model_card
+
+    cfg = make_drafter(block_size=8, **options).config
+    card = model_card(cfg, "Qwen/Qwen3-8B", fmt, "/exports/d")
+    assert card.splitlines()[[line.startswith("# ") for line in card.splitlines()].index(True)].startswith(
+        f"# {title}")
+    spec = json.loads(card.split("--speculative-config '")[1].split("'")[0])
+    assert (spec["method"], spec["num_speculative_tokens"]) == (method, tokens)
+    assert ("sglang.launch_server" in card) == sglang
+    assert note is None or note in card

@@ -73,13 +73,15 @@ def _table(rows: List[tuple]) -> str:
     return "| | |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
 
 
-def serving(export_dir: str, target: str, fmt: str, block_size: int, family: str = "dflash") -> str:
-    """The vLLM command (the method the family's serving home names) and the SGLang one where SGLang reads the export
-    (engines.serving_engines), as docs/export.md gives them; where the zlab layout would be read by SGLang, the way
-    there."""
+def serving(export_dir: str, target: str, fmt: str, block_size: int, family: str = "dflash",
+            drafted: Optional[int] = None) -> str:
+    """The vLLM command (the method the family's serving home names, the `drafted` tokens of a block: block_size - 1
+    unless given) and the SGLang one where SGLang reads the export (engines.serving_engines), as docs/export.md gives
+    them; where the zlab layout would be read by SGLang, the way there."""
     layout = LAYOUTS[family]
     engines = serving_engines(fmt, family)
-    spec = json.dumps({"method": layout.vllm_method, "model": export_dir, "num_speculative_tokens": block_size - 1})
+    tokens = block_size - 1 if drafted is None else drafted
+    spec = json.dumps({"method": layout.vllm_method, "model": export_dir, "num_speculative_tokens": tokens})
     text = f"```bash\n# vLLM\nvllm serve {target} --speculative-config '{spec}'\n"
     if "sglang" in engines:
         text += (f"# SGLang\npython -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH \\\n"
@@ -150,7 +152,7 @@ def model_card(cfg: DrafterConfig, target: str, fmt: str, export_dir: str, clien
     else:
         parts.append("Not recorded: this export was not written from a dflash-fast checkpoint.\n")
     parts += ["\n## Serving\n", "The drafter's path is where it was exported; give its hub id once uploaded.\n\n"
-              + serving(export_dir, target, fmt, cfg.block_size, cfg.family)]
+              + serving(export_dir, target, fmt, cfg.block_size, cfg.family, cfg.drafted_tokens)]
     if report is not None:
         parts += ["\n## Benchmark\n", "Block speculative decoding measured by `dflash-fast eval`"
                   + (f" on {report['prompts']} prompts" if report.get("prompts") else "")
