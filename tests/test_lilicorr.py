@@ -364,6 +364,22 @@ def test_the_speculators_format_refuses_a_lilicorr_drafter_naming_the_zlab_forma
     assert servable_format(cfg) == "zlab"
 
 
+def test_the_lilicorr_card_gives_vllms_command_alone_and_no_sglang_one():
+    """SGLang's LiLiCorr is an open pull request whose revisions disagree on our lattice tensor names
+    (docs/lilicorr.md, "SGLang"): the zlab layout of a LiLiCorr drafter is read by vLLM alone, and its card gives
+    vLLM's command and says that only vLLM serves it, with no SGLang command (a plain DFlash zlab export's card has
+    one)."""
+    from dflash_fast.serve.engines import serving_engines
+    from dflash_fast.serve.model_card import serving
+
+    assert serving_engines("zlab", "lilicorr") == ("vllm",)
+    text = serving("runs/exp/export", "Qwen/Qwen3-8B", "zlab", 16, "lilicorr")
+    assert "vllm serve Qwen/Qwen3-8B" in text and '"num_speculative_tokens": 15' in text
+    assert "sglang" not in text.lower()
+    assert "Only vLLM serves LiLiCorr (its LiLiCorrDraftModel, V2 model runner)" in text
+    assert "sglang.launch_server" in serving("runs/exp/export", "Qwen/Qwen3-8B", "zlab", 16, "dflash")
+
+
 # Edits of a LiLiCorr export's config.json that vLLM 0.32 refuses or would serve otherwise than trained, and the
 # field the refusal must name.
 REFUSED = {

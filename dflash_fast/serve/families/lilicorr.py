@@ -1,10 +1,12 @@
 """LiLiCorr (spec.md §11, docs/lilicorr.md) on the serving side: the z-lab layout as architectures
 ["LiLiCorrDraftModel"] (vLLM's `dflash` method with its LiLiCorrForCausalLM, V2 runner), read by vLLM alone: SGLang's
-LiLiCorr (the PR vLLM's head was adapted from) is not modelled here, and speculators has no LiLiCorr model. Its
-config carries lilicorr_enabled, the eight lilicorr_* fields and, with DFlash2's convolutions, conv_kernel_size and
-conv_group_size in dflash_config, has_own_lm_head false, and the lattice head's tensors lilicorr.* (vLLM's
-LiLiCorrHead names). Every other engine's view builds no lattice (`off`), so a LiLiCorr drafter written as plain
-DFlash or DFlash2 reads as a mismatch."""
+LiLiCorr (sgl-project/sglang#37462, which vLLM's head was ported from) is an open pull request whose revisions
+disagree on our lattice tensor names, so no SGLang view is modelled (docs/lilicorr.md, "SGLang": what it reads, and
+what modelling it needs), and speculators has no LiLiCorr model. Its config carries lilicorr_enabled, the eight
+lilicorr_* fields and, with DFlash2's convolutions, conv_kernel_size and conv_group_size in dflash_config,
+has_own_lm_head false, and the lattice head's tensors lilicorr.* (vLLM's LiLiCorrHead names). Every other
+engine's view builds no lattice (`off`), so a LiLiCorr drafter written as plain DFlash or DFlash2 reads as a
+mismatch."""
 from typing import Dict, List, Optional, Tuple
 
 from dflash_fast.drafter.config import DrafterConfig, DrafterOptions, lilicorr_problems
@@ -82,7 +84,7 @@ class LiLiCorr(FamilyLayout):
     title = "LiLiCorr (DFlash backbone with a candidate-lattice correlator)"
     speculators_architecture = None
     zlab_architecture = "LiLiCorrDraftModel"
-    engines = ("vllm",)
+    engines = ("vllm",)  # not SGLang: docs/lilicorr.md, "SGLang"
     vllm_v2 = True
     off = LILICORR_OFF
     hints = {"lilicorr_candidate_topk": "only vLLM's LiLiCorrDraftModel builds the lattice head (the zlab layout as "
