@@ -10,7 +10,7 @@ import sys
 
 from dflash_fast.train import checkpoint, trainer
 
-gathered, exported = checkpoint.master_weights, trainer.export_drafter
+gathered, exported = checkpoint.master_weights, trainer.export_run
 
 
 def poison(weights):
@@ -34,5 +34,5 @@ if __name__ == "__main__":
     if args[0] == "save":
         checkpoint.master_weights = poisoned_save
     else:
-        trainer.export_drafter = poisoned_export
+        trainer.export_run = poisoned_export
     trainer.main(args[1:])
