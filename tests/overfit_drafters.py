@@ -66,9 +66,11 @@ def training_rows(prefix: str = "") -> tuple:
     return tuple(rows)
 
 
+@functools.lru_cache(maxsize=None)
 def overfit(kind: str, steps: int = 60, prefix: str = "") -> torch.nn.Module:
     """A drafter of `kind` trained (AdamW, eager ops; ce, kl where a confidence head or LiLiCorr's distractor penalty
-    needs the teacher) on the target's greedy replies to the eval prompts (each after `prefix`)."""
+    needs the teacher) on the target's greedy replies to the eval prompts (each after `prefix`). Trained once per
+    process (the vLLM test files run in one and share the full drafter): callers read it, never change it."""
     rows = training_rows(prefix)
     torch.manual_seed(0)
     drafter = build_drafter(TARGET, LAYER_IDS, block_size=B, **DRAFTERS[kind])

@@ -150,7 +150,8 @@ def test_vllm_serves_a_trained_export_with_trainings_own_acceptance_and_not_one_
         "another mask token row": misread(export, str(tmp_path / "mask"), mask_token_id=config["mask_token_id"] + 1),
     }
     served = {name: evaluate_vllm(TARGET, PROMPTS, path, max_new_tokens=NEW_TOKENS, num_prompts=NUM_PROMPTS,
-                                  baseline=False) for name, path in exports.items()}
+                                  baseline=False, dtype="fp32")  # training's dtype, on a GPU too
+              for name, path in exports.items()}
     documents = [row["input_ids"][0, int(row["anchors"][0, 0]):].tolist() for row in rows]
     summary = {name: (round(s["tau"], 3), [p["accepted"] for p in s["per_prompt"]]) for name, s in served.items()}
     message = f"training: tau_offline {tau_offline:.3f}, over the served anchors {trained:.3f} {steps}; vLLM: {summary}"
