@@ -31,7 +31,7 @@ from dflash_fast.evaluate.report import Tally, report  # noqa: E402
 from dflash_fast.evaluate.vllm import evaluate_vllm, spec_result, speculative_config  # noqa: E402
 from dflash_fast.serve.engines import config_from_export  # noqa: E402
 from dflash_fast.serve.export import export_drafter, read_export_config  # noqa: E402
-from dflash_fast.target.prompts import encode_prompt, read_prompts  # noqa: E402
+from dflash_fast.target.prompts import encode_prompt, eos_token_ids, read_prompts  # noqa: E402
 from dflash_fast.target.vllm import engine_args, generate, import_vllm  # noqa: E402
 
 # Eval prompt 7 (120 tokens) before each of the test's prompts. vLLM's prefix-cache hits come in whole KV blocks:
@@ -58,16 +58,17 @@ def serve_one_after_another(prompts: list, export: str, prefix_caching: bool):
     """vLLM (the engine `--engine vllm` builds, `enable_prefix_caching` as given) serving the export, one prompt a
     `generate` call so that each later prompt can hit what the earlier ones left in the cache -> (a report of the
     schema `evaluate_vllm` fills, each request's `num_cached_tokens`, the encoded prompts)."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, GenerationConfig
 
     vllm = import_vllm()
     tokenizer = AutoTokenizer.from_pretrained(TARGET)
+    eos = eos_token_ids(GenerationConfig.from_pretrained(TARGET), tokenizer)
     encoded = [encode_prompt(tokenizer, p) for p in read_prompts(prompts)]
     args = engine_args(TARGET, speculative_config(export, config_from_export(read_export_config(export))))
     llm = vllm.LLM(**dict(args, enable_prefix_caching=prefix_caching, block_size=KV_BLOCK))
     tally, cached = Tally(B), []
     for ids in encoded:
-        (out,), (tokens,) = generate(llm, [ids], NEW_TOKENS, [tokenizer.eos_token_id])
+        (out,), (tokens,) = generate(llm, [ids], NEW_TOKENS, eos)
         tally.add_speculative(spec_result(out, len(ids), tokens, 0.0))
         cached.append(out.num_cached_tokens)
     return report(tally, False, block_size=B), cached, encoded
