@@ -138,7 +138,7 @@ run_named_part() {
     online) bench_part "bench_online 1.7b" 300 bench_online.py --model 1.7b --tmp /tmp ;;
     # vLLM proper (V2 runner) serving trained exports against our evaluator; the carried wheels cannot bring
     # vLLM, so without it in the image these parts fail and say so.
-    vllm) vllm_part vllm 300 tests/test_vllm.py tests/test_vllm_eval.py tests/test_vllm_lilicorr.py tests/test_vllm_real_target.py ;;
+    vllm) vllm_part vllm 300 tests/test_vllm.py tests/test_vllm_eval.py tests/test_vllm_lilicorr.py tests/test_vllm_trust.py tests/test_vllm_real_target.py ;;
     vllm_serve) vllm_part vllm_serve 300 tests/test_vllm_extract.py tests/test_vllm_serve.py tests/test_vllm_serve_replicas.py ;;
     # DFlash2's head (kl + the candidate selector): the fused pass with its top-K against the eager twin
     dflash2) bench_part "bench_lm_head_loss dflash2" 90 bench_lm_head_loss.py --dflash2 ;;

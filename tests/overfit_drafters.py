@@ -36,9 +36,19 @@ DRAFTERS = {
     "lilicorr": dict(num_layers=1, lilicorr_candidate_topk=4, lilicorr_hidden_size=32, lilicorr_num_heads=2,
                      lilicorr_factor_dim=8),
 }
-@functools.lru_cache(maxsize=1)
-def training_rows() -> tuple:
-    """The target's greedy replies to the eval prompts as training rows, every response position an anchor."""
+
+
+def eval_prompts(prefix: str = "") -> list:
+    """The first NUM_PROMPTS eval prompts as records, each one's first turn after `prefix` (one shared prefix)."""
+    records = [p.record for p in read_prompts(PROMPTS, NUM_PROMPTS)]
+    return [dict(r, conversations=[dict(r["conversations"][0], content=prefix + r["conversations"][0]["content"]),
+                                   *r["conversations"][1:]]) for r in records]
+
+
+@functools.lru_cache(maxsize=2)
+def training_rows(prefix: str = "") -> tuple:
+    """The target's greedy replies to the eval prompts (after `prefix`) as training rows, every response position an
+    anchor."""
     from transformers import AutoTokenizer
 
     from dflash_fast.target.prompts import encode_prompt
@@ -46,7 +56,7 @@ def training_rows() -> tuple:
     tokenizer = AutoTokenizer.from_pretrained(TARGET)
     runner = TargetRunner(load_model(TARGET, "cpu", "fp32"), LAYER_IDS)
     rows = []
-    for prompt in read_prompts(PROMPTS, NUM_PROMPTS):
+    for prompt in read_prompts(eval_prompts(prefix), None):
         ids = encode_prompt(tokenizer, prompt)
         ids = ids + greedy_generate(runner, ids, NEW_TOKENS)[0]
         anchors = torch.arange(len(ids) - NEW_TOKENS, len(ids) - 1)[None]
@@ -56,10 +66,12 @@ def training_rows() -> tuple:
     return tuple(rows)
 
 
-def overfit(kind: str, steps: int = 60) -> torch.nn.Module:
+@functools.lru_cache(maxsize=None)
+def overfit(kind: str, steps: int = 60, prefix: str = "") -> torch.nn.Module:
     """A drafter of `kind` trained (AdamW, eager ops; ce, kl where a confidence head or LiLiCorr's distractor penalty
-    needs the teacher) on the target's greedy replies to the eval prompts."""
-    rows = training_rows()
+    needs the teacher) on the target's greedy replies to the eval prompts (each after `prefix`). Trained once per
+    process (the vLLM test files run in one and share the full drafter): callers read it, never change it."""
+    rows = training_rows(prefix)
     torch.manual_seed(0)
     drafter = build_drafter(TARGET, LAYER_IDS, block_size=B, **DRAFTERS[kind])
     opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
