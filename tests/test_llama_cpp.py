@@ -207,6 +207,25 @@ def test_the_embedded_targets_pre_tokenizer_is_named_qwen2_and_another_regex_is_
     assert llama_cpp.pre_tokenizer(str(tmp_path)) is None
 
 
+def test_tau_after_first_step_leaves_out_each_prompts_first_step_and_the_spec_type_is_passed(monkeypatch):
+    """evaluate_llama_cpp's tau over every step and without each prompt's first (the block anchored at the prompt's
+    last token), from the tools' per-step counts; the speculative type and n_max reach llama-speculative-simple."""
+    from dflash_fast.evaluate import llama_cpp as runner
+
+    steps = {"a": [0, 3, 3], "b": [1, 2]}
+    calls = []
+
+    def with_drafter(*args, spec_type):
+        calls.append((spec_type, args[5]))  # (bin_dir, target, draft, prompt, max_new_tokens, n_max, threads)
+        return {"text": "x", "accepted": steps[args[3]], "tau": None, "tokens_per_s": 1.0}
+
+    monkeypatch.setattr(runner, "target_alone", lambda *_: {"text": "x", "tokens_per_s": 2.0})
+    monkeypatch.setattr(runner, "with_drafter", with_drafter)
+    report = runner.evaluate_llama_cpp("bin", "t", "d", ["a", "b"], 8, 4, spec_type="draft-dspark", n_max=4)
+    assert report["tau"] == (1 + 4 + 4 + 2 + 3) / 5 and report["tau_after_first_step"] == (4 + 4 + 3) / 3
+    assert calls == [("draft-dspark", 4)] * 2 and report["greedy_mismatches"] == 0
+
+
 # ---------------------------------------------------------------- llama.cpp itself
 
 
