@@ -11,7 +11,7 @@ import os
 
 import pytest
 import torch
-from overfit_drafters import LAYER_IDS, NEW_TOKENS, NUM_PROMPTS, PROMPTS, B, overfit
+from overfit_drafters import DRAFTERS, LAYER_IDS, NEW_TOKENS, NUM_PROMPTS, PROMPTS, B, overfit
 
 from dflash_fast.drafter.model import build_drafter
 from dflash_fast.evaluate.evaluate import evaluate
@@ -133,6 +133,70 @@ def test_tensors_are_compared_by_their_gguf_names_and_a_changed_one_is_named(tmp
                                                                                                 torch.ones(8)}))[0]
 
 
+# What the vendored converter adds for the overfitted "dflash2" drafter (tests/overfit_drafters.py: conv 2 x 16,
+# selector rank 16, top-8), read back from a real conversion on 2026-12-07; src/models/dflash.cpp builds the
+# convolutions and the selector only when selector_hidden.weight is there.
+CONVERTED_DFLASH2 = {**CONVERTED, "dflash.conv_kernel_size": 2, "dflash.conv_group_size": 16,
+                     "dflash.selector_rank": 16, "dflash.selector_top_k": 8}
+SELECTOR = {"selector_hidden.weight": torch.zeros(16, 128)}
+
+
+@pytest.mark.parametrize("fields, tensors, named", [
+    ({}, SELECTOR, []),
+    # the fields without the selector's tensors: llama.cpp builds plain DFlash, and its walk aborts on no lattice
+    ({}, {}, ["conv_kernel_size", "selector_rank", "selector_top_k", "selector_top_k"]),
+    ({"dflash.selector_top_k": 11}, SELECTOR, ["selector_top_k", "selector_top_k"]),  # 11 * 12 > 128: refused
+    ({"dflash.conv_group_size": 32}, SELECTOR, ["conv_group_size"]),
+    ({"dflash.selector_rank": None}, SELECTOR, ["selector_rank", "selector_rank"]),  # llama.cpp refuses to load
+])
+def test_a_dflash2_gguf_is_read_as_llama_cpp_builds_it(tmp_path, fields, tensors, named):
+    trained = architecture(build_drafter(TARGET, LAYER_IDS, block_size=B, **DRAFTERS["dflash2"]).config)
+    merged = {k: v for k, v in {**CONVERTED_DFLASH2, **fields}.items() if v is not None}
+    path = write_gguf(str(tmp_path / "draft.gguf"), merged, tensors)
+    found = llama_cpp.gguf_problems(llama_cpp.read_gguf_fields(path), trained, "qwen3", 8)
+    assert [line.split(":")[0] for line in found] == named, found
+
+
+def test_dflash2_tensors_have_the_converters_gguf_names():
+    names = {k: llama_cpp.gguf_name(k) for k in build_drafter(TARGET, LAYER_IDS, block_size=B,
+                                                             **DRAFTERS["dflash2"]).state_dict()}
+    assert None not in names.values(), names
+    assert names["layers.0.mlp_conv.kernel_projection.weight"] == "blk.0.ffn_conv_proj.weight"
+    assert names["candidate_selector.predecessor_codebook"] == "selector_predecessor.weight"
+
+
+# What the vendored converter adds for the overfitted "dspark" drafter (Markov rank 16, a confidence head, drafting
+# from the anchor) from our speculators export, read back from a real conversion on 2026-12-07.
+CONVERTED_DSPARK = {**CONVERTED, "dflash.sample_from_anchor": True, "dflash.has_confidence_head": True}
+MARKOV = {"markov_w1.weight": torch.zeros(2048, 16), "markov_w2.weight": torch.zeros(2048, 16)}
+CONFIDENCE = {"conf_proj.weight": torch.zeros(1, 144), "conf_proj.bias": torch.zeros(1)}
+
+
+@pytest.mark.parametrize("fields, tensors, named", [
+    ({}, {**MARKOV, **CONFIDENCE}, []),
+    # no Markov head: llama.cpp serves it as draft-dflash (common/speculative.cpp auto-detects by markov_w1.weight)
+    ({}, {}, ["sample_from_anchor", "markov_rank", "confidence_head"]),
+    ({}, MARKOV, ["confidence_head"]),  # a Markov head without the confidence head
+    ({"dflash.sample_from_anchor": False}, {**MARKOV, **CONFIDENCE}, ["sample_from_anchor"]),
+    ({"dflash.sample_from_anchor": None}, {**MARKOV, **CONFIDENCE}, []),  # absent reads as true
+    ({}, {"markov_w1.weight": torch.zeros(2048, 8), "markov_w2.weight": torch.zeros(2048, 8),
+          "conf_proj.weight": torch.zeros(1, 136)}, ["markov_rank"]),
+])
+def test_a_dspark_gguf_is_read_as_llama_cpp_builds_it(tmp_path, fields, tensors, named):
+    trained = architecture(build_drafter(TARGET, LAYER_IDS, block_size=B, **DRAFTERS["dspark"]).config)
+    merged = {k: v for k, v in {**CONVERTED_DSPARK, **fields}.items() if v is not None}
+    path = write_gguf(str(tmp_path / "draft.gguf"), merged, tensors)
+    found = llama_cpp.gguf_problems(llama_cpp.read_gguf_fields(path), trained, "qwen3", 8)
+    assert [line.split(":")[0] for line in found] == named, found
+
+
+def test_export_gguf_refuses_a_dspark_markov_head_llama_cpp_does_not_build_before_converting(tmp_path):
+    drafter = build_drafter(TARGET, LAYER_IDS, block_size=B, **dict(DRAFTERS["dspark"], markov_head_type="gated"))
+    with pytest.raises(ExportError, match="markov_head_type='gated'"):
+        llama_cpp.export_gguf(drafter, str(tmp_path / "draft.gguf"), TARGET, version="not-built")
+    assert os.listdir(tmp_path) == []
+
+
 def test_the_embedded_targets_pre_tokenizer_is_named_qwen2_and_another_regex_is_not(tmp_path):
     assert llama_cpp.pre_tokenizer(TARGET) == "qwen2"
     with open(os.path.join(TARGET, "tokenizer.json")) as f:
@@ -141,6 +205,25 @@ def test_the_embedded_targets_pre_tokenizer_is_named_qwen2_and_another_regex_is_
     with open(tmp_path / "tokenizer.json", "w") as f:
         json.dump(tokenizer, f)
     assert llama_cpp.pre_tokenizer(str(tmp_path)) is None
+
+
+def test_tau_after_first_step_leaves_out_each_prompts_first_step_and_the_spec_type_is_passed(monkeypatch):
+    """evaluate_llama_cpp's tau over every step and without each prompt's first (the block anchored at the prompt's
+    last token), from the tools' per-step counts; the speculative type and n_max reach llama-speculative-simple."""
+    from dflash_fast.evaluate import llama_cpp as runner
+
+    steps = {"a": [0, 3, 3], "b": [1, 2]}
+    calls = []
+
+    def with_drafter(*args, spec_type):
+        calls.append((spec_type, args[5]))  # (bin_dir, target, draft, prompt, max_new_tokens, n_max, threads)
+        return {"text": "x", "accepted": steps[args[3]], "tau": None, "tokens_per_s": 1.0}
+
+    monkeypatch.setattr(runner, "target_alone", lambda *_: {"text": "x", "tokens_per_s": 2.0})
+    monkeypatch.setattr(runner, "with_drafter", with_drafter)
+    report = runner.evaluate_llama_cpp("bin", "t", "d", ["a", "b"], 8, 4, spec_type="draft-dspark", n_max=4)
+    assert report["tau"] == (1 + 4 + 4 + 2 + 3) / 5 and report["tau_after_first_step"] == (4 + 4 + 3) / 3
+    assert calls == [("draft-dspark", 4)] * 2 and report["greedy_mismatches"] == 0
 
 
 # ---------------------------------------------------------------- llama.cpp itself
@@ -158,15 +241,24 @@ def _tools():
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def target_gguf(tmp_path_factory):
+    """(tools' directory, the embedded target converted by the vendored converter)."""
+    bin_dir = _tools()
+    return bin_dir, llama_cpp.convert(TARGET, str(tmp_path_factory.mktemp("llama_cpp") / "target.gguf"))
+
+
+def _served(target_gguf, kind: str):
+    bin_dir, target = target_gguf
+    drafter = overfit(kind)
+    draft = llama_cpp.export_gguf(drafter, os.path.join(os.path.dirname(target), f"{kind}.gguf"), TARGET)
+    return bin_dir, target, draft, drafter
+
+
+@pytest.fixture(scope="module")
+def served(target_gguf):
     """(tools' directory, target GGUF, drafter GGUF, the trained drafter): the embedded target and the overfitted
     full drafter converted by the vendored converter, the drafter through export_gguf's gate."""
-    bin_dir = _tools()
-    root = tmp_path_factory.mktemp("llama_cpp")
-    target = llama_cpp.convert(TARGET, str(root / "target.gguf"))
-    drafter = overfit("full")
-    draft = llama_cpp.export_gguf(drafter, str(root / "draft.gguf"), TARGET)
-    return bin_dir, target, draft, drafter
+    return _served(target_gguf, "full")
 
 
 # Alignment differs (evaluate/llama_cpp.py): llama.cpp anchors its first block at the prompt's last token, ours at
@@ -196,6 +288,85 @@ def test_llama_cpp_serves_our_export_with_the_targets_greedy_output_and_our_acce
         assert n > 0 and row["text_target"][:n] == text[:n], (row["text_target"], text)
     assert ours["tau"] > 1.5  # the drafter accepts: the comparison is not of two idle drafters
     assert abs(served_report["tau"] - ours["tau"]) <= TAU_TOLERANCE, (served_report["tau"], ours["tau"])
+
+
+# DFlash2 in llama.cpp (common/speculative.cpp draft, is_dflash2): the walk is ours and vLLM's (spec.md §9): slot
+# 1's predecessor is the anchor token, each later slot's the candidate chosen before it, greedy by the best score
+# over the slot's unary top-K (src/models/dflash.cpp build_dflash2_selector packs those scores). What differs is
+# the alignment above: llama.cpp's first step per prompt drafts from the prompt's last token, which ours does not
+# draft (prompts 0 and 1 measured: the same steps as ours after it). tau_after_first_step leaves that step out.
+# Measured 2026-12-07 (this shared 2-core CPU): ours 3.808, llama.cpp 3.452 (all steps), 3.679 (after the first).
+DFLASH2_TAU_TOLERANCE = 0.25
+
+
+@pytest.fixture(scope="module")
+def served_dflash2(target_gguf):
+    return _served(target_gguf, "dflash2")
+
+
+def test_llama_cpp_serves_our_dflash2_export_with_the_targets_greedy_output_and_our_acceptance(served_dflash2):
+    from transformers import AutoTokenizer
+
+    bin_dir, target, draft, drafter = served_dflash2
+    fields = llama_cpp.read_gguf_fields(draft)
+    assert fields["dflash.selector_top_k"] == 8 and "selector_hidden.weight" in fields["__tensors__"]
+    tokenizer = AutoTokenizer.from_pretrained(TARGET)
+    prompts = [tokenizer.decode(encode_prompt(tokenizer, p)) for p in read_prompts(PROMPTS, NUM_PROMPTS)]
+    ours = evaluate(TARGET, PROMPTS, drafter, max_new_tokens=NEW_TOKENS, num_prompts=NUM_PROMPTS, offline=False,
+                    progress=False)
+    served_report = evaluate_llama_cpp(bin_dir, target, draft, prompts, NEW_TOKENS, B)
+    print(json.dumps({"tau_ours": ours["tau"], "tau_llama_cpp": served_report["tau"],
+                      "tau_llama_cpp_after_first_step": served_report["tau_after_first_step"],
+                      "accepted": [r["accepted"] for r in served_report["per_prompt"]]}))
+    assert served_report["greedy_mismatches"] == 0, [(r["text_target"], r["text_speculative"])
+                                                     for r in served_report["per_prompt"]]
+    for row, mine in zip(served_report["per_prompt"], ours["per_prompt"]):
+        text = tokenizer.decode(mine["tokens"])
+        n = min(len(text), len(row["text_target"]))
+        assert n > 0 and row["text_target"][:n] == text[:n], (row["text_target"], text)
+    assert ours["tau"] > 2.5  # the selector's walk accepts most of each block: not two idle drafters
+    assert abs(served_report["tau_after_first_step"] - ours["tau"]) <= DFLASH2_TAU_TOLERANCE, (
+        served_report["tau_after_first_step"], ours["tau"])
+
+
+# DSpark in llama.cpp (draft-dspark, common/speculative.cpp draft is_dspark; src/models/dflash.cpp
+# build_dspark_markov_head): drafting from the anchor, B slots after [id_last, mask * (B - 1)], each slot's logits
+# biased by W2 W1[prev], prev the anchor's token then each slot's argmax: our walk (spec.md §8). The confidence head
+# is read only with --spec-draft-p-min > 0 (not here). Measured 2026-12-07 (this shared 2-core CPU): ours 3.241,
+# llama.cpp 3.029 (all steps), 3.156 (after each prompt's first); after the first step each prompt's steps are ours.
+DSPARK_TAU_TOLERANCE = 0.25
+
+
+@pytest.fixture(scope="module")
+def served_dspark(target_gguf):
+    return _served(target_gguf, "dspark")
+
+
+def test_llama_cpp_serves_our_dspark_export_with_the_targets_greedy_output_and_our_acceptance(served_dspark):
+    from transformers import AutoTokenizer
+
+    bin_dir, target, draft, drafter = served_dspark
+    fields = llama_cpp.read_gguf_fields(draft)
+    assert "markov_w1.weight" in fields["__tensors__"] and fields["dflash.sample_from_anchor"] is True
+    tokenizer = AutoTokenizer.from_pretrained(TARGET)
+    prompts = [tokenizer.decode(encode_prompt(tokenizer, p)) for p in read_prompts(PROMPTS, NUM_PROMPTS)]
+    ours = evaluate(TARGET, PROMPTS, drafter, max_new_tokens=NEW_TOKENS, num_prompts=NUM_PROMPTS, offline=False,
+                    progress=False)
+    # drafting from the anchor, llama.cpp drafts B tokens a step (common/speculative.cpp n_draft_max)
+    served_report = evaluate_llama_cpp(bin_dir, target, draft, prompts, NEW_TOKENS, B, spec_type="draft-dspark",
+                                       n_max=B)
+    print(json.dumps({"tau_ours": ours["tau"], "tau_llama_cpp": served_report["tau"],
+                      "tau_llama_cpp_after_first_step": served_report["tau_after_first_step"],
+                      "accepted": [r["accepted"] for r in served_report["per_prompt"]]}))
+    assert served_report["greedy_mismatches"] == 0, [(r["text_target"], r["text_speculative"])
+                                                     for r in served_report["per_prompt"]]
+    for row, mine in zip(served_report["per_prompt"], ours["per_prompt"]):
+        text = tokenizer.decode(mine["tokens"])
+        n = min(len(text), len(row["text_target"]))
+        assert n > 0 and row["text_target"][:n] == text[:n], (row["text_target"], text)
+    assert ours["tau"] > 2.5
+    assert abs(served_report["tau_after_first_step"] - ours["tau"]) <= DSPARK_TAU_TOLERANCE, (
+        served_report["tau_after_first_step"], ours["tau"])
 
 
 def test_a_drafter_converted_without_the_plus_one_is_refused_by_the_gate(served):

@@ -15,7 +15,7 @@ worth at each prompt's start and end; the greedy outputs must be the same tokens
 import os
 import re
 import subprocess
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from dflash_fast.evaluate.report import mean_acceptance
 
@@ -63,12 +63,12 @@ def target_alone(bin_dir: str, target_gguf: str, prompt: str, max_new_tokens: in
 
 
 def with_drafter(bin_dir: str, target_gguf: str, draft_gguf: str, prompt: str, max_new_tokens: int, n_max: int,
-                 threads: int = 2, verbose: bool = True, timeout: float = 600) -> Dict:
+                 threads: int = 2, verbose: bool = True, timeout: float = 600, spec_type: str = "draft-dflash") -> Dict:
     """llama-speculative-simple with the DFlash drafter: {"text", "accepted" (per verification step), "drafted",
     "tau", "tokens", "tokens_per_s"}. Without `verbose` (the debug log that holds each step's acceptance): the text
     and tokens/s only."""
     argv = [os.path.join(bin_dir, "llama-speculative-simple"), "-m", target_gguf, "-md", draft_gguf,
-            "--spec-type", "draft-dflash", "--spec-draft-n-max", str(n_max), "-p", prompt, "-n", str(max_new_tokens),
+            "--spec-type", spec_type, "--spec-draft-n-max", str(n_max), "-p", prompt, "-n", str(max_new_tokens),
             "--temp", "0", "--top-k", "1", "-t", str(threads), "-td", str(threads), "-c", "4096"]
     for _ in range(LOG_ATTEMPTS):
         done = _run(argv + ["-v"] * verbose, timeout)
@@ -92,15 +92,20 @@ def with_drafter(bin_dir: str, target_gguf: str, draft_gguf: str, prompt: str, m
 
 
 def evaluate_llama_cpp(bin_dir: str, target_gguf: str, draft_gguf: str, prompts: Sequence[str], max_new_tokens: int,
-                       block_size: int, threads: int = 2) -> Dict:
-    """Each rendered prompt decoded by llama.cpp alone and with the drafter (draft n_max = block_size - 1, with the
+                       block_size: int, threads: int = 2, spec_type: str = "draft-dflash",
+                       n_max: Optional[int] = None) -> Dict:
+    """Each rendered prompt decoded by llama.cpp alone and with the drafter (`spec_type`: draft-dflash, or
+    draft-dspark for a GGUF with a Markov head; draft n_max = block_size - 1 unless given, with the
     debug log that holds each step's acceptance: its tokens/s include formatting that log, a run without it loses
     its speed line too often to time it, LOG_ATTEMPTS): per prompt the texts and whether they are the same, and over
-    all prompts tau (mean n + 1 over every verification step) and decode tokens/s of each."""
+    all prompts tau (mean n + 1 over every verification step), tau_after_first_step (the same without each prompt's
+    first step, the block anchored at the prompt's last token that ours does not draft: the module's docstring)
+    and decode tokens/s of each."""
     rows: List[Dict] = []
     for i, prompt in enumerate(prompts):
         alone = target_alone(bin_dir, target_gguf, prompt, max_new_tokens)
-        spec = with_drafter(bin_dir, target_gguf, draft_gguf, prompt, max_new_tokens, block_size - 1, threads)
+        spec = with_drafter(bin_dir, target_gguf, draft_gguf, prompt, max_new_tokens,
+                            block_size - 1 if n_max is None else n_max, threads, spec_type=spec_type)
         rows.append({"prompt": i, "text_target": alone["text"], "text_speculative": spec["text"],
                      "same_output": _same(alone["text"], spec["text"]), "accepted": spec["accepted"],
                      "tau": spec["tau"], "target": alone, "speculative": spec})
@@ -108,9 +113,14 @@ def evaluate_llama_cpp(bin_dir: str, target_gguf: str, draft_gguf: str, prompts:
     histogram = [0] * (max(accepted, default=0) + 1)
     for a in accepted:
         histogram[a] += 1
+    later = [a for r in rows for a in r["accepted"][1:]]
+    histogram_later = [0] * (max(later, default=0) + 1)
+    for a in later:
+        histogram_later[a] += 1
     target_tps = _mean([r["target"]["tokens_per_s"] for r in rows])
     spec_tps = _mean([r["speculative"]["tokens_per_s"] for r in rows])
     return {"engine": "llama.cpp", "tau": mean_acceptance(histogram), "per_prompt": rows,
+            "tau_after_first_step": mean_acceptance(histogram_later),
             "greedy_mismatches": sum(not r["same_output"] for r in rows),
             "tokens_per_s_target": target_tps, "tokens_per_s_speculative": spec_tps,
             "speedup": spec_tps / target_tps if target_tps and spec_tps else None}

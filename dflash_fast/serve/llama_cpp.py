@@ -1,6 +1,7 @@
 """llama.cpp serving a DFlash drafter on the CPU (docs/llama-cpp.md): its tools built from the llama.cpp source that
 PyPI's llama-cpp-python sdist vendors (scripts/build_llama_cpp.sh), a drafter converted to GGUF by that tree's own
-converter (convert_hf_to_gguf.py, from our zlab layout), and the gate: the GGUF read back as llama.cpp reads it.
+converter (convert_hf_to_gguf.py, from our zlab layout, or the speculators one for DSpark), and the gate: the GGUF
+read back as llama.cpp reads it.
 
 llama.cpp (the tree vendored by llama-cpp-python 0.3.36, commit 0c1e570 of 2026-10-01) reads a DFlash GGUF so
 (paths are the vendored tree's):
@@ -31,10 +32,9 @@ import sys
 import tempfile
 from typing import Dict, List, Optional, Sequence
 
-from dflash_fast.drafter.config import DFLASH_ONLY
 from dflash_fast.serve.architecture import ARCHITECTURE, architecture
 from dflash_fast.serve.engines import mismatches
-from dflash_fast.serve.families import OFF
+from dflash_fast.serve.families import LAYOUTS, OFF
 from dflash_fast.serve.families.dflash2 import DFLASH2_OFF
 from dflash_fast.serve.layouts import ExportError
 
@@ -149,6 +149,7 @@ def read_gguf_fields(path: str) -> Dict:
         raise ExportError(f"{path} is not a readable GGUF file: {e}") from None
     fields = {name: field.contents() for name, field in reader.fields.items()}
     fields["__tensors__"] = [t.name for t in reader.tensors]
+    fields["__shapes__"] = {t.name: [int(n) for n in t.shape] for t in reader.tensors}  # ne: fastest first
     return fields
 
 
@@ -176,9 +177,6 @@ def gguf_architecture(fields: Dict) -> Dict:
         rope["rope_type"] = fields["dflash.rope.scaling.type"]
     if fields.get("dflash.rope.dimension_count", head_dim) != head_dim:
         rope["partial_rotary_factor"] = fields["dflash.rope.dimension_count"] / head_dim
-    tensors = set(fields["__tensors__"])
-    top_k = fields.get("dflash.selector_top_k", 0)
-    conv = fields.get("dflash.conv_kernel_size", 0)
     return {
         "hidden_size": need("dflash.embedding_length"),
         "num_attention_heads": heads,
@@ -198,12 +196,30 @@ def gguf_architecture(fields: Dict) -> Dict:
         "layer_windows": [window if w else None for w in pattern],
         "layer_causal": [bool(causal)] * layers,
         "window_from": "query" if any(pattern) else None,  # LLAMA_SWA_TYPE_STANDARD: each query's own window
-        **OFF,  # what src/models/dflash.cpp builds of no family below (no LiLiCorr lattice): each family's `off`
-        **dict(DFLASH_ONLY, markov_rank=-1 if "markov_w1.weight" in tensors else 0),
-        **(dict(conv_kernel_size=conv, conv_group_size=fields.get("dflash.conv_group_size", 16) if conv else 16,
-                selector_rank=fields.get("dflash.selector_rank", 0), selector_top_k=top_k if top_k else 16)
-           if conv or top_k else DFLASH2_OFF),
+        **OFF,  # what src/models/dflash.cpp builds of no family (no LiLiCorr lattice): each family's `off`
+        **{k: v for layout in LAYOUTS.values() for k, v in layout.gguf_read(fields).items()},
     }
+
+
+def dflash2_problems(fields: Dict, tensors) -> List[str]:
+    """What llama.cpp refuses or aborts on in a DFlash2 GGUF, by field (src/models/dflash.cpp load_arch_tensors,
+    common/speculative.cpp draft: selector_top_k > 0 walks a lattice that only selector_hidden.weight builds)."""
+    built = {key: int(fields.get(f"dflash.{key}", 0)) for key in DFLASH2_OFF}
+    top_k, width = fields.get("dflash.selector_top_k", 0), fields.get("dflash.embedding_length", 0)
+    if "selector_hidden.weight" not in tensors:
+        return [] if not top_k else [
+            f"selector_top_k: the GGUF sets dflash.selector_top_k={top_k} without selector_hidden.weight: "
+            f"common/speculative.cpp walks a lattice src/models/dflash.cpp never builds ('DFlash2 selector "
+            f"produced no lattice')"]
+    lines = [f"{key}: dflash.{key}={value}; src/models/dflash.cpp refuses a DFlash2 GGUF without it ('DFlash2 model "
+             f"is missing conv/selector metadata')" for key, value in built.items() if value <= 0]
+    if top_k * (top_k + 1) > width:
+        fits = max((k for k in range(1, width + 1) if k * (k + 1) <= width), default=0)
+        lines.append(f"selector_top_k: {top_k}; llama.cpp packs each slot's K candidates and K x K scores into one "
+                     f"hidden-wide row, K (K + 1) = {top_k * (top_k + 1)} > hidden_size {width} ('DFlash2 hidden "
+                     f"size is too small for the selector lattice', src/models/dflash.cpp): train "
+                     f"model.selector_top_k <= {fits}")
+    return lines
 
 
 # Our tensor names -> the converter's (gguf-py tensor_mapping.py, MODEL_ARCH.DFLASH); per layer under blk.{i}.
@@ -220,12 +236,18 @@ GGUF_LAYER_NAMES = {
 
 
 def gguf_name(name: str) -> Optional[str]:
-    """The GGUF tensor name of one of our drafter tensors, None for those without an entry (DFlash2's)."""
+    """The GGUF tensor name of one of our drafter tensors (the backbone's, or a family's `gguf_tensors`), None for
+    those without an entry."""
     if name in GGUF_NAMES:
         return GGUF_NAMES[name]
     parts = name.split(".", 2)
     if parts[0] == "layers" and len(parts) == 3 and parts[2] in GGUF_LAYER_NAMES:
         return f"blk.{parts[1]}.{GGUF_LAYER_NAMES[parts[2]]}"
+    family = {ours: gguf for layout in LAYOUTS.values() for ours, gguf in layout.gguf_tensors.items()}
+    if name in family:
+        return family[name]
+    if parts[0] == "layers" and len(parts) == 3 and f"layers.{{i}}.{parts[2]}" in family:
+        return family[f"layers.{{i}}.{parts[2]}"].format(i=parts[1])
     return None
 
 
@@ -282,6 +304,7 @@ def gguf_problems(fields: Dict, trained: Dict, target_arch: str, target_num_laye
                    rope_parameters={k: _f32(v) if isinstance(v, float) else v
                                     for k, v in trained["rope_parameters"].items()})
     return (mismatches(trained, {"llama.cpp": served})
+            + dflash2_problems(fields, set(fields["__tensors__"]))
             + target_tap_problems(served["layer_ids"], target_arch, target_num_layers))
 
 
@@ -325,7 +348,8 @@ def local_target(verifier: str) -> str:
 
 
 def export_gguf(drafter, out_path: str, verifier: str, outtype: str = "f32", version: str = LLAMA_CPP_PYTHON) -> str:
-    """The drafter as a llama.cpp GGUF at out_path: our zlab export (serve/export.py's gate) converted by the vendored
+    """The drafter as a llama.cpp GGUF at out_path: our zlab export (the speculators one for a family the zlab layout
+    cannot carry: DSpark), through serve/export.py's gate, converted by the vendored
     convert_hf_to_gguf.py with the target's vocabulary, then read back as llama.cpp reads it (check_gguf); only a
     passing file is renamed to out_path. `verifier` is the target's Hugging Face directory."""
     import torch
@@ -333,9 +357,10 @@ def export_gguf(drafter, out_path: str, verifier: str, outtype: str = "f32", ver
     from dflash_fast.serve.export import export_drafter, trainable_state_dict
 
     trained = architecture(drafter.config)
-    if trained["markov_rank"]:
-        raise ExportError("markov_rank: the GGUF export converts the zlab layout, which has no DSpark heads; "
-                          "export a DSpark drafter with --format speculators")
+    if trained["markov_rank"] and trained["markov_head_type"] != "vanilla":
+        raise ExportError(f"markov_head_type={trained['markov_head_type']!r}: llama.cpp builds the vanilla Markov "
+                          f"head only (src/models/dflash.cpp build_dspark_markov_head; conversion/qwen.py DSparkModel "
+                          f"refuses another): train model.markov_head_type=vanilla")
     if trained["lilicorr_candidate_topk"]:
         raise ExportError(f"lilicorr_candidate_topk={trained['lilicorr_candidate_topk']}: llama.cpp's DFlash "
                           f"(src/models/dflash.cpp) has no LiLiCorr lattice and would serve the backbone alone; "
@@ -349,8 +374,11 @@ def export_gguf(drafter, out_path: str, verifier: str, outtype: str = "f32", ver
     work = tempfile.mkdtemp(prefix=os.path.basename(out_path) + ".tmp-", dir=os.path.dirname(out_path))
     try:
         dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[outtype]
-        zlab = export_drafter(drafter, os.path.join(work, "zlab"), verifier, dtype, fmt="zlab")
-        tmp = convert(zlab, os.path.join(work, "draft.gguf"), verifier, outtype, version)
+        # the converter takes the z-lab layout (DFlashModel), or the speculators one for a family the z-lab layout
+        # cannot carry (conversion/qwen.py DSparkModel: DSparkDraftModel, aux_hidden_state_layer_ids - 1)
+        fmt = "zlab" if LAYOUTS[drafter.config.family].zlab_architecture else "speculators"
+        export = export_drafter(drafter, os.path.join(work, fmt), verifier, dtype, fmt=fmt)
+        tmp = convert(export, os.path.join(work, "draft.gguf"), verifier, outtype, version)
         check_gguf(tmp, trained, target)
         written = {k: v.to(dtype) for k, v in trainable_state_dict(drafter).items()}
         problems = tensor_problems(tmp, written)

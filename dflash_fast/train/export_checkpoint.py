@@ -44,7 +44,8 @@ def run(args: argparse.Namespace):
 
 
 def _run_gguf(args: argparse.Namespace):
-    """llama.cpp: the zlab export converted by the vendored convert_hf_to_gguf.py (serve/llama_cpp.py's gate)."""
+    """llama.cpp: the zlab export (a DSpark drafter's speculators export) converted by the vendored
+    convert_hf_to_gguf.py (serve/llama_cpp.py's gate)."""
     from dflash_fast.serve.llama_cpp import GGUF_TYPES, export_gguf, local_target
 
     if args.card_from:

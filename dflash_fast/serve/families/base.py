@@ -11,6 +11,7 @@ do not already give, and its lines of the model card. FamilyLayout itself is DFl
     layouts (serve/layouts.py)    `speculators_fields`, `zlab_fields`, the architecture names and `schema`
     engines (serve/engines.py)    `engines`, `refusals`
     model_card, evaluate/vllm.py  `title`, `card_row`, `vllm_method`, `vllm_v2`, `vllm_loaded`
+    serve/llama_cpp.py            `gguf_tensors`, `gguf_read`
 """
 from typing import Dict, List, Optional, Tuple
 
@@ -43,6 +44,9 @@ class FamilyLayout:
     # the JSON kinds of the config.json keys its readers take: "speculators" / "zlab" (top level), "dflash_config"
     schema: Dict[str, Dict] = {}
     hints: Dict[str, str] = {}  # field -> why an engine serves it differently, and the fix (engines.HINTS)
+    # its tensors' GGUF names as llama.cpp's converter writes them (gguf-py tensor_mapping.py, MODEL_ARCH.DFLASH):
+    # our name -> the GGUF's, a per-layer one as "layers.{i}.<ours>" -> "blk.{i}.<theirs>" (serve/llama_cpp.py)
+    gguf_tensors: Dict[str, str] = {}
 
     def fields(self, cfg: DrafterConfig) -> Dict:  # noqa: ARG002 (a hook)
         """Its ARCHITECTURE terms of the trained drafter `cfg` (the `off` values when `cfg` is of another family)."""
@@ -59,6 +63,12 @@ class FamilyLayout:
     def read(self, view: Tuple[str, str], config: Dict, hf, where: str) -> Dict:  # noqa: ARG002 (a hook)
         """Its ARCHITECTURE terms as the engine of `view` reads them from `config` (transformers' config `hf`),
         raising ExportError naming the field where that engine would refuse it; what it leaves out is `off`."""
+        return {}
+
+    def gguf_read(self, fields: Dict) -> Dict:  # noqa: ARG002 (a hook)
+        """Its ARCHITECTURE terms as llama.cpp builds them from a DFlash GGUF (`fields`: its metadata, its tensor
+        names under "__tensors__" and their GGUF shapes, fastest dimension first, under "__shapes__"); what it
+        leaves out is `off` (serve/llama_cpp.py gguf_architecture)."""
         return {}
 
     def vllm_loaded(self, hf) -> Dict:  # noqa: ARG002 (a hook)

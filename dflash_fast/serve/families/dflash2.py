@@ -75,6 +75,18 @@ class DFlash2(FamilyLayout):
     vllm_v2 = True  # config/vllm.py: "DFlash candidate-head drafts" are the V2 speculator's only
     off = DFLASH2_OFF
     hints = HINTS
+    # gguf-py tensor_mapping.py (DFLASH_ATTN_CONV_*, DFLASH_FFN_CONV_*, DFLASH_SELECTOR_*); conversion/qwen.py
+    # DFlashModel.modify_tensors adds ".weight" to the codebooks; src/models/dflash.cpp loads them all only when
+    # selector_hidden.weight is there
+    gguf_tensors = {
+        "layers.{i}.attention_conv.base_kernel": "blk.{i}.attn_conv_base",
+        "layers.{i}.attention_conv.kernel_projection.weight": "blk.{i}.attn_conv_proj.weight",
+        "layers.{i}.mlp_conv.base_kernel": "blk.{i}.ffn_conv_base",
+        "layers.{i}.mlp_conv.kernel_projection.weight": "blk.{i}.ffn_conv_proj.weight",
+        "candidate_selector.predecessor_codebook": "selector_predecessor.weight",
+        "candidate_selector.successor_codebook": "selector_successor.weight",
+        "candidate_selector.hidden_projection.weight": "selector_hidden.weight",
+    }
     schema = {fmt: {key: Nullable(INT) for key in DFLASH2_FIELDS} for fmt in ("speculators", "zlab", "dflash_config")}
 
     def fields(self, cfg: DrafterConfig) -> Dict:
@@ -105,6 +117,14 @@ class DFlash2(FamilyLayout):
         if view == VIEW_VLLM_ZLAB:
             return dflash2_read(config["dflash_config"], "vLLM (qwen3_dflash2.py): dflash_config")
         return {}
+
+    def gguf_read(self, fields: Dict) -> Dict:
+        """src/models/dflash.cpp load_arch_tensors creates the convolutions and the selector only when the GGUF holds
+        `selector_hidden.weight` (then dflash.conv_kernel_size, conv_group_size, selector_rank and selector_top_k
+        must each be > 0, or it refuses to load); without it the fields build nothing (plain DFlash)."""
+        if "selector_hidden.weight" not in fields["__tensors__"]:
+            return {}
+        return {key: int(fields.get(f"dflash.{key}", 0)) for key in DFLASH2_FIELDS}
 
     def vllm_loaded(self, hf) -> Dict:
         """DFlash2DraftModel (qwen3_dflash2.py): int(dflash_config[key]) for each field."""

@@ -1,6 +1,6 @@
 """DSpark (spec.md §8) on the serving side: the speculators layout's `dspark` type (vLLM's `dspark` method), read by
 speculators and vLLM; the z-lab layout has no DSpark heads (a DSpark drafter written there reads as plain DFlash, a
-mismatch on markov_rank)."""
+mismatch on markov_rank); llama.cpp converts its speculators export to a GGUF (`gguf_read`)."""
 from typing import Dict, Tuple
 
 from dflash_fast.drafter.config import DFLASH_ONLY, DrafterConfig
@@ -60,6 +60,28 @@ class DSpark(FamilyLayout):
         "markov_rank": "the z-lab layout (SGLang's and vLLM's dflash method) has no DSpark heads: export a DSpark "
         "drafter in the speculators format",
     }
+
+    # gguf-py tensor_mapping.py DSPARK_MARKOV_W1, DSPARK_MARKOV_W2, DSPARK_CONF_PROJ
+    gguf_tensors = {
+        "markov_head.markov_w1.weight": "markov_w1.weight",
+        "markov_head.markov_w2.weight": "markov_w2.weight",
+        "confidence_head.proj.weight": "conf_proj.weight",
+        "confidence_head.proj.bias": "conf_proj.bias",
+    }
+
+    def gguf_read(self, fields: Dict) -> Dict:
+        """llama.cpp's DSpark (llama-cpp-python 0.3.36's vendored tree): src/models/dflash.cpp builds the Markov
+        head when the GGUF holds markov_w1.weight, of its rank (ne[0]), vanilla (build_dspark_markov_head: logits +
+        W2 W1[prev], prev the anchor then each slot's argmax; conversion/qwen.py DSparkModel refuses another
+        markov_head_type), and the confidence head when it holds conf_proj.weight, of [n_embd + rank] (the normed
+        hidden state beside W1[prev]: with the Markov input), read only with --spec-draft-p-min > 0;
+        `dflash.sample_from_anchor` (true when absent: common/speculative.cpp, dflash.cpp) picks B drafted slots
+        after the anchor or the anchor's slot as the given token. Without markov_w1.weight it is draft-dflash."""
+        shapes = fields.get("__shapes__", {})
+        if "markov_w1.weight" not in shapes:
+            return {}
+        return dspark_fields(bool(fields.get("dflash.sample_from_anchor", True)), int(shapes["markov_w1.weight"][0]),
+                             "vanilla", "conf_proj.weight" in shapes, True)
 
     def fields(self, cfg: DrafterConfig) -> Dict:
         return dspark_fields(*(getattr(cfg, key) for key in DFLASH_ONLY))
