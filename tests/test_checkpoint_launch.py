@@ -31,6 +31,9 @@ def run(argv):
             f.write(bytes(64))
     dist.barrier()
     train(load_config(config, [*overrides, f"output_dir={os.path.join(out, 'b')}", "checkpoint.resume=latest"]))
+    # as train.py does (trainer.main): a group left to interpreter exit aborted a rank there once in a clean-clone run
+    # ("terminate called without an active exception", return code -6, after both trainings had finished)
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

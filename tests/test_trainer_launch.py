@@ -8,6 +8,8 @@ Run i writes OUT_ROOT/run<i>. Holds no tests itself.
 import os
 import sys
 
+import torch.distributed as dist
+
 from dflash_fast.train.config import load_config
 from dflash_fast.train.trainer import train
 
@@ -17,6 +19,8 @@ def run_each(argv):
     out_root, ds_configs, config, overrides = args[0], args[1].split(","), args[2], args[3:]
     for i, ds in enumerate(ds_configs):
         train(load_config(config, [*overrides, f"deepspeed={ds}", f"output_dir={os.path.join(out_root, f'run{i}')}"]))
+    if dist.is_initialized():  # as train.py does (trainer.main), not left to interpreter exit (test_checkpoint_launch)
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
