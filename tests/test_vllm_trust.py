@@ -81,33 +81,56 @@ def test_vllm_serves_prompts_sharing_a_long_prefix_with_our_acceptance_and_outpu
     assert_cache_used_as_set(cached, encoded, prefix_caching)
 
 
+V2_KINDS = ("dflash2", "dspark")  # the families vLLM serves with its V2 runner alone (tests/test_vllm.py V2_LAYOUTS)
+
+
 @pytest.fixture(scope="module")
-def dflash2_shared_prefix(shared_prefix, tmp_path_factory):
-    """(export, our evaluator's report, {"on" | "off": vLLM's (report, cached, encoded)}) of a DFlash2 drafter
-    overfitted to the target's replies to shared_prefix's prompts (z-lab #165 reported DFlash2's cache hits falling
-    to 0). vLLM serves DFlash2 with its V2 runner only: on a CPU in tests/vllm_v2_on_cpu.py's process of its own."""
+def v2_shared_prefix(shared_prefix, tmp_path_factory):
+    """{kind: (export, our evaluator's report, {"on" | "off": vLLM's (report, cached, encoded)})} of a DFlash2 and a
+    DSpark drafter overfitted to the target's replies to shared_prefix's prompts (z-lab #165 reported DFlash2's cache
+    hits falling to 0; #47930 and #165 name DSpark beside DFlash). vLLM serves both with its V2 runner only: on a CPU
+    in tests/vllm_v2_on_cpu.py's process of its own, which imports vLLM while the drafters train here."""
     prompts = shared_prefix[0]
-    root = tmp_path_factory.mktemp("prefix_dflash2")
-    export = export_drafter(overfit("dflash2", prefix=SHARED_PREFIX), str(root / "export"), TARGET, torch.float32,
-                            fmt="speculators")
-    ours = evaluate(TARGET, prompts, export, max_new_tokens=NEW_TOKENS, offline=False, progress=False)
-    if torch.cuda.is_available():
-        return export, ours, {("on" if c else "off"): serve_one_after_another(TARGET, prompts, export, c, KV_BLOCK,
-                                                                              NEW_TOKENS) for c in (True, False)}
+    root = tmp_path_factory.mktemp("prefix_v2")
     records = root / "prompts.jsonl"
     records.write_text("".join(json.dumps(p) + "\n" for p in prompts))
-    out = root / "served.json"
-    helper = os.path.join(os.path.dirname(__file__), "vllm_v2_on_cpu.py")
-    run = subprocess.run([sys.executable, helper, "one-after-another", str(out), TARGET, str(records), str(KV_BLOCK),
-                          str(NEW_TOKENS)], input=export, text=True)
-    assert run.returncode == 0, "tests/vllm_v2_on_cpu.py failed (its output is above)"
-    return export, ours, json.loads(out.read_text())[export]
+
+    def exports():
+        return {kind: export_drafter(overfit(kind, prefix=SHARED_PREFIX), str(root / kind), TARGET, torch.float32,
+                                     fmt="speculators") for kind in V2_KINDS}
+
+    def ours_of(paths):
+        return {kind: evaluate(TARGET, prompts, path, max_new_tokens=NEW_TOKENS, offline=False, progress=False)
+                for kind, path in paths.items()}
+
+    if torch.cuda.is_available():
+        paths = exports()
+        served = {path: {("on" if c else "off"): serve_one_after_another(TARGET, prompts, path, c, KV_BLOCK, NEW_TOKENS)
+                         for c in (True, False)} for path in paths.values()}
+        ours = ours_of(paths)
+    else:
+        out = root / "served.json"
+        helper = os.path.join(os.path.dirname(__file__), "vllm_v2_on_cpu.py")
+        with subprocess.Popen([sys.executable, helper, "one-after-another", str(out), TARGET, str(records),
+                               str(KV_BLOCK), str(NEW_TOKENS)], stdin=subprocess.PIPE, text=True) as server:
+            try:
+                paths = exports()
+            except BaseException:
+                server.kill()
+                raise
+            server.stdin.write("\n".join(paths.values()))
+            server.stdin.close()
+            ours = ours_of(paths)
+        assert server.returncode == 0, "tests/vllm_v2_on_cpu.py failed (its output is above)"
+        served = json.loads(out.read_text())
+    return {kind: (path, ours[kind], served[path]) for kind, path in paths.items()}
 
 
+@pytest.mark.parametrize("kind", V2_KINDS)
 @CACHING
-def test_vllms_v2_runner_serves_a_dflash2_export_on_prompts_sharing_a_prefix_as_ours_with_prefix_caching_on_or_off(
-        dflash2_shared_prefix, prefix_caching):
-    export, ours, served = dflash2_shared_prefix
+def test_vllms_v2_runner_serves_dflash2_and_dspark_exports_on_prompts_sharing_a_prefix_as_ours_with_caching_on_or_off(
+        v2_shared_prefix, kind, prefix_caching):
+    export, ours, served = v2_shared_prefix[kind]
     report, cached, encoded = served["on" if prefix_caching else "off"]
     assert_served_as_ours(export, ours, report)
     assert_cache_used_as_set(cached, encoded, prefix_caching)

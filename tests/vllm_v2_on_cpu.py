@@ -69,16 +69,16 @@ def serve_one_after_another(target: str, prompts, export: str, prefix_caching: b
     tokenizer = AutoTokenizer.from_pretrained(target)
     eos = eos_token_ids(GenerationConfig.from_pretrained(target), tokenizer)
     encoded = [encode_prompt(tokenizer, p) for p in read_prompts(prompts)]
-    cfg = config_from_export(read_export_config(export))
-    args = engine_args(target, speculative_config(export, cfg))
-    llm = vllm.LLM(**dict(args, enable_prefix_caching=prefix_caching, block_size=kv_block))
-    tally, cached = Tally(cfg.block_size), []
+    speculative = speculative_config(export, config_from_export(read_export_config(export)))
+    block = speculative["num_speculative_tokens"] + 1  # evaluate_vllm's: the drafted tokens and the verified anchor
+    llm = vllm.LLM(**dict(engine_args(target, speculative), enable_prefix_caching=prefix_caching, block_size=kv_block))
+    tally, cached = Tally(block), []
     for ids in encoded:
         (out,), (tokens,) = generate(llm, [ids], new_tokens, eos)
         tally.add_speculative(spec_result(out, len(ids), tokens, 0.0))
         cached.append(out.num_cached_tokens)
     del llm
-    return report(tally, False, block_size=cfg.block_size), cached, encoded
+    return report(tally, False, block_size=block), cached, encoded
 
 
 def one_after_another(out: str, target: str, prompts: str, kv_block: str, new_tokens: str) -> None:
