@@ -10,7 +10,7 @@ from dflash_fast.drafter.config import DrafterConfig, value_problems
 from dflash_fast.drafter.masks import WINDOW_RULES
 from dflash_fast.errors import check_schema, is_int
 from dflash_fast.serve.architecture import ARCHITECTURE, architecture
-from dflash_fast.serve.families import LAYOUTS, hints, speculators_family, zlab_family
+from dflash_fast.serve.families import LAYOUTS, family_of, hints
 from dflash_fast.serve.layouts import (
     ARCHITECTURES,
     CONFIG_SCHEMAS,
@@ -64,8 +64,7 @@ def served_architectures(config: Dict) -> Dict[str, Dict]:
     if fmt == "zlab":
         _check_zlab_neutral(config)
     served = {}
-    family = speculators_family(config) if fmt == "speculators" else zlab_family(config["architectures"])
-    for engine in serving_engines(fmt, family.name):
+    for engine in serving_engines(fmt, family_of(config, fmt).name):
         try:
             served[engine] = VIEWS[fmt, engine](config)
         except (TypeError, AttributeError) as e:  # a hand-edited key of the wrong JSON type (a list for an object)

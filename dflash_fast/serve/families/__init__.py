@@ -35,11 +35,15 @@ def zlab_family(architectures) -> FamilyLayout:
                  and layout is not DFLASH), DFLASH)
 
 
+def family_of(config: Dict, fmt: str) -> FamilyLayout:
+    """The family a config.json of layout `fmt` names: speculators_model_type, or the z-lab architecture."""
+    return speculators_family(config) if fmt == "speculators" else zlab_family(config["architectures"])
+
+
 def read_families(view: Tuple[str, str], config: Dict, hf, where: str) -> Dict:
     """Every family's ARCHITECTURE terms as the engine of `view` reads `config`: its own family's `read` over the
     others' `off`."""
-    family = speculators_family(config) if view[0] == "speculators" else zlab_family(config["architectures"])
-    return {**OFF, **family.read(view, config, hf, where)}
+    return {**OFF, **family_of(config, view[0]).read(view, config, hf, where)}
 
 
 def speculators_architectures() -> Dict[str, str]:
