@@ -267,25 +267,35 @@ def served(target_gguf):
 TAU_TOLERANCE = 0.25
 
 
-def test_llama_cpp_serves_our_export_with_the_targets_greedy_output_and_our_acceptance(served):
+def served_beside_ours(served, **spec) -> tuple:
+    """(our evaluator's report, llama.cpp's) of the same eval prompts, `spec` the speculative type and draft count
+    evaluate_llama_cpp takes; llama.cpp's speculative output must be the target's greedy output, and ours."""
     from transformers import AutoTokenizer
 
     bin_dir, target, draft, drafter = served
-    assert llama_cpp.read_gguf_fields(draft)["dflash.target_layers"] == [i + 1 for i in LAYER_IDS]
     tokenizer = AutoTokenizer.from_pretrained(TARGET)
     prompts = [tokenizer.decode(encode_prompt(tokenizer, p)) for p in read_prompts(PROMPTS, NUM_PROMPTS)]
     ours = evaluate(TARGET, PROMPTS, drafter, max_new_tokens=NEW_TOKENS, num_prompts=NUM_PROMPTS, offline=False,
                     progress=False)
-    served_report = evaluate_llama_cpp(bin_dir, target, draft, prompts, NEW_TOKENS, B)
+    served_report = evaluate_llama_cpp(bin_dir, target, draft, prompts, NEW_TOKENS, B, **spec)
     print(json.dumps({"tau_ours": ours["tau"], "tau_llama_cpp": served_report["tau"],
+                      "tau_llama_cpp_after_first_step": served_report["tau_after_first_step"],
                       "tokens_per_s_target": served_report["tokens_per_s_target"],
-                      "tokens_per_s_speculative": served_report["tokens_per_s_speculative"]}))
+                      "tokens_per_s_speculative": served_report["tokens_per_s_speculative"],
+                      "accepted": [r["accepted"] for r in served_report["per_prompt"]]}))
     assert served_report["greedy_mismatches"] == 0, [(r["text_target"], r["text_speculative"])
                                                      for r in served_report["per_prompt"]]
     for row, mine in zip(served_report["per_prompt"], ours["per_prompt"]):
         text = tokenizer.decode(mine["tokens"])
         n = min(len(text), len(row["text_target"]))
         assert n > 0 and row["text_target"][:n] == text[:n], (row["text_target"], text)
+    return ours, served_report
+
+
+def test_llama_cpp_serves_our_export_with_the_targets_greedy_output_and_our_acceptance(served):
+    draft = served[2]
+    assert llama_cpp.read_gguf_fields(draft)["dflash.target_layers"] == [i + 1 for i in LAYER_IDS]
+    ours, served_report = served_beside_ours(served)
     assert ours["tau"] > 1.5  # the drafter accepts: the comparison is not of two idle drafters
     assert abs(served_report["tau"] - ours["tau"]) <= TAU_TOLERANCE, (served_report["tau"], ours["tau"])
 
@@ -305,25 +315,9 @@ def served_dflash2(target_gguf):
 
 
 def test_llama_cpp_serves_our_dflash2_export_with_the_targets_greedy_output_and_our_acceptance(served_dflash2):
-    from transformers import AutoTokenizer
-
-    bin_dir, target, draft, drafter = served_dflash2
-    fields = llama_cpp.read_gguf_fields(draft)
+    fields = llama_cpp.read_gguf_fields(served_dflash2[2])
     assert fields["dflash.selector_top_k"] == 8 and "selector_hidden.weight" in fields["__tensors__"]
-    tokenizer = AutoTokenizer.from_pretrained(TARGET)
-    prompts = [tokenizer.decode(encode_prompt(tokenizer, p)) for p in read_prompts(PROMPTS, NUM_PROMPTS)]
-    ours = evaluate(TARGET, PROMPTS, drafter, max_new_tokens=NEW_TOKENS, num_prompts=NUM_PROMPTS, offline=False,
-                    progress=False)
-    served_report = evaluate_llama_cpp(bin_dir, target, draft, prompts, NEW_TOKENS, B)
-    print(json.dumps({"tau_ours": ours["tau"], "tau_llama_cpp": served_report["tau"],
-                      "tau_llama_cpp_after_first_step": served_report["tau_after_first_step"],
-                      "accepted": [r["accepted"] for r in served_report["per_prompt"]]}))
-    assert served_report["greedy_mismatches"] == 0, [(r["text_target"], r["text_speculative"])
-                                                     for r in served_report["per_prompt"]]
-    for row, mine in zip(served_report["per_prompt"], ours["per_prompt"]):
-        text = tokenizer.decode(mine["tokens"])
-        n = min(len(text), len(row["text_target"]))
-        assert n > 0 and row["text_target"][:n] == text[:n], (row["text_target"], text)
+    ours, served_report = served_beside_ours(served_dflash2)
     assert ours["tau"] > 2.5  # the selector's walk accepts most of each block: not two idle drafters
     assert abs(served_report["tau_after_first_step"] - ours["tau"]) <= DFLASH2_TAU_TOLERANCE, (
         served_report["tau_after_first_step"], ours["tau"])
@@ -343,27 +337,10 @@ def served_dspark(target_gguf):
 
 
 def test_llama_cpp_serves_our_dspark_export_with_the_targets_greedy_output_and_our_acceptance(served_dspark):
-    from transformers import AutoTokenizer
-
-    bin_dir, target, draft, drafter = served_dspark
-    fields = llama_cpp.read_gguf_fields(draft)
+    fields = llama_cpp.read_gguf_fields(served_dspark[2])
     assert "markov_w1.weight" in fields["__tensors__"] and fields["dflash.sample_from_anchor"] is True
-    tokenizer = AutoTokenizer.from_pretrained(TARGET)
-    prompts = [tokenizer.decode(encode_prompt(tokenizer, p)) for p in read_prompts(PROMPTS, NUM_PROMPTS)]
-    ours = evaluate(TARGET, PROMPTS, drafter, max_new_tokens=NEW_TOKENS, num_prompts=NUM_PROMPTS, offline=False,
-                    progress=False)
     # drafting from the anchor, llama.cpp drafts B tokens a step (common/speculative.cpp n_draft_max)
-    served_report = evaluate_llama_cpp(bin_dir, target, draft, prompts, NEW_TOKENS, B, spec_type="draft-dspark",
-                                       n_max=B)
-    print(json.dumps({"tau_ours": ours["tau"], "tau_llama_cpp": served_report["tau"],
-                      "tau_llama_cpp_after_first_step": served_report["tau_after_first_step"],
-                      "accepted": [r["accepted"] for r in served_report["per_prompt"]]}))
-    assert served_report["greedy_mismatches"] == 0, [(r["text_target"], r["text_speculative"])
-                                                     for r in served_report["per_prompt"]]
-    for row, mine in zip(served_report["per_prompt"], ours["per_prompt"]):
-        text = tokenizer.decode(mine["tokens"])
-        n = min(len(text), len(row["text_target"]))
-        assert n > 0 and row["text_target"][:n] == text[:n], (row["text_target"], text)
+    ours, served_report = served_beside_ours(served_dspark, spec_type="draft-dspark", n_max=B)
     assert ours["tau"] > 2.5
     assert abs(served_report["tau_after_first_step"] - ours["tau"]) <= DSPARK_TAU_TOLERANCE, (
         served_report["tau_after_first_step"], ours["tau"])
