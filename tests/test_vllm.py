@@ -10,8 +10,6 @@ runner's kernels).
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,6 +18,7 @@ if os.environ.get("DFLASH_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm")
 
 from overfit_drafters import DRAFTERS, LAYER_IDS, NEW_TOKENS, NUM_PROMPTS, PROMPTS, B, overfit  # noqa: E402 (vLLM's absence skips the module first)
+from vllm_v2_on_cpu import serve_beside  # noqa: E402
 
 from dflash_fast.drafter.model import DFlashDrafter, build_drafter  # noqa: E402
 from dflash_fast.evaluate.evaluate import evaluate  # noqa: E402
@@ -167,19 +166,8 @@ def v2_served(tmp_path_factory):
         ours = ours_of_each(paths)
         return {kind: (path, ours[kind], served[path]) for kind, path in paths.items()}
     out = root / "served.json"
-    helper = os.path.join(os.path.dirname(__file__), "vllm_v2_on_cpu.py")
-    with subprocess.Popen([sys.executable, helper, str(out), TARGET, PROMPTS, str(NUM_PROMPTS), str(NEW_TOKENS)],
-                          stdin=subprocess.PIPE, text=True) as server:
-        try:
-            paths = v2_exports(root)
-        except BaseException:
-            server.kill()
-            raise
-        server.stdin.write("\n".join(paths.values()))
-        server.stdin.close()
-        ours = ours_of_each(paths)
-    assert server.returncode == 0, "tests/vllm_v2_on_cpu.py failed (its output is above)"
-    served = json.loads(out.read_text())
+    args = [str(out), TARGET, PROMPTS, str(NUM_PROMPTS), str(NEW_TOKENS)]
+    paths, ours, served = serve_beside(args, str(out), lambda: v2_exports(root), ours_of_each)
     return {kind: (path, ours[kind], served[path]) for kind, path in paths.items()}
 
 

@@ -13,8 +13,6 @@ replies (seconds).
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -24,7 +22,7 @@ if os.environ.get("DFLASH_REQUIRE_VLLM") != "1":
 
 from overfit_drafters import NEW_TOKENS, NUM_PROMPTS, PROMPTS, eval_prompts, overfit, training_rows  # noqa: E402
 from test_vllm import TAU_TOLERANCE, assert_served_as_ours  # noqa: E402
-from vllm_v2_on_cpu import serve_one_after_another  # noqa: E402
+from vllm_v2_on_cpu import serve_beside, serve_one_after_another  # noqa: E402
 
 from dflash_fast.drafter import ops  # noqa: E402
 from dflash_fast.drafter.model import slot_metrics  # noqa: E402
@@ -110,19 +108,8 @@ def v2_shared_prefix(shared_prefix, tmp_path_factory):
         ours = ours_of(paths)
     else:
         out = root / "served.json"
-        helper = os.path.join(os.path.dirname(__file__), "vllm_v2_on_cpu.py")
-        with subprocess.Popen([sys.executable, helper, "one-after-another", str(out), TARGET, str(records),
-                               str(KV_BLOCK), str(NEW_TOKENS)], stdin=subprocess.PIPE, text=True) as server:
-            try:
-                paths = exports()
-            except BaseException:
-                server.kill()
-                raise
-            server.stdin.write("\n".join(paths.values()))
-            server.stdin.close()
-            ours = ours_of(paths)
-        assert server.returncode == 0, "tests/vllm_v2_on_cpu.py failed (its output is above)"
-        served = json.loads(out.read_text())
+        args = ["one-after-another", str(out), TARGET, str(records), str(KV_BLOCK), str(NEW_TOKENS)]
+        paths, ours, served = serve_beside(args, str(out), exports, ours_of)
     return {kind: (path, ours[kind], served[path]) for kind, path in paths.items()}
 
 

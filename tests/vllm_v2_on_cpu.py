@@ -51,6 +51,27 @@ def masks_as_bool() -> None:
     builder.create_masked_store = lambda self, ptrs, value, mask, *rest: store(self, ptrs, value, as_bool(mask), *rest)
 
 
+def serve_beside(args: list, out: str, exports, meanwhile) -> tuple:
+    """This script run with `args` (its OUT.json `out` among them) in a process of its own, which imports vLLM while
+    `exports()` trains the drafters in the caller's -> ({kind: export directory}, `meanwhile(those)`, the script's
+    JSON): the directories reach it on its stdin, and `meanwhile` runs while it serves them."""
+    import subprocess
+
+    with subprocess.Popen([sys.executable, os.path.abspath(__file__), *args], stdin=subprocess.PIPE,
+                          text=True) as server:
+        try:
+            paths = exports()
+        except BaseException:
+            server.kill()
+            raise
+        server.stdin.write("\n".join(paths.values()))
+        server.stdin.close()
+        result = meanwhile(paths)
+    assert server.returncode == 0, "tests/vllm_v2_on_cpu.py failed (its output is above)"
+    with open(out) as f:
+        return paths, result, json.load(f)
+
+
 def serve_one_after_another(target: str, prompts, export: str, prefix_caching: bool, kv_block: int, new_tokens: int):
     """vLLM (the engine `--engine vllm` builds, `enable_prefix_caching` as given, KV blocks of `kv_block` tokens)
     serving the export, one prompt a `generate` call so that each later prompt can hit what the earlier ones left in
