@@ -167,3 +167,20 @@ def test_a_json_array_cut_off_mid_record_yields_every_complete_record_across_chu
         assert list(json_array_records(str(torn), chunk_chars=chunk)) == records[:39]
     (tmp_path / "whole.json").write_text(whole)
     assert list(json_array_records(str(tmp_path / "whole.json"), chunk_chars=16)) == records
+
+
+def test_the_one_command_regenerates_and_extracts_with_vllm_where_it_is_installed(monkeypatch):
+    from dflash_fast.errors import UserError
+    from dflash_fast.evaluate import real_target
+
+    installed = {"vllm": True}
+    monkeypatch.setattr(real_target.importlib.util, "find_spec",
+                        lambda name: object() if installed.get(name) else None)
+    assert real_target.stage_engine("auto") == "vllm"
+    assert real_target.stage_engine("hf") == "hf"
+    installed["vllm"] = False
+    assert real_target.stage_engine("auto") == "hf"
+    assert real_target.stage_engine("vllm") == "vllm"  # asked for: regenerate / extract say how to install it
+    with pytest.raises(UserError, match="--engine 'sglang'"):
+        real_target.stage_engine("sglang")
+    assert real_target.REGENERATE_BATCH["vllm"] > real_target.REGENERATE_BATCH["hf"]
