@@ -88,14 +88,14 @@ def free_port() -> int:
 
 
 def served(bin_dir: str, target_gguf: str, draft_gguf, rows: List[Dict], max_new_tokens: int, n_max: int,
-           threads: int) -> List[Dict]:
+           threads: int, spec_type: str = "draft-dflash") -> List[Dict]:
     """llama-server (one slot, `threads` for the target and the drafter): each prompt's ids completed at temperature
     0 after one warm-up request; its text, tokens and timings."""
     port = free_port()
     argv = [os.path.join(bin_dir, "llama-server"), "-m", target_gguf, "--host", "127.0.0.1", "--port", str(port),
             "-np", "1", "-c", "4096", "-t", str(threads), "-tb", str(threads), "--no-webui"]
     if draft_gguf:
-        argv += ["-md", draft_gguf, "--spec-type", "draft-dflash", "--spec-draft-n-max", str(n_max),
+        argv += ["-md", draft_gguf, "--spec-type", spec_type, "--spec-draft-n-max", str(n_max),
                  "-td", str(threads), "-tbd", str(threads)]
     log = open(os.path.join(OUT, f"llama-server-{'spec' if draft_gguf else 'alone'}-t{threads}.log"), "w")
     server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
@@ -134,7 +134,14 @@ def served(bin_dir: str, target_gguf: str, draft_gguf, rows: List[Dict], max_new
 
 
 def vllm_child(a) -> None:
-    """In vLLM's venv: the target alone, then with the export, each prompt alone; writes --vllm-out."""
+    """In vLLM's venv: the target alone, then with the export, each prompt alone; writes --vllm-out. --vllm-v2: both
+    with vLLM's V2 model runner (DFlash2, DSpark), switched on as tests/vllm_v2_on_cpu.py does."""
+    if a.vllm_v2:  # before vLLM is imported
+        sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+        from vllm_v2_on_cpu import masks_as_bool, name_a_triton_cpu_backend
+
+        name_a_triton_cpu_backend()
+        masks_as_bool()
     from transformers import AutoTokenizer, GenerationConfig
 
     from dflash_fast.evaluate.vllm import speculative_config
@@ -188,7 +195,7 @@ def step_profile(path: str) -> Dict:
     with open(path) as f:
         lines = [ln for ln in f if re.match(r"\d+\.\d+\.\d+\.\d+ ", ln)]
     events = [("accepted" if "draft tokens" in ln else "called", stamp(ln)) for ln in lines
-              if re.search(r"accepted \d+/\d+ draft tokens|called impl draft-dflash", ln)]
+              if re.search(r"accepted \d+/\d+ draft tokens|called impl draft-d(?:flash|spark)", ln)]
     draft = [b[1] - a[1] for a, b in zip(events, events[1:]) if a[0] == "accepted" and b[0] == "called"]
     verify = [b[1] - a[1] for a, b in zip(events, events[1:]) if a[0] == "called" and b[0] == "accepted"]
     return {"steps": sum(e == "accepted" for e, _ in events), "draft_ms": statistics.median(draft) * 1e3,
@@ -209,6 +216,9 @@ def main():
     p.add_argument("--ours", nargs="*", default=[])
     p.add_argument("--vllm-python", help="vLLM's venv python (skipped when absent)")
     p.add_argument("--out")
+    p.add_argument("--spec-type", default="draft-dflash",
+                   help="llama.cpp's speculative type: draft-dflash (DFlash, DFlash2), draft-dspark (DSpark)")
+    p.add_argument("--vllm-v2", action="store_true", help="vLLM's V2 model runner (DFlash2, DSpark drafters)")
     p.add_argument("--step-profile", metavar="LOG", help="only print step_profile(LOG) of a -v log and exit")
     p.add_argument("--vllm-in", help=argparse.SUPPRESS)
     p.add_argument("--vllm-out", help=argparse.SUPPRESS)
@@ -238,13 +248,15 @@ def main():
         r["llama_speculative_simple"] = {}
         for t in a.threads:
             r["llama_speculative_simple"][t] = with_drafter(bin_dir, a.target_gguf, a.draft_gguf, r["text"],
-                                                            a.max_new_tokens, block_size - 1, t)
+                                                            a.max_new_tokens, block_size - 1, t,
+                                                            spec_type=a.spec_type)
     times["llama-simple + llama-speculative-simple"] = time.time() - t0
     t0 = time.time()
     server = {}
     for t in a.threads:
         server[t] = {"alone": served(bin_dir, a.target_gguf, None, rows, a.max_new_tokens, block_size - 1, t),
-                     "spec": served(bin_dir, a.target_gguf, a.draft_gguf, rows, a.max_new_tokens, block_size - 1, t)}
+                     "spec": served(bin_dir, a.target_gguf, a.draft_gguf, rows, a.max_new_tokens, block_size - 1, t,
+                                    a.spec_type)}
     times["llama-server"] = time.time() - t0
     vllm = None
     if a.vllm_python:
@@ -257,8 +269,8 @@ def main():
             done = subprocess.run([a.vllm_python, os.path.abspath(__file__), "--target", a.target, "--export",
                                    a.export, "--target-gguf", "-", "--draft-gguf", "-", "--sharegpt", "-",
                                    "--humaneval", "-", "--out", OUT, "--max-new-tokens", str(a.max_new_tokens),
-                                   "--vllm-in", vin, "--vllm-out", vout], env=env, stdout=log,
-                                  stderr=subprocess.STDOUT)
+                                   "--vllm-in", vin, "--vllm-out", vout] + (["--vllm-v2"] if a.vllm_v2 else []),
+                                  env=env, stdout=log, stderr=subprocess.STDOUT)
         if done.returncode != 0:
             raise RuntimeError(f"the vLLM child exited {done.returncode}: {OUT}/vllm.log")
         with open(vout) as f:

@@ -1,23 +1,38 @@
-"""vLLM decode speed with and without a drafter, batch 1, T = 0, the same prompts, in one run (docs/real-target.md).
+"""vLLM decode speed with and without each drafter, batch 1, T = 0, the same prompts, in one run (docs/real-target.md).
 
-    python bench/real_target_vllm_speed.py --target OUT/target --export OUT/run/export \
+    python bench/real_target_vllm_speed.py --target OUT/target --export OUT/run/export [--export NAME=DIR ...] \
         --prompts OUT/prompts_sharegpt_eval.jsonl --max-new-tokens 64 --out bench/results/real_target/vllm_speed.json
+    python bench/real_target_vllm_speed.py --v2 ...   (DFlash2, DSpark, LiLiCorr exports: vLLM's V2 model runner)
 
-Each prompt alone (batch 1) through vLLM's target without a drafter, then through vLLM speculating with the export;
+Each prompt alone (batch 1) through vLLM's target without a drafter, then through vLLM speculating with each export;
 the tokens/s are new tokens over the wall-clock seconds of the generate calls (prefill included, engine start
-excluded), and the outputs must be the same tokens (T = 0). Needs vLLM (docs/vllm.md).
+excluded), and each drafter's outputs must be the target's tokens (T = 0). Needs vLLM (docs/vllm.md).
+--v2 serves the target alone and every export with vLLM's V2 model runner, switched on on the CPU as
+tests/vllm_v2_on_cpu.py does: its Triton kernels (input preparation, the speculator's, rejection sampling) then run
+in Triton's interpreter, on both sides of the ratio; the V1 runner (the default) has no such kernels.
 """
 import argparse
 import json
+import os
+import sys
 import time
 
-from transformers import AutoTokenizer, GenerationConfig
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+if "--v2" in sys.argv:  # before vLLM is imported (tests/vllm_v2_on_cpu.py says why)
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+    from vllm_v2_on_cpu import masks_as_bool, name_a_triton_cpu_backend
 
-from dflash_fast.evaluate.vllm import speculative_config
-from dflash_fast.serve.engines import config_from_export
-from dflash_fast.serve.export import read_export_config
-from dflash_fast.target.prompts import encode_prompt, eos_token_ids, read_prompts
-from dflash_fast.target.vllm import generate, load_engine
+    name_a_triton_cpu_backend()
+    masks_as_bool()
+
+from transformers import AutoTokenizer, GenerationConfig  # noqa: E402
+
+from dflash_fast.evaluate.vllm import speculative_config  # noqa: E402
+from dflash_fast.serve.engines import config_from_export  # noqa: E402
+from dflash_fast.serve.export import read_export_config  # noqa: E402
+from dflash_fast.target.prompts import encode_prompt, eos_token_ids, read_prompts  # noqa: E402
+from dflash_fast.target.vllm import generate, load_engine  # noqa: E402
 
 
 def timed(llm, encoded, max_new_tokens, eos):
@@ -33,31 +48,36 @@ def timed(llm, encoded, max_new_tokens, eos):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", required=True)
-    p.add_argument("--export", required=True)
+    p.add_argument("--export", action="append", required=True, help="DIR or NAME=DIR, repeated: one row each")
     p.add_argument("--prompts", required=True)
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--v2", action="store_true", help="vLLM's V2 model runner for every engine of the run")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(a.target)
     eos = eos_token_ids(GenerationConfig.from_pretrained(a.target), tokenizer)
     encoded = [encode_prompt(tokenizer, prompt) for prompt in read_prompts(a.prompts, a.num_prompts)]
-    rows = {}
     plain = load_engine(a.target, None, "fp32", 2048)
-    rows["target alone"] = timed(plain, encoded, a.max_new_tokens, eos)
+    base, base_s = timed(plain, encoded, a.max_new_tokens, eos)
     del plain
-    cfg = config_from_export(read_export_config(a.export))
-    spec = load_engine(a.target, speculative_config(a.export, cfg), "fp32", 2048)
-    rows["with the drafter"] = timed(spec, encoded, a.max_new_tokens, eos)
-    (base, base_s), (fast, fast_s) = rows["target alone"], rows["with the drafter"]
     report = {
         "prompts": len(encoded), "max_new_tokens": a.max_new_tokens, "batch": 1, "temperature": 0.0,
-        "target": a.target, "export": a.export, "same_tokens": base == fast,
-        "new_tokens": sum(map(len, base)),
-        "tokens_per_s_target_alone": sum(map(len, base)) / base_s,
-        "tokens_per_s_with_drafter": sum(map(len, fast)) / fast_s,
-        "speedup": base_s / fast_s * sum(map(len, fast)) / max(sum(map(len, base)), 1),
+        "target": a.target, "runner": "V2" if a.v2 else "V1", "new_tokens": sum(map(len, base)),
+        "tokens_per_s_target_alone": sum(map(len, base)) / base_s, "drafters": {},
     }
+    for spec in a.export:
+        name, export = spec.split("=", 1) if "=" in spec else (spec, spec)
+        cfg = config_from_export(read_export_config(export))
+        spec_engine = load_engine(a.target, speculative_config(export, cfg), "fp32", 2048)
+        fast, fast_s = timed(spec_engine, encoded, a.max_new_tokens, eos)
+        del spec_engine
+        report["drafters"][name] = {
+            "export": export, "same_tokens": base == fast,
+            "tokens_per_s_with_drafter": sum(map(len, fast)) / fast_s,
+            "speedup": base_s / fast_s * sum(map(len, fast)) / max(sum(map(len, base)), 1),
+        }
+        print(name, json.dumps(report["drafters"][name]), flush=True)
     with open(a.out, "w") as f:
         json.dump(report, f, indent=1)
     print(json.dumps(report, indent=1))
