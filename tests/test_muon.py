@@ -239,3 +239,23 @@ def test_muon_resume_from_a_checkpoint_equals_an_uninterrupted_run(tiny, tmp_pat
     assert losses(parts) == {s: v for s, v in losses(whole).items() if s > 3}
     a, b = exported(whole), exported(parts)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_muon_leaves_embeddings_to_adamw_as_deepspeed_does_and_trains_a_lilicorr_drafter(tiny, tmp_path):  # noqa: F811
+    """DeepSpeed's Muon gives AdamW every parameter named like an embedding (deepspeed/__init__.py's use_muon tagging),
+    5-D LiLiCorr slot and rank embeddings included: check_muon and the memory plan follow that rule (check_muon
+    refused the LiLiCorr drafter when it counted them as matrices)."""
+    cfg = load_config(TINY_YAML, settings(tiny, str(tmp_path / "run"), optimizer__kind="muon", optimizer__grad_clip=0,
+                                          model__lilicorr_candidate_topk=4, model__lilicorr_hidden_size=32,
+                                          model__lilicorr_num_heads=2, model__lilicorr_factor_dim=16,
+                                          deepspeed=ds_json(tmp_path, 1)))
+    distributed.quiet_deepspeed()
+    t = trainer.Trainer(cfg, *distributed.init_distributed())
+    groups = optimizer_groups(t.engine)
+    on_muon = {n for use_muon, _, names in groups if use_muon for n in names}
+    on_adamw = {n for use_muon, _, names in groups if use_muon is False for n in names}
+    assert {"lilicorr.slot_embedding", "lilicorr.rank_embedding"} <= on_adamw
+    assert any(n.startswith("lilicorr.") for n in on_muon) and "fc.weight" in on_muon
+    for name, p in t.engine.module.named_parameters():
+        if p.requires_grad:
+            assert (name in on_muon) == optim.takes_muon(name, p.shape), name

@@ -75,6 +75,7 @@ from dflash_fast.store.format import Layout, normalise_dtype
 from dflash_fast.store.fp8 import FP8, SCALE_FIELDS
 from dflash_fast.target.load import device_memory, weight_bytes
 from dflash_fast.train.config import TrainConfig
+from dflash_fast.train.optim import takes_muon
 
 GIB = 1 << 30
 ZERO_STAGES = (0, 1, 2, 3)
@@ -169,9 +170,9 @@ def training_states(cfg: DrafterConfig, setup: Setup) -> Dict[str, int]:
     states over the ranks, 2 the gradients too, 3 the weights too), and its frozen embedding and lm_head."""
     shapes = trainable_shapes(cfg)
     params = sum(math.prod(s) for s in shapes.values())
-    # Muon takes every tensor of two or more dimensions (DeepSpeed's use_muon, optim.check_muon): DFlash2's
-    # [2, taps, H] base kernels and [V, r] codebooks too.
-    matrices = sum(math.prod(s) for s in shapes.values() if len(s) >= 2)
+    # Muon takes every tensor of two or more dimensions but embeddings (DeepSpeed's use_muon, optim.takes_muon):
+    # DFlash2's [2, taps, H] base kernels and [V, r] codebooks too, not LiLiCorr's slot and rank embeddings.
+    matrices = sum(math.prod(s) for name, s in shapes.items() if takes_muon(name, s))
     e, w, stage = setup.dtype_bytes, setup.world_size, setup.zero_stage
     master = 4 * params if e < 4 else 0
     if setup.optimizer == "muon":

@@ -12,7 +12,7 @@
 import json
 import math
 import os
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -185,6 +185,17 @@ def _layer_shape(p: torch.nn.Parameter) -> Tuple[int, ...]:
     return tuple(getattr(p, "ds_shape", p.shape))
 
 
+# DeepSpeed's Muon leaves to the auxiliary AdamW every parameter whose name holds one of these (deepspeed/__init__.py,
+# the use_muon tagging): LiLiCorr's slot and rank embeddings, any embedding or lm_head.
+MUON_EXCLUDED_NAMES = ("embed", "lm_head")
+
+
+def takes_muon(name: str, shape: Sequence[int]) -> bool:
+    """Whether DeepSpeed's Muon orthogonalises this parameter: a matrix (two or more dimensions as a layer) whose
+    name is not an embedding's or lm_head's."""
+    return len(shape) >= 2 and not any(word in name.lower() for word in MUON_EXCLUDED_NAMES)
+
+
 def check_muon(engine) -> List[str]:
     """Refuse a DeepSpeed engine whose Muon would not orthogonalise every trainable matrix -> their names.
 
@@ -200,7 +211,7 @@ def check_muon(engine) -> List[str]:
     for name, p in engine.module.named_parameters():
         if not p.requires_grad:
             continue
-        is_matrix = len(_layer_shape(p)) >= 2
+        is_matrix = takes_muon(name, _layer_shape(p))
         if is_matrix:
             matrices.append(name)
         # ZeRO routes a parameter (and the flat partition of its group) by this tag.
