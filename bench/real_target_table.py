@@ -57,10 +57,11 @@ def evaluations(a) -> List[Dict]:
 def measure(a) -> None:
     if a.engine == "vllm" and a.v2:
         sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
-        from vllm_v2_on_cpu import masks_as_bool, name_a_triton_cpu_backend
+        from vllm_v2_on_cpu import log1p_in_the_interpreter, masks_as_bool, name_a_triton_cpu_backend
 
         name_a_triton_cpu_backend()  # before vLLM is imported (the script's docstring says why)
         masks_as_bool()
+        log1p_in_the_interpreter()  # T = 1 (its docstring)
     if a.engine == "vllm":
         from dflash_fast.evaluate.vllm import evaluate_vllm as run_one
     else:
@@ -112,8 +113,8 @@ def plot_curves(metrics: Dict[str, str], checkpoint_taus: Dict[str, str], path: 
                 label=family if name.endswith("/0") else None, ls="-" if name.endswith("/0") else "--")
     for spec, report in checkpoint_taus.items():
         name, step = spec.rsplit("@", 1)
-        path, _, entry = report.partition("#")  # REPORT.json, or DIR/ours.json#KEY: an entry of this script's
-        report = json.load(open(path))
+        file, _, entry = report.partition("#")  # REPORT.json, or DIR/ours.json#KEY: an entry of this script's
+        report = json.load(open(file))
         tau = tau_of(report[entry]["report"] if entry else report)["tau"]
         ax.scatter([int(step)], [tau], color=colours.get(name.split("/")[0], "k"),
                    marker="o", s=30, zorder=3)

@@ -51,6 +51,28 @@ def masks_as_bool() -> None:
     builder.create_masked_store = lambda self, ptrs, value, mask, *rest: store(self, ptrs, value, as_bool(mask), *rest)
 
 
+def log1p_in_the_interpreter() -> None:
+    """After name_a_triton_cpu_backend (this imports vLLM): vLLM's `_resample_kernel` (rejection_sampler_utils.py, at
+    T > 0 with a draft distribution q: DFlash2, DSpark, LiLiCorr) calls `libdevice.log1p`, which Triton's
+    interpreter does not implement (the stub returns None: "InterpreterError: AttributeError: 'NoneType' object has
+    no attribute 'dtype'"). This gives that module a libdevice whose log1p is log(1 + x), the same value up to fp32
+    rounding (for |x| < ~1e-7 log1p keeps digits that log(1 + x) rounds away). For the sampled benchmarks
+    (bench/real_target_table.py); the tests serve at T = 0 and never reach it."""
+    import types
+
+    import triton
+    from vllm.v1.worker.gpu.spec_decode import rejection_sampler_utils
+
+    global tl  # the interpreter runs a @triton.jit function only with triton.language among its module's globals
+    import triton.language as tl
+
+    @triton.jit
+    def log1p(x):
+        return tl.log(1.0 + x)
+
+    rejection_sampler_utils.tldevice = types.SimpleNamespace(log1p=log1p)
+
+
 def serve_beside(args: list, out: str, exports, meanwhile) -> tuple:
     """This script run with `args` (its OUT.json `out` among them) in a process of its own, which imports vLLM while
     `exports()` trains the drafters in the caller's -> ({kind: export directory}, `meanwhile(those)`, the script's
