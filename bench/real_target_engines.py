@@ -138,10 +138,9 @@ def vllm_child(a) -> None:
     with vLLM's V2 model runner (DFlash2, DSpark), switched on as tests/vllm_v2_on_cpu.py does."""
     if a.vllm_v2:  # before vLLM is imported
         sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
-        from vllm_v2_on_cpu import masks_as_bool, name_a_triton_cpu_backend
+        from vllm_v2_on_cpu import switch_on_v2_runner
 
-        name_a_triton_cpu_backend()
-        masks_as_bool()
+        switch_on_v2_runner()
     from transformers import AutoTokenizer, GenerationConfig
 
     from dflash_fast.evaluate.vllm import speculative_config

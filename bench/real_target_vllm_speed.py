@@ -21,10 +21,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 if "--v2" in sys.argv:  # before vLLM is imported (tests/vllm_v2_on_cpu.py says why)
     sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
-    from vllm_v2_on_cpu import masks_as_bool, name_a_triton_cpu_backend
+    from vllm_v2_on_cpu import switch_on_v2_runner
 
-    name_a_triton_cpu_backend()
-    masks_as_bool()
+    switch_on_v2_runner()
 
 from transformers import AutoTokenizer, GenerationConfig  # noqa: E402
 

@@ -26,7 +26,7 @@ import sys
 import tempfile
 
 import torch
-from vllm_v2_on_cpu import masks_as_bool, name_a_triton_cpu_backend
+from vllm_v2_on_cpu import switch_on_v2_runner
 
 
 def processed(module):
@@ -114,8 +114,7 @@ def run(case):
 
 
 def main(cases_path: str, out_path: str) -> None:
-    name_a_triton_cpu_backend()
-    masks_as_bool()
+    switch_on_v2_runner()
     from vllm.config import CompilationConfig, CompilationMode, VllmConfig, set_current_vllm_config
     from vllm.distributed import parallel_state
 

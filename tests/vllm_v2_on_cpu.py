@@ -51,6 +51,13 @@ def masks_as_bool() -> None:
     builder.create_masked_store = lambda self, ptrs, value, mask, *rest: store(self, ptrs, value, as_bool(mask), *rest)
 
 
+def switch_on_v2_runner() -> None:
+    """Before vLLM is imported: its V2 runner on this CPU, as this script's docstring says (the Triton backend's name,
+    the interpreter's masks), for this script and the bench scripts that serve V2 families."""
+    name_a_triton_cpu_backend()
+    masks_as_bool()
+
+
 def log1p_in_the_interpreter() -> None:
     """After name_a_triton_cpu_backend (this imports vLLM): vLLM's `_resample_kernel` (rejection_sampler_utils.py, at
     T > 0 with a draft distribution q: DFlash2, DSpark, LiLiCorr) calls `libdevice.log1p`, which Triton's
@@ -125,8 +132,7 @@ def serve_one_after_another(target: str, prompts, export: str, prefix_caching: b
 
 
 def one_after_another(out: str, target: str, prompts: str, kv_block: str, new_tokens: str) -> None:
-    name_a_triton_cpu_backend()
-    masks_as_bool()
+    switch_on_v2_runner()
     from dflash_fast.evaluate.vllm import v2_runner_available
 
     assert v2_runner_available(), "vLLM found no Triton backend: vllm.triton_utils was imported before this script"
@@ -139,8 +145,7 @@ def one_after_another(out: str, target: str, prompts: str, kv_block: str, new_to
 
 
 def main(out: str, target: str, prompts: str, num_prompts: str, new_tokens: str) -> None:
-    name_a_triton_cpu_backend()
-    masks_as_bool()
+    switch_on_v2_runner()
     from dflash_fast.evaluate.vllm import evaluate_vllm, v2_runner_available
 
     assert v2_runner_available(), "vLLM found no Triton backend: vllm.triton_utils was imported before this script"
