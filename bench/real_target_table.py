@@ -36,9 +36,14 @@ def key(run: str, benchmark: str, temperature: float) -> str:
     return f"{run}|{benchmark}|T={temperature:g}"
 
 
+def row_of(report: Dict) -> Dict:
+    """The one row of an `evaluate` / `evaluate_vllm` report: its benchmark's (--benchmark), or the report (--data)."""
+    return report["benchmarks"][0] if "benchmarks" in report else report
+
+
 def tau_of(report: Dict) -> Dict:
-    """The numbers a table row shows, from an `evaluate` / `evaluate_vllm` report (one benchmark, or --data)."""
-    row = report["benchmarks"][0] if "benchmarks" in report else report
+    """The numbers a table row shows, from a report of one benchmark or of --data."""
+    row = row_of(report)
     return {k: row.get(k) for k in ("tau", "tau_offline", "greedy_mismatches", "blocks", "new_tokens")}
 
 
@@ -57,10 +62,9 @@ def evaluations(a) -> List[Dict]:
 def measure(a) -> None:
     if a.engine == "vllm" and a.v2:
         sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
-        from vllm_v2_on_cpu import log1p_in_the_interpreter, masks_as_bool, name_a_triton_cpu_backend
+        from vllm_v2_on_cpu import log1p_in_the_interpreter, switch_on_v2_runner
 
-        name_a_triton_cpu_backend()  # before vLLM is imported (the script's docstring says why)
-        masks_as_bool()
+        switch_on_v2_runner()  # before vLLM is imported
         log1p_in_the_interpreter()  # T = 1 (its docstring)
     if a.engine == "vllm":
         from dflash_fast.evaluate.vllm import evaluate_vllm as run_one
@@ -129,8 +133,7 @@ def plot_curves(metrics: Dict[str, str], checkpoint_taus: Dict[str, str], path: 
 
 
 def per_prompt(entry: Dict) -> List[Dict]:
-    report = entry["report"]
-    return (report["benchmarks"][0] if "benchmarks" in report else report)["per_prompt"]
+    return row_of(entry["report"])["per_prompt"]
 
 
 def engines_compared(ours: List[Dict], vllm: List[Dict], temperature: float) -> str:
