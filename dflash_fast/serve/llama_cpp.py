@@ -35,7 +35,6 @@ from typing import Dict, List, Optional, Sequence
 from dflash_fast.serve.architecture import ARCHITECTURE, architecture
 from dflash_fast.serve.engines import mismatches
 from dflash_fast.serve.families import LAYOUTS, OFF
-from dflash_fast.serve.families.dflash2 import DFLASH2_OFF
 from dflash_fast.serve.layouts import ExportError
 
 LLAMA_CPP_PYTHON = "0.3.36"  # the llama-cpp-python sdist whose vendor/llama.cpp is built and read
@@ -201,27 +200,6 @@ def gguf_architecture(fields: Dict) -> Dict:
     }
 
 
-def dflash2_problems(fields: Dict, tensors) -> List[str]:
-    """What llama.cpp refuses or aborts on in a DFlash2 GGUF, by field (src/models/dflash.cpp load_arch_tensors,
-    common/speculative.cpp draft: selector_top_k > 0 walks a lattice that only selector_hidden.weight builds)."""
-    built = {key: int(fields.get(f"dflash.{key}", 0)) for key in DFLASH2_OFF}
-    top_k, width = fields.get("dflash.selector_top_k", 0), fields.get("dflash.embedding_length", 0)
-    if "selector_hidden.weight" not in tensors:
-        return [] if not top_k else [
-            f"selector_top_k: the GGUF sets dflash.selector_top_k={top_k} without selector_hidden.weight: "
-            f"common/speculative.cpp walks a lattice src/models/dflash.cpp never builds ('DFlash2 selector "
-            f"produced no lattice')"]
-    lines = [f"{key}: dflash.{key}={value}; src/models/dflash.cpp refuses a DFlash2 GGUF without it ('DFlash2 model "
-             f"is missing conv/selector metadata')" for key, value in built.items() if value <= 0]
-    if top_k * (top_k + 1) > width:
-        fits = max((k for k in range(1, width + 1) if k * (k + 1) <= width), default=0)
-        lines.append(f"selector_top_k: {top_k}; llama.cpp packs each slot's K candidates and K x K scores into one "
-                     f"hidden-wide row, K (K + 1) = {top_k * (top_k + 1)} > hidden_size {width} ('DFlash2 hidden "
-                     f"size is too small for the selector lattice', src/models/dflash.cpp): train "
-                     f"model.selector_top_k <= {fits}")
-    return lines
-
-
 # Our tensor names -> the converter's (gguf-py tensor_mapping.py, MODEL_ARCH.DFLASH); per layer under blk.{i}.
 GGUF_NAMES = {"fc.weight": "fc.weight", "hidden_norm.weight": "enc.output_norm.weight",
               "norm.weight": "output_norm.weight"}
@@ -304,7 +282,7 @@ def gguf_problems(fields: Dict, trained: Dict, target_arch: str, target_num_laye
                    rope_parameters={k: _f32(v) if isinstance(v, float) else v
                                     for k, v in trained["rope_parameters"].items()})
     return (mismatches(trained, {"llama.cpp": served})
-            + dflash2_problems(fields, set(fields["__tensors__"]))
+            + [line for layout in LAYOUTS.values() for line in layout.gguf_problems(fields)]
             + target_tap_problems(served["layer_ids"], target_arch, target_num_layers))
 
 

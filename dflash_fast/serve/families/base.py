@@ -11,7 +11,7 @@ do not already give, and its lines of the model card. FamilyLayout itself is DFl
     layouts (serve/layouts.py)    `speculators_fields`, `zlab_fields`, the architecture names and `schema`
     engines (serve/engines.py)    `engines`, `refusals`
     model_card, evaluate/vllm.py  `title`, `card_row`, `vllm_method`, `vllm_v2`, `vllm_loaded`
-    serve/llama_cpp.py            `gguf_tensors`, `gguf_read`
+    serve/llama_cpp.py            `gguf_tensors`, `gguf_read`, `gguf_problems`
 """
 from typing import Dict, List, Optional, Tuple
 
@@ -70,6 +70,11 @@ class FamilyLayout:
         names under "__tensors__" and their GGUF shapes, fastest dimension first, under "__shapes__"); what it
         leaves out is `off` (serve/llama_cpp.py gguf_architecture)."""
         return {}
+
+    def gguf_problems(self, fields: Dict) -> List[str]:  # noqa: ARG002 (a hook)
+        """What llama.cpp refuses or aborts on in a DFlash GGUF (`fields` as for `gguf_read`) for this family's
+        part, by field: what its reading alone cannot show (serve/llama_cpp.py gguf_problems)."""
+        return []
 
     def vllm_loaded(self, hf) -> Dict:  # noqa: ARG002 (a hook)
         """Its ARCHITECTURE terms as the config vLLM itself loaded (`hf`) holds them (evaluate/vllm.py)."""

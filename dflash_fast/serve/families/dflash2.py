@@ -126,6 +126,26 @@ class DFlash2(FamilyLayout):
             return {}
         return {key: int(fields.get(f"dflash.{key}", 0)) for key in DFLASH2_FIELDS}
 
+    def gguf_problems(self, fields: Dict) -> List[str]:
+        """src/models/dflash.cpp load_arch_tensors, common/speculative.cpp draft: selector_top_k > 0 walks a lattice
+        that only selector_hidden.weight builds, which then needs every field > 0 and K (K + 1) <= the width."""
+        top_k, width = fields.get("dflash.selector_top_k", 0), fields.get("dflash.embedding_length", 0)
+        if "selector_hidden.weight" not in fields["__tensors__"]:
+            return [] if not top_k else [
+                f"selector_top_k: the GGUF sets dflash.selector_top_k={top_k} without selector_hidden.weight: "
+                f"common/speculative.cpp walks a lattice src/models/dflash.cpp never builds ('DFlash2 selector "
+                f"produced no lattice')"]
+        built = {key: int(fields.get(f"dflash.{key}", 0)) for key in DFLASH2_FIELDS}
+        lines = [f"{key}: dflash.{key}={value}; src/models/dflash.cpp refuses a DFlash2 GGUF without it ('DFlash2 "
+                 f"model is missing conv/selector metadata')" for key, value in built.items() if value <= 0]
+        if top_k * (top_k + 1) > width:
+            fits = max((k for k in range(1, width + 1) if k * (k + 1) <= width), default=0)
+            lines.append(f"selector_top_k: {top_k}; llama.cpp packs each slot's K candidates and K x K scores into "
+                         f"one hidden-wide row, K (K + 1) = {top_k * (top_k + 1)} > hidden_size {width} ('DFlash2 "
+                         f"hidden size is too small for the selector lattice', src/models/dflash.cpp): train "
+                         f"model.selector_top_k <= {fits}")
+        return lines
+
     def vllm_loaded(self, hf) -> Dict:
         """DFlash2DraftModel (qwen3_dflash2.py): int(dflash_config[key]) for each field."""
         return {key: int(hf.dflash_config[key]) for key in DFLASH2_FIELDS}
