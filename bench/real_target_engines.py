@@ -215,8 +215,8 @@ def main():
     p.add_argument("--ours", nargs="*", default=[])
     p.add_argument("--vllm-python", help="vLLM's venv python (skipped when absent)")
     p.add_argument("--out")
-    p.add_argument("--spec-type", default="draft-dflash",
-                   help="llama.cpp's speculative type: draft-dflash (DFlash, DFlash2), draft-dspark (DSpark)")
+    p.add_argument("--spec-type", help="llama.cpp's speculative type (default: the drafter GGUF's, "
+                   "serve.llama_cpp.draft_settings: draft-dspark for DSpark, else draft-dflash)")
     p.add_argument("--vllm-v2", action="store_true", help="vLLM's V2 model runner (DFlash2, DSpark drafters)")
     p.add_argument("--step-profile", metavar="LOG", help="only print step_profile(LOG) of a -v log and exit")
     p.add_argument("--vllm-in", help=argparse.SUPPRESS)
@@ -234,11 +234,14 @@ def main():
     OUT = a.out
     os.makedirs(OUT, exist_ok=True)
     from dflash_fast.evaluate.llama_cpp import target_alone, with_drafter
-    from dflash_fast.serve.llama_cpp import build_tools, read_gguf_fields
+    from dflash_fast.serve.llama_cpp import build_tools, draft_settings, read_gguf_fields
 
     started = time.time()
     bin_dir = build_tools(("llama-simple", "llama-speculative-simple", "llama-server"))
-    block_size = int(read_gguf_fields(a.draft_gguf).get("dflash.block_size", 16))
+    fields = read_gguf_fields(a.draft_gguf)
+    block_size = int(fields.get("dflash.block_size", 16))
+    spec_type, n_max = draft_settings(fields)  # the drafts a block holds: B with DSpark's anchor, else B - 1
+    spec_type = a.spec_type or spec_type
     rows = prompts(a.target, a.sharegpt, a.humaneval, a.num_prompts)
     times = {}
     t0 = time.time()
@@ -247,15 +250,14 @@ def main():
         r["llama_speculative_simple"] = {}
         for t in a.threads:
             r["llama_speculative_simple"][t] = with_drafter(bin_dir, a.target_gguf, a.draft_gguf, r["text"],
-                                                            a.max_new_tokens, block_size - 1, t,
-                                                            spec_type=a.spec_type)
+                                                            a.max_new_tokens, n_max, t, spec_type=spec_type)
     times["llama-simple + llama-speculative-simple"] = time.time() - t0
     t0 = time.time()
     server = {}
     for t in a.threads:
-        server[t] = {"alone": served(bin_dir, a.target_gguf, None, rows, a.max_new_tokens, block_size - 1, t),
-                     "spec": served(bin_dir, a.target_gguf, a.draft_gguf, rows, a.max_new_tokens, block_size - 1, t,
-                                    a.spec_type)}
+        server[t] = {"alone": served(bin_dir, a.target_gguf, None, rows, a.max_new_tokens, n_max, t),
+                     "spec": served(bin_dir, a.target_gguf, a.draft_gguf, rows, a.max_new_tokens, n_max, t,
+                                    spec_type)}
     times["llama-server"] = time.time() - t0
     vllm = None
     if a.vllm_python:
@@ -278,6 +280,7 @@ def main():
         times["vLLM (child process, both engines' start included)"] = time.time() - t0
     mine = ours(a.ours, a.target) if a.ours else None
     report = summarize(a, rows, server, vllm, mine, block_size)
+    report.update(spec_type=spec_type, spec_draft_n_max=n_max)
     report["seconds"] = dict(times, total=time.time() - started)
     with open(os.path.join(OUT, "report.json"), "w") as f:
         json.dump(report, f, indent=1)

@@ -221,7 +221,7 @@ def test_tau_after_first_step_leaves_out_each_prompts_first_step_and_the_spec_ty
 
     monkeypatch.setattr(runner, "target_alone", lambda *_: {"text": "x", "tokens_per_s": 2.0})
     monkeypatch.setattr(runner, "with_drafter", with_drafter)
-    report = runner.evaluate_llama_cpp("bin", "t", "d", ["a", "b"], 8, 4, spec_type="draft-dspark", n_max=4)
+    report = runner.evaluate_llama_cpp("bin", "t", "d", ["a", "b"], 8, spec_type="draft-dspark", n_max=4)
     assert report["tau"] == (1 + 4 + 4 + 2 + 3) / 5 and report["tau_after_first_step"] == (4 + 4 + 3) / 3
     assert calls == [("draft-dspark", 4)] * 2 and report["greedy_mismatches"] == 0
 
@@ -277,7 +277,7 @@ def served_beside_ours(served, **spec) -> tuple:
     prompts = [tokenizer.decode(encode_prompt(tokenizer, p)) for p in read_prompts(PROMPTS, NUM_PROMPTS)]
     ours = evaluate(TARGET, PROMPTS, drafter, max_new_tokens=NEW_TOKENS, num_prompts=NUM_PROMPTS, offline=False,
                     progress=False)
-    served_report = evaluate_llama_cpp(bin_dir, target, draft, prompts, NEW_TOKENS, B, **spec)
+    served_report = evaluate_llama_cpp(bin_dir, target, draft, prompts, NEW_TOKENS, **spec)
     print(json.dumps({"tau_ours": ours["tau"], "tau_llama_cpp": served_report["tau"],
                       "tau_llama_cpp_after_first_step": served_report["tau_after_first_step"],
                       "tokens_per_s_target": served_report["tokens_per_s_target"],
@@ -294,7 +294,9 @@ def served_beside_ours(served, **spec) -> tuple:
 
 def test_llama_cpp_serves_our_export_with_the_targets_greedy_output_and_our_acceptance(served):
     draft = served[2]
-    assert llama_cpp.read_gguf_fields(draft)["dflash.target_layers"] == [i + 1 for i in LAYER_IDS]
+    fields = llama_cpp.read_gguf_fields(draft)
+    assert fields["dflash.target_layers"] == [i + 1 for i in LAYER_IDS]
+    assert llama_cpp.draft_settings(fields) == ("draft-dflash", B - 1)
     ours, served_report = served_beside_ours(served)
     assert ours["tau"] > 1.5  # the drafter accepts: the comparison is not of two idle drafters
     assert abs(served_report["tau"] - ours["tau"]) <= TAU_TOLERANCE, (served_report["tau"], ours["tau"])
@@ -317,6 +319,7 @@ def served_dflash2(target_gguf):
 def test_llama_cpp_serves_our_dflash2_export_with_the_targets_greedy_output_and_our_acceptance(served_dflash2):
     fields = llama_cpp.read_gguf_fields(served_dflash2[2])
     assert fields["dflash.selector_top_k"] == 8 and "selector_hidden.weight" in fields["__tensors__"]
+    assert llama_cpp.draft_settings(fields) == ("draft-dflash", B - 1)  # the selector switches itself on
     ours, served_report = served_beside_ours(served_dflash2)
     assert ours["tau"] > 2.5  # the selector's walk accepts most of each block: not two idle drafters
     assert abs(served_report["tau_after_first_step"] - ours["tau"]) <= DFLASH2_TAU_TOLERANCE, (
@@ -339,8 +342,11 @@ def served_dspark(target_gguf):
 def test_llama_cpp_serves_our_dspark_export_with_the_targets_greedy_output_and_our_acceptance(served_dspark):
     fields = llama_cpp.read_gguf_fields(served_dspark[2])
     assert "markov_w1.weight" in fields["__tensors__"] and fields["dflash.sample_from_anchor"] is True
-    # drafting from the anchor, llama.cpp drafts B tokens a step (common/speculative.cpp n_draft_max)
-    ours, served_report = served_beside_ours(served_dspark, spec_type="draft-dspark", n_max=B)
+    # drafting from the anchor, llama.cpp drafts B tokens a step (common/speculative.cpp n_draft_max): the settings
+    # evaluate_llama_cpp reads from the GGUF when not given
+    assert llama_cpp.draft_settings(fields) == ("draft-dspark", B)
+    assert llama_cpp.draft_settings(dict(fields, **{"dflash.sample_from_anchor": False})) == ("draft-dspark", B - 1)
+    ours, served_report = served_beside_ours(served_dspark)
     assert ours["tau"] > 2.5
     assert abs(served_report["tau_after_first_step"] - ours["tau"]) <= DSPARK_TAU_TOLERANCE, (
         served_report["tau_after_first_step"], ours["tau"])

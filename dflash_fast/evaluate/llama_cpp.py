@@ -18,6 +18,7 @@ import subprocess
 from typing import Dict, List, Optional, Sequence
 
 from dflash_fast.evaluate.report import mean_acceptance
+from dflash_fast.serve.llama_cpp import draft_settings, read_gguf_fields
 
 ACCEPTED = re.compile(r"accepted (\d+)/(\d+) draft tokens")
 DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s")
@@ -92,20 +93,23 @@ def with_drafter(bin_dir: str, target_gguf: str, draft_gguf: str, prompt: str, m
 
 
 def evaluate_llama_cpp(bin_dir: str, target_gguf: str, draft_gguf: str, prompts: Sequence[str], max_new_tokens: int,
-                       block_size: int, threads: int = 2, spec_type: str = "draft-dflash",
+                       threads: int = 2, spec_type: Optional[str] = None,
                        n_max: Optional[int] = None) -> Dict:
-    """Each rendered prompt decoded by llama.cpp alone and with the drafter (`spec_type`: draft-dflash, or
-    draft-dspark for a GGUF with a Markov head; draft n_max = block_size - 1 unless given, with the
+    """Each rendered prompt decoded by llama.cpp alone and with the drafter (`spec_type` and the draft count `n_max`
+    unless given: the drafter GGUF's own, serve.llama_cpp.draft_settings; with the
     debug log that holds each step's acceptance: its tokens/s include formatting that log, a run without it loses
     its speed line too often to time it, LOG_ATTEMPTS): per prompt the texts and whether they are the same, and over
     all prompts tau (mean n + 1 over every verification step), tau_after_first_step (the same without each prompt's
     first step, the block anchored at the prompt's last token that ours does not draft: the module's docstring)
     and decode tokens/s of each."""
+    if spec_type is None or n_max is None:
+        settings = draft_settings(read_gguf_fields(draft_gguf))
+        spec_type, n_max = spec_type or settings[0], settings[1] if n_max is None else n_max
     rows: List[Dict] = []
     for i, prompt in enumerate(prompts):
         alone = target_alone(bin_dir, target_gguf, prompt, max_new_tokens)
-        spec = with_drafter(bin_dir, target_gguf, draft_gguf, prompt, max_new_tokens,
-                            block_size - 1 if n_max is None else n_max, threads, spec_type=spec_type)
+        spec = with_drafter(bin_dir, target_gguf, draft_gguf, prompt, max_new_tokens, n_max, threads,
+                            spec_type=spec_type)
         rows.append({"prompt": i, "text_target": alone["text"], "text_speculative": spec["text"],
                      "same_output": _same(alone["text"], spec["text"]), "accepted": spec["accepted"],
                      "tau": spec["tau"], "target": alone, "speculative": spec})

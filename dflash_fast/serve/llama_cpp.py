@@ -30,7 +30,7 @@ import struct
 import subprocess
 import sys
 import tempfile
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from dflash_fast.serve.architecture import ARCHITECTURE, architecture
 from dflash_fast.serve.engines import mismatches
@@ -198,6 +198,17 @@ def gguf_architecture(fields: Dict) -> Dict:
         **OFF,  # what src/models/dflash.cpp builds of no family (no LiLiCorr lattice): each family's `off`
         **{k: v for layout in LAYOUTS.values() for k, v in layout.gguf_read(fields).items()},
     }
+
+
+def draft_settings(fields: Dict) -> Tuple[str, int]:
+    """(--spec-type, --spec-draft-n-max) that serve a drafter GGUF as it was trained: draft-dspark for a Markov head,
+    else draft-dflash (DFlash2 too: its selector switches itself on); every slot the block drafts, which is
+    llama.cpp's own cap (common/speculative.cpp:1016): block_size with DSpark's sample_from_anchor (the block is
+    [id_last, mask * (B - 1)] and all B slots are drafts), else block_size - 1."""
+    arch = gguf_architecture(fields)
+    dspark = arch["markov_rank"] > 0
+    n_max = arch["block_size"] if dspark and arch["sample_from_anchor"] else arch["block_size"] - 1
+    return ("draft-dspark" if dspark else "draft-dflash"), n_max
 
 
 # Our tensor names -> the converter's (gguf-py tensor_mapping.py, MODEL_ARCH.DFLASH); per layer under blk.{i}.
