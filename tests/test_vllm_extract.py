@@ -23,7 +23,7 @@ from dflash_fast import cli
 from dflash_fast.errors import UserError
 from dflash_fast.evaluate.quickstart import TARGET
 from dflash_fast.extract.extract import extract
-from dflash_fast.extract.vllm_runner import aux_layer_ids, engine_max_model_len
+from dflash_fast.extract.vllm_runner import SCRATCH_PREFIX, aux_layer_ids, engine_max_model_len, scratch_dir
 from dflash_fast.store.fp8 import dequantize_fp8
 from dflash_fast.store.reader import HiddenStateStore
 from dflash_fast.target.load import load_head, load_target
@@ -59,6 +59,22 @@ def test_vllm_is_never_asked_for_more_positions_than_the_target_has():
         assert str(e.value).startswith("--max-seq-len 2048 is too long for --engine vllm on this target: a document "
                                        "of 2048 tokens plus the one token vLLM generates needs 2049 positions and "
                                        "the target has 2048 (max_position_embeddings); pass --max-seq-len 2047")
+
+
+def test_a_scratch_directory_left_by_a_dead_process_is_removed_and_a_live_ones_kept(tmp_path):
+    """vLLM's captures go to a scratch directory named after its process; a process that died without its exit
+    handlers left one behind in /dev/shm: the next runner removes it, never a running process's."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = tmp_path / f"{SCRATCH_PREFIX}{gone.pid}-abc"
+    live = tmp_path / f"{SCRATCH_PREFIX}{os.getppid()}-def"
+    other = tmp_path / "dflash-vllm-notapid"
+    for d in (dead, live, other):
+        d.mkdir()
+        (d / "capture.safetensors").write_bytes(b"x")
+    new = scratch_dir(str(tmp_path))
+    assert os.path.basename(new).startswith(f"{SCRATCH_PREFIX}{os.getpid()}-") and os.path.isdir(new)
+    assert not dead.exists() and live.exists() and other.exists()
 
 
 def test_the_head_alone_is_the_loaded_targets_final_norm_and_lm_head():

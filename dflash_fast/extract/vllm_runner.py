@@ -115,6 +115,32 @@ def engine_max_model_len(examples: Sequence[Example], max_seq_len: int, text_con
     return longest + 1
 
 
+SCRATCH_PREFIX = "dflash-vllm-"  # + the owning process's pid + "-" + mkdtemp's suffix
+
+
+def scratch_dir(root: str = None) -> str:
+    """A new directory for vLLM's captured hidden states (in /dev/shm where there is one), named after this process,
+    after removing the ones whose process is gone: the runner removes its own when it is collected or the process
+    exits (weakref.finalize), but a process that ends without running its exit handlers (os._exit, a kill) cannot,
+    and one such directory was found left behind."""
+    root = root or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+    for name in os.listdir(root):
+        pid = name[len(SCRATCH_PREFIX):].split("-")[0]
+        if name.startswith(SCRATCH_PREFIX) and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-", dir=root)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 class VllmRunner(TargetRunner):
     """TargetRunner whose forward is vLLM's: hidden and `last` from the engine's capture, logits from
     lm_head(final_norm(last)); the parity check compares those logits with vLLM's prompt logprobs."""
@@ -125,7 +151,7 @@ class VllmRunner(TargetRunner):
                             "and spread a large target with --tensor-parallel-size")
         max_model_len = engine_max_model_len(job.examples, job.options.max_seq_len, job.config.get_text_config())
         self.load_head(job)
-        self.scratch = tempfile.mkdtemp(prefix="dflash-vllm-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        self.scratch = scratch_dir()
         weakref.finalize(self, shutil.rmtree, self.scratch, ignore_errors=True)
         self.llm = load_engine(job.target, self.aux_ids, self.scratch, job.compute_dtype, max_model_len,
                                job.options.tensor_parallel_size, job.options.trust_remote_code)
