@@ -5,8 +5,9 @@
     python bench/real_target_vllm_speed.py --v2 ...   (DFlash2, DSpark, LiLiCorr exports: vLLM's V2 model runner)
 
 Each prompt alone (batch 1) through vLLM's target without a drafter, then through vLLM speculating with each export;
-the tokens/s are new tokens over the wall-clock seconds of the generate calls (prefill included, engine start
-excluded), and each drafter's outputs must be the target's tokens (T = 0). Needs vLLM (docs/vllm.md).
+the tokens/s are new tokens over the wall-clock seconds of the generate calls (prefill included; engine start and a
+short warm-up request excluded), and each drafter's outputs must be the target's tokens (T = 0). Needs vLLM
+(docs/vllm.md).
 --v2 serves the target alone and every export with vLLM's V2 model runner, switched on on the CPU as
 tests/vllm_v2_on_cpu.py does: its Triton kernels (input preparation, the speculator's, rejection sampling) then run
 in Triton's interpreter, on both sides of the ratio; the V1 runner (the default) has no such kernels.
@@ -35,6 +36,9 @@ from dflash_fast.target.vllm import generate, load_engine  # noqa: E402
 
 
 def timed(llm, encoded, max_new_tokens, eos):
+    """Each prompt alone through `llm` -> (its new tokens, the seconds of the generate calls). A short request first,
+    not counted: an engine's first request pays one-time costs (the first run of every decode and verify shape)."""
+    generate(llm, [encoded[0][:16]], 4, eos)
     tokens, seconds = [], 0.0
     for ids in encoded:
         t0 = time.perf_counter()
