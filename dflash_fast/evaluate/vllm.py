@@ -115,15 +115,7 @@ def evaluate_vllm(
         raise ValueError(f"--engine vllm serves an export directory; {drafter} has no config.json "
                          f"(run `dflash-fast export` on the checkpoint first)")
     cfg = config_from_export(read_export_config(drafter))
-    family = LAYOUTS[cfg.family]
-    needs_v2 = [what for what, yes in (("mixes sliding and full layers", len(set(cfg.layer_types)) > 1),
-                                       (f"is a {family.short} drafter", family.vllm_v2)) if yes]
-    if needs_v2 and not v2_runner_available():
-        raise UserError(
-            f"{drafter} {' and '.join(needs_v2)}: vLLM serves that only with its V2 model runner, which needs a "
-            f"Triton backend vLLM can use (a GPU); on a CPU use --engine hf (export.py's gate checks vLLM's reading "
-            f"of it)"
-        )
+    check_servable(drafter, cfg)
     vllm = import_vllm()
     suites = None if benchmark is None else load_suites(benchmark, benchmark_dir, num_prompts)
     prompts = read_prompts(data, num_prompts, split) if suites is None else []  # split: of a Hugging Face dataset
@@ -180,6 +172,65 @@ def evaluate_vllm(
                                       **sampling._asdict()))
     return report(tallies[0], baseline, **header, prompts=len(prompts), block_size=block_size,
                   layer_ids=list(cfg.layer_ids), max_new_tokens=max_new_tokens, **sampling._asdict())
+
+
+def serving_speed(target: str, exports: Dict[str, str], data: str, num_prompts: Optional[int] = None,
+                  max_new_tokens: int = 64, dtype: str = "fp32") -> Dict:
+    """vLLM's decode speed with and without each drafter (`exports`: {name: export directory}), batch 1, T = 0, the
+    same prompts: each prompt alone through the target without a drafter, then through vLLM speculating with each
+    export. tokens/s are new tokens over the wall-clock seconds of the generate calls (prefill included; the engine's
+    start and a short untimed first request excluded: an engine's first request pays one-time costs, which timed
+    3.7 tokens/s for a target that decodes 18.8 warmed on a 2-core CPU). Each drafter's tokens must be the target's
+    (`same_tokens`). A drafter only vLLM's V2 runner serves needs it switched on (a GPU; tests/vllm_v2_on_cpu.py on a
+    CPU) or is refused in one line, as by evaluate_vllm."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    check_target(target)
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    eos = eos_token_ids(GenerationConfig.from_pretrained(target), tokenizer)
+    encoded = [encode_prompt(tokenizer, prompt) for prompt in read_prompts(data, num_prompts)]
+    configs = {name: config_from_export(read_export_config(export)) for name, export in exports.items()}
+    for name, cfg in configs.items():
+        check_servable(exports[name], cfg)
+
+    def timed(speculative):
+        llm = load_engine(target, speculative, dtype, 2048)
+        generate(llm, [encoded[0][:16]], 4, eos)  # the untimed first request
+        tokens, seconds = [], 0.0
+        for ids in encoded:
+            t0 = time.perf_counter()
+            _, out = generate(llm, [ids], max_new_tokens, eos)
+            seconds += time.perf_counter() - t0
+            tokens.append(out[0])
+        del llm
+        return tokens, seconds
+
+    base, base_s = timed(None)
+    new = sum(map(len, base))
+    report = {"prompts": len(encoded), "max_new_tokens": max_new_tokens, "batch": 1, "temperature": 0.0,
+              "target": target, "engine": f"vllm {import_vllm().__version__}", "new_tokens": new,
+              "tokens_per_s_target_alone": new / base_s, "drafters": {}}
+    for name, export in exports.items():
+        fast, fast_s = timed(speculative_config(export, configs[name]))
+        report["drafters"][name] = {
+            "export": export, "same_tokens": base == fast,
+            "tokens_per_s_with_drafter": sum(map(len, fast)) / fast_s,
+            "speedup": base_s / fast_s * sum(map(len, fast)) / max(new, 1),
+        }
+    return report
+
+
+def check_servable(drafter: str, cfg: DrafterConfig) -> None:
+    """UserError, in one line, for an export only vLLM's V2 model runner serves where that runner cannot run."""
+    family = LAYOUTS[cfg.family]
+    needs_v2 = [what for what, yes in (("mixes sliding and full layers", len(set(cfg.layer_types)) > 1),
+                                       (f"is a {family.short} drafter", family.vllm_v2)) if yes]
+    if needs_v2 and not v2_runner_available():
+        raise UserError(
+            f"{drafter} {' and '.join(needs_v2)}: vLLM serves that only with its V2 model runner, which needs a "
+            f"Triton backend vLLM can use (a GPU); on a CPU use --engine hf (export.py's gate checks vLLM's reading "
+            f"of it)"
+        )
 
 
 def v2_runner_available() -> bool:
