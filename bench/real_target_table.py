@@ -29,6 +29,8 @@ from typing import Dict, List
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
+from dflash_fast.evaluate.benchmarks import first_row  # noqa: E402 (imports neither Triton nor vLLM: --v2 still can)
+
 TEMPERATURES = (0.0, 1.0)
 
 
@@ -36,14 +38,9 @@ def key(run: str, benchmark: str, temperature: float) -> str:
     return f"{run}|{benchmark}|T={temperature:g}"
 
 
-def row_of(report: Dict) -> Dict:
-    """The one row of an `evaluate` / `evaluate_vllm` report: its benchmark's (--benchmark), or the report (--data)."""
-    return report["benchmarks"][0] if "benchmarks" in report else report
-
-
 def tau_of(report: Dict) -> Dict:
     """The numbers a table row shows, from a report of one benchmark or of --data."""
-    row = row_of(report)
+    row = first_row(report)
     return {k: row.get(k) for k in ("tau", "tau_offline", "greedy_mismatches", "blocks", "new_tokens")}
 
 
@@ -133,7 +130,7 @@ def plot_curves(metrics: Dict[str, str], checkpoint_taus: Dict[str, str], path: 
 
 
 def per_prompt(entry: Dict) -> List[Dict]:
-    return row_of(entry["report"])["per_prompt"]
+    return first_row(entry["report"])["per_prompt"]
 
 
 def engines_compared(ours: List[Dict], vllm: List[Dict], temperature: float) -> str:

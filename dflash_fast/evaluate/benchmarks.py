@@ -254,6 +254,11 @@ def decode_suites(suites: List[Suite], block_size: int, encode: Callable[[Prompt
     return [decode_suite(suite, block_size, encode, decode, answer, max_new_tokens) for suite in suites]
 
 
+def first_row(report: Dict) -> Dict:
+    """The row of a report of one benchmark (benchmarks_report: its first row) or of --data (the report itself)."""
+    return report["benchmarks"][0] if "benchmarks" in report else report
+
+
 def benchmarks_report(suites: List[Suite], tallies: List[Tally], baseline: bool, max_new_tokens: Optional[int],
                       header: Dict) -> Dict:
     """Each suite's tally (decode_suites, any engine) as one report row (report.report, plus `benchmark`, `file`,

@@ -20,6 +20,7 @@ import time
 from typing import Dict, List
 
 from dflash_fast.errors import UserError
+from dflash_fast.evaluate.benchmarks import first_row
 from dflash_fast.evaluate.evaluate import evaluate
 from dflash_fast.evaluate.quickstart import REPO, train_command
 from dflash_fast.extract.extract import extract
@@ -174,7 +175,7 @@ def real_target(out: str = "out/smollm2", train_prompts: int = 160, eval_prompts
             clock.stage(f"eval {name}", run_eval)
         reports[name] = json.load(open(path))
     for name, r in reports.items():
-        r = r["benchmarks"][0] if "benchmarks" in r else r  # a --benchmark report: one row per benchmark
+        r = first_row(r)  # a --benchmark report: one row per benchmark
         print(f"{name}: real tau {r.get('tau', float('nan')):.3f}, tau_offline {r.get('tau_offline', float('nan')):.3f}"
               f" over {r.get('prompts')} prompts (T = 0)")
     speed = stage_speed(clock, out, target, export, eval_prompts, eval_max_new_tokens)
