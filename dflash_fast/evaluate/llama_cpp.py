@@ -103,8 +103,9 @@ def evaluate_llama_cpp(bin_dir: str, target_gguf: str, draft_gguf: str, prompts:
     first step, the block anchored at the prompt's last token that ours does not draft: the module's docstring)
     and decode tokens/s of each."""
     if spec_type is None or n_max is None:
-        settings = draft_settings(read_gguf_fields(draft_gguf))
-        spec_type, n_max = spec_type or settings[0], settings[1] if n_max is None else n_max
+        gguf_type, gguf_n_max = draft_settings(read_gguf_fields(draft_gguf))
+        spec_type = spec_type or gguf_type
+        n_max = gguf_n_max if n_max is None else n_max
     rows: List[Dict] = []
     for i, prompt in enumerate(prompts):
         alone = target_alone(bin_dir, target_gguf, prompt, max_new_tokens)
